@@ -1,0 +1,3 @@
+"""mf_rng: not implemented yet; this package is an importable shell until its issue lands."""
+
+__all__: list[str] = []

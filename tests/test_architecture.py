@@ -1,0 +1,115 @@
+"""The layering contract: each package imports only the mf packages it declares.
+
+Parses every member's pyproject.toml and scans the imports of its src/ with
+``ast``. Three rules hold forever:
+- every imported ``mf*`` package is a declared dependency (or the package itself);
+- another package is entered only through names in its ``__all__``;
+- the declared graph has no cycle, and mf-fsdp never depends on mf-tp.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = sorted((ROOT / "packages").iterdir())
+MF_MODULE = re.compile(r"^mf(_[a-z]+)?$")
+
+
+def _import_name(distribution: str) -> str:
+    return distribution.replace("-", "_")
+
+
+def _declared(pyproject: Path) -> set[str]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    names = {re.split(r"[<>=!~ ;\[]", dep, maxsplit=1)[0] for dep in project["dependencies"]}
+    return {_import_name(n) for n in names if MF_MODULE.match(_import_name(n))}
+
+
+def _imports(source_root: Path) -> list[tuple[Path, int, str, list[str] | None]]:
+    """(file, line, top-level mf module, imported names or None for `import x.y`)."""
+    found = []
+    for path in sorted(source_root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    if MF_MODULE.match(top):
+                        found.append((path, node.lineno, alias.name, None))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                top = node.module.split(".")[0]
+                if MF_MODULE.match(top):
+                    found.append((path, node.lineno, node.module, [a.name for a in node.names]))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {_import_name(p.name): _declared(p / "pyproject.toml") for p in PACKAGES}
+    graph["mf"] = _declared(ROOT / "pyproject.toml")
+    return graph
+
+
+def test_all_five_members_exist() -> None:
+    assert [p.name for p in PACKAGES] == ["mf-dtensor", "mf-fsdp", "mf-rng", "mf-tp", "mf-utils"]
+    for package in PACKAGES:
+        name = _import_name(package.name)
+        assert (package / "src" / name / "__init__.py").is_file()
+        assert (package / "README.md").is_file()
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_imports_are_declared_and_public(package: Path) -> None:
+    own = _import_name(package.name)
+    declared = _declared(package / "pyproject.toml")
+    problems = []
+    for path, line, module, names in _imports(package / "src"):
+        top = module.split(".")[0]
+        where = f"{path.relative_to(ROOT)}:{line}"
+        if top == own:
+            continue
+        if top not in declared:
+            problems.append(f"{where} imports {module} but {package.name} does not declare it")
+            continue
+        if module != top or names is None:
+            problems.append(f"{where} reaches into {module}: import names from {top} only")
+            continue
+        public = set(importlib.import_module(top).__all__)
+        hidden = sorted(set(names) - public)
+        if hidden:
+            problems.append(f"{where} imports {hidden} which are not in {top}.__all__")
+    assert not problems, "\n".join(problems)
+
+
+def test_graph_is_acyclic_and_fsdp_does_not_use_tp() -> None:
+    graph = _graph()
+    assert "mf_tp" not in graph["mf_fsdp"]
+    assert graph["mf_utils"] == set()
+    assert graph["mf"] == {"mf_utils", "mf_rng", "mf_tp", "mf_dtensor", "mf_fsdp"}
+    visiting: set[str] = set()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in done:
+            return
+        assert node not in visiting, f"import cycle: {' -> '.join([*path, node])}"
+        visiting.add(node)
+        for child in graph.get(node, ()):
+            visit(child, [*path, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+
+
+def test_every_member_exports_only_what_exists() -> None:
+    for package in PACKAGES:
+        module = importlib.import_module(_import_name(package.name))
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert not missing, f"{package.name}: __all__ names {missing} that do not exist"
