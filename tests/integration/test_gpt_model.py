@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mf.models import GPT, PRESETS, GPTConfig
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_count_formula(name: str) -> None:
+    config = PRESETS[name]
+    if config.num_parameters() > 30_000_000:
+        pytest.skip("building the 150m preset is too slow for a unit test")
+    model = GPT(config)
+    assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
+
+
+def test_tied_head_and_loss() -> None:
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    assert model.lm_head.weight is model.wte.weight
+    tokens = torch.randint(0, 256, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 256)
+    loss = model(tokens, tokens)
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
+
+
+def test_bad_config_and_input() -> None:
+    with pytest.raises(ValueError, match="d_model=10 must be divisible by n_heads=4"):
+        GPTConfig(d_model=10, n_heads=4)
+    with pytest.raises(ValueError, match="n_layers must be a positive int, got 0"):
+        GPTConfig(n_layers=0)
+    model = GPT(PRESETS["tiny"])
+    with pytest.raises(ValueError, match="tokens has 65 positions"):
+        model(torch.zeros(1, 65, dtype=torch.long))
