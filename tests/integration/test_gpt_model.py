@@ -6,11 +6,10 @@ import torch
 from mf.models import GPT, PRESETS, GPTConfig
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# The 150m preset is left out: building it takes seconds; the formula is the same code.
+@pytest.mark.parametrize("name", ["tiny", "small", "25m"])
 def test_parameter_count_formula(name: str) -> None:
     config = PRESETS[name]
-    if config.num_parameters() > 30_000_000:
-        pytest.skip("building the 150m preset is too slow for a unit test")
     model = GPT(config)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
 
