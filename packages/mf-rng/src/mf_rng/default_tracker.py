@@ -1,0 +1,134 @@
+"""The process-wide RNG tracker that layers and checkpointing share.
+
+Model code asks :func:`get_cuda_rng_tracker` for "the" tracker rather than
+threading one through every call, as in the reference. The first call (or
+:func:`initialize_rng_tracker`) decides its flavour: mf's pure-torch
+tracker, Transformer Engine's, and either of them as an inference no-op
+tracker. Later calls return the same object until ``force_reset``.
+
+Tests and nested programs swap the tracker with :func:`use_rng_tracker`
+instead of touching this module's globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from mf_rng.tracker import (
+    InferenceRNGStatesTracker,
+    RNGStatesTracker,
+    RNGTracker,
+    te_rng_tracker_class,
+)
+
+__all__ = [
+    "get_all_rng_states",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "initialize_rng_tracker",
+    "use_rng_tracker",
+]
+
+_tracker: RNGTracker | None = None
+
+
+def _ensure_tracker(
+    use_te_rng_tracker: bool,
+    inference_rng_tracker: bool,
+    use_cudagraphable_rng: bool,
+    force_reset: bool,
+) -> RNGTracker:
+    global _tracker
+    if force_reset:
+        _tracker = None
+    if _tracker is None:
+        if use_te_rng_tracker:
+            tracker_class = te_rng_tracker_class(bool(inference_rng_tracker))
+            _tracker = tracker_class(is_inference_rng_tracker=bool(inference_rng_tracker))
+        else:
+            tracker_class = InferenceRNGStatesTracker if inference_rng_tracker else RNGStatesTracker
+            _tracker = tracker_class(
+                use_cudagraphable_rng=use_cudagraphable_rng,
+                is_inference_rng_tracker=inference_rng_tracker,
+            )
+    return _tracker
+
+
+def initialize_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset: bool = False,
+) -> None:
+    """Create the process-wide tracker unless one exists (or ``force_reset`` asks to replace it).
+
+    Args:
+        use_te_rng_tracker: use Transformer Engine's tracker (graph-safe,
+            FP8-aware) instead of mf's; TE >= 1.5 must be installed.
+        inference_rng_tracker: make add/set_states/fork no-ops.
+        use_cudagraphable_rng: keep graph-safe states in mf's tracker (CUDA only;
+            TE's tracker is graph-safe anyway).
+        force_reset: drop the existing tracker and build a new one.
+
+    Raises:
+        RuntimeError: if TE is asked for but missing, or graph-safe states are
+            asked for on a device without them.
+    """
+    _ensure_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset)
+
+
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> RNGTracker:
+    """Return the process-wide tracker, creating it with these options on first use.
+
+    The options only matter when no tracker exists yet; see
+    :func:`initialize_rng_tracker`. The name is the reference's: the tracker
+    works on whatever device is in use, CPU included.
+    """
+    return _ensure_tracker(
+        use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=False
+    )
+
+
+get_rng_tracker = get_cuda_rng_tracker
+"""Device-neutral name of :func:`get_cuda_rng_tracker`."""
+
+
+def get_all_rng_states() -> dict[str, Any]:
+    """Return a snapshot of every named state of the process-wide tracker.
+
+    Raises:
+        RuntimeError: if no tracker was initialised yet.
+    """
+    if _tracker is None:
+        raise RuntimeError(
+            "get_all_rng_states: the RNG tracker is not initialized; call "
+            "initialize_rng_tracker() or model_parallel_cuda_manual_seed() first"
+        )
+    return _tracker.get_states()
+
+
+@contextlib.contextmanager
+def use_rng_tracker(tracker: RNGTracker | None = None) -> Iterator[RNGTracker | None]:
+    """Make ``tracker`` the process-wide tracker inside the block, then restore the previous one.
+
+    With ``None`` the block starts with no tracker, so the first
+    :func:`get_cuda_rng_tracker` or :func:`initialize_rng_tracker` inside it
+    builds a fresh one that is dropped on exit (test isolation).
+
+    Raises:
+        TypeError: if ``tracker`` does not provide the :class:`RNGTracker` methods.
+    """
+    global _tracker
+    if tracker is not None and not isinstance(tracker, RNGTracker):
+        raise TypeError(f"use_rng_tracker: expected an RNG tracker or None, got {tracker!r}")
+    previous, _tracker = _tracker, tracker
+    try:
+        yield tracker
+    finally:
+        _tracker = previous

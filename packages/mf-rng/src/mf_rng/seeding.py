@@ -1,0 +1,154 @@
+"""Seed the process-wide tracker for data, tensor and expert parallelism.
+
+The seed arithmetic is the reference's, so runs are reproducible against it:
+
+* the device's default generator and the data-parallel state get ``seed``
+  (equal on every rank: use it for anything that must match across ranks);
+* the model-parallel state gets ``seed + 2718 + tp_rank`` (distinct per
+  tensor-parallel rank: dropout on tensor-parallel shards);
+* the expert-parallel state gets ``seed + 1024 + 100 * ep_rank + etp_rank``.
+
+Ranks come from the caller, or from process groups registered with
+:func:`register_model_parallel_group` (mf-tp registers its groups there, so
+mf-rng never imports mf-tp), or are 0 when nothing is registered.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.distributed as dist
+
+from mf_rng.default_tracker import get_cuda_rng_tracker, initialize_rng_tracker
+from mf_rng.device_state import check_seed, seed_device
+from mf_rng.tracker import (
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+    get_model_parallel_rng_tracker_name,
+)
+
+__all__ = [
+    "ParallelAxis",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "register_model_parallel_group",
+    "registered_model_parallel_rank",
+]
+
+ParallelAxis = Literal["tp", "ep", "etp"]
+"""Which rank a registered group gives: tensor-, expert- or expert-tensor-parallel."""
+
+_AXES: tuple[str, ...] = ("tp", "ep", "etp")
+_TP_SEED_OFFSET = 2718
+_EXPERT_SEED_OFFSET = 1024
+_EXPERT_RANK_STRIDE = 100
+
+_groups: dict[str, dist.ProcessGroup] = {}
+
+
+def _check_axis(axis: str, where: str) -> None:
+    if axis not in _AXES:
+        raise ValueError(f"{where}: axis must be one of {_AXES}, got {axis!r}")
+
+
+def register_model_parallel_group(axis: ParallelAxis, group: dist.ProcessGroup | None) -> None:
+    """Make ``group``'s rank the default ``axis`` rank of :func:`model_parallel_cuda_manual_seed`.
+
+    ``None`` unregisters the axis (its rank defaults to 0 again). The rank is
+    read from the group at seeding time, not now.
+
+    Raises:
+        ValueError: if ``axis`` is not ``"tp"``, ``"ep"`` or ``"etp"``.
+        TypeError: if ``group`` is neither a ProcessGroup nor None.
+    """
+    _check_axis(axis, "register_model_parallel_group")
+    if group is None:
+        _groups.pop(axis, None)
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"register_model_parallel_group: group must be a ProcessGroup or None, got {group!r}"
+        )
+    _groups[axis] = group
+
+
+def registered_model_parallel_rank(axis: ParallelAxis) -> int:
+    """Return this process's rank in the group registered for ``axis``, or 0 if none is.
+
+    Raises:
+        ValueError: if ``axis`` is unknown.
+        RuntimeError: if this process is not a member of the registered group.
+    """
+    _check_axis(axis, "registered_model_parallel_rank")
+    group = _groups.get(axis)
+    if group is None:
+        return 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError(
+            f"registered_model_parallel_rank: this process (global rank {dist.get_rank()}) "
+            f"is not a member of the group registered for axis {axis!r}"
+        )
+    return rank
+
+
+def _resolve_rank(rank: int | None, axis: ParallelAxis) -> int:
+    if rank is None:
+        return registered_model_parallel_rank(axis)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{axis}_rank must be a non-negative int or None, got {rank!r}")
+    return rank
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    *,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+) -> None:
+    """Seed the device generator and the process-wide tracker for model parallelism.
+
+    Call it once after the parallel groups exist and before building the
+    model, with the same ``seed`` on every rank.
+
+    Args:
+        seed: the run's seed; the default generator of the tracker's device
+            and the data-parallel state get it unchanged.
+        te_rng_tracker: create TE's tracker if none exists yet.
+        inference_rng_tracker: create the no-op inference tracker if none exists yet.
+        use_cudagraphable_rng: create a graph-safe tracker if none exists yet.
+        tp_rank: tensor-parallel rank; default: the registered ``"tp"`` group's, else 0.
+        ep_rank: expert-parallel rank; default: the registered ``"ep"`` group's, else 0.
+        etp_rank: expert-tensor-parallel rank; default: the ``"etp"`` group's, else 0.
+        force_reset_rng: replace the existing tracker with a new one of the
+            requested flavour.
+
+    Raises:
+        TypeError, ValueError: for a seed that is not an int in torch's range,
+            or a rank that is not a non-negative int.
+        ValueError: if two derived seeds coincide (ranks beyond the reference's
+            ranges, e.g. ``etp_rank >= 100``).
+    """
+    check_seed(seed, "model_parallel_cuda_manual_seed")
+    tp_rank = _resolve_rank(tp_rank, "tp")
+    ep_rank = _resolve_rank(ep_rank, "ep")
+    etp_rank = _resolve_rank(etp_rank, "etp")
+    initialize_rng_tracker(
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+    )
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    seed_device(seed, tracker.device)
+    tracker.add(get_data_parallel_rng_tracker_name(), seed)
+    tracker.add(get_model_parallel_rng_tracker_name(), seed + _TP_SEED_OFFSET + tp_rank)
+    expert_seed = seed + _EXPERT_SEED_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
+    tracker.add(get_expert_parallel_rng_tracker_name(), expert_seed)
+
+
+model_parallel_manual_seed = model_parallel_cuda_manual_seed
+"""Device-neutral name of :func:`model_parallel_cuda_manual_seed`."""
