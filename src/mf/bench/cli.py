@@ -1,0 +1,175 @@
+"""``mf-bench``: mf's FSDP engine side by side with PyTorch FSDP2 and DDP.
+
+Each (engine, round) is a fresh group of processes started by torch's
+elastic launcher, so peak memory is that engine's alone; rounds rotate the
+engine order to spread machine noise over all engines. A single-process run
+of the same global batch gives the reference loss curve.
+
+Printed per model preset and engine: median step time and its ratio to
+FSDP2, peak memory per rank, model-state bytes per rank against
+16 * params / world (fp32 weights, grads and two Adam moments), collectives
+per step and bytes each rank sends against the ZeRO-3 minimum of
+3 * params * (world - 1) / world elements, and the largest loss difference
+to the single-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mf.bench.engines import ENGINES
+from mf.bench.worker import RunSpec, run
+from mf.models import PRESETS
+
+__all__ = ["main"]
+
+_MIB = 2**20
+
+
+def _launch(spec: RunSpec, world_size: int) -> dict[str, Any]:
+    """Run ``spec`` on ``world_size`` local processes and return rank 0's result."""
+    if spec.engine == "single":
+        from torch.multiprocessing import get_context
+
+        with get_context("spawn").Pool(1) as pool:
+            return pool.apply(run, (spec,))
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"mf-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, run)(spec)[0]
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="mf-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="25m", help="comma-separated model presets")
+    parser.add_argument("--engines", default="ddp,fsdp2,mf-zero3,mf-zero0")
+    parser.add_argument("--world", type=int, default=2, help="processes per run")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each engine")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--json", default=None, help="also write every run's results here")
+    args = parser.parse_args(argv)
+    for preset in args.presets.split(","):
+        if preset not in PRESETS:
+            parser.error(f"--presets: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    for engine in args.engines.split(","):
+        if engine not in ENGINES or engine == "single":
+            choices = sorted(set(ENGINES) - {"single"})
+            parser.error(f"--engines: unknown engine {engine!r}; choose from {choices}")
+    if args.world < 2:
+        parser.error(f"--world must be at least 2, got {args.world}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def _summarise(
+    preset: str, runs: dict[str, list[dict[str, Any]]], reference: list[float]
+) -> list[str]:
+    rows = []
+    fsdp2 = runs.get("fsdp2")
+    fsdp2_step = (
+        statistics.median(statistics.median(r["step_seconds"]) for r in fsdp2) if fsdp2 else None
+    )
+    header = (
+        f"{'engine':<10} {'step ms':>8} {'vs fsdp2':>8} {'peak MiB':>9} {'state MiB':>9} "
+        f"{'vs 16P/w':>8} {'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'max dloss':>10}"
+    )
+    rows.append(header)
+    for engine, results in runs.items():
+        first = results[0]
+        world, params = first["world_size"], first["num_params"]
+        step = statistics.median(statistics.median(r["step_seconds"]) for r in results)
+        peak = max(r["peak_bytes"] for r in results)
+        state = first["state_bytes"]
+        ideal_state = 16 * params / world
+        sent = first["bytes_sent_per_step"]
+        ideal_sent = 3 * params * (world - 1) / world * 4
+        dloss = max(
+            max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True)) for r in results
+        )
+        ratio = f"{step / fsdp2_step:8.2f}" if fsdp2_step else f"{'-':>8}"
+        rows.append(
+            f"{engine:<10} {step * 1e3:8.1f} {ratio} {peak / _MIB:9.1f} {state / _MIB:9.1f} "
+            f"{state / ideal_state:8.2f} {first['calls_per_step']:9.1f} {sent / _MIB:9.1f} "
+            f"{sent / ideal_sent:12.3f} {dloss:10.2e}"
+        )
+    return [f"== preset {preset}: {params / 1e6:.1f}M params, world {world} ==", *rows]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print one table per preset."""
+    args = _parse(argv)
+    engines = args.engines.split(",")
+    everything: list[dict[str, Any]] = []
+    print(
+        f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
+        f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
+        f"{args.rounds} rounds, Adam fp32",
+        flush=True,
+    )
+    for preset in args.presets.split(","):
+
+        def spec(engine: str, preset: str = preset) -> RunSpec:
+            return RunSpec(
+                engine,
+                preset,
+                args.micro_batch,
+                args.seq_len,
+                args.steps,
+                args.warmup,
+                device=args.device,
+            )
+
+        reference_spec = RunSpec(
+            "single",
+            preset,
+            args.micro_batch * args.world,
+            args.seq_len,
+            args.steps,
+            args.warmup,
+            device=args.device,
+        )
+        reference = _launch(reference_spec, 1)["losses"]
+        runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+        for round_index in range(args.rounds):
+            shift = round_index % len(engines)
+            for engine in engines[shift:] + engines[:shift]:
+                result = _launch(spec(engine), args.world)
+                runs[engine].append(result)
+                everything.append(result)
+                print(
+                    f"  round {round_index} {engine:<9} median step "
+                    f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
+                    flush=True,
+                )
+        print("\n".join(_summarise(preset, runs, reference)), flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(everything, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Count the collectives a training step issues and the bytes each rank sends.
+
+Bytes are counted as a bandwidth-optimal (ring) algorithm sends them, so the
+figures compare across engines and against the theoretical minimum:
+
+| collective                   | elements sent per rank       |
+| ---------------------------- | ---------------------------- |
+| all-gather, output N         | N * (w - 1) / w              |
+| reduce-scatter, input N      | N * (w - 1) / w              |
+| all-reduce, N                | 2 * N * (w - 1) / w          |
+| broadcast, N                 | N * (w - 1) / w              |
+| all-to-all, input N          | N * (w - 1) / w              |
+
+The Python-level collectives are wrapped where both ``torch.distributed``
+and its ``distributed_c10d`` module look them up (the deprecated aliases
+delegate to the wrapped ones, so nothing is counted twice). DDP reduces in
+C++ and is not seen here: its traffic (one all-reduce of every gradient) is
+reported by the benchmark from its bucket sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+__all__ = ["CommCounter"]
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# For each counted collective: the bytes that the table above scales by (w - 1) / w.
+_BYTE_MODEL: dict[str, Callable[[list[Any]], int]] = {
+    "all_gather_single": lambda a: _nbytes(a[0]),
+    "reduce_scatter_single": lambda a: _nbytes(a[1]),
+    "all_reduce": lambda a: 2 * _nbytes(a[0]),
+    "broadcast": lambda a: _nbytes(a[0]),
+    "all_gather": lambda a: sum(_nbytes(t) for t in a[0]),
+    "reduce_scatter": lambda a: sum(_nbytes(t) for t in a[1]),
+    "all_to_all_single": lambda a: _nbytes(a[1]),
+}
+
+
+@dataclass
+class CommCounter:
+    """Tally of collectives and ring-model bytes sent by this rank while :meth:`counting`."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: float = 0.0
+    enabled: bool = False
+
+    def record(self, name: str, total_bytes: int, world_size: int) -> None:
+        """Add one collective of ``total_bytes`` (as in the table) over ``world_size`` ranks."""
+        if not self.enabled or world_size <= 1:
+            return
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes_sent += total_bytes * (world_size - 1) / world_size
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.calls.clear()
+        self.bytes_sent = 0.0
+
+    @property
+    def num_calls(self) -> int:
+        """Collectives counted so far."""
+        return sum(self.calls.values())
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+        byte_model = _BYTE_MODEL[name]
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.enabled:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                group = bound.arguments.get("group")
+                self.record(
+                    name, byte_model(list(bound.arguments.values())), dist.get_world_size(group)
+                )
+            return original(*args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CommCounter]:
+        """Wrap the collectives for the duration of the block (counting starts disabled)."""
+        saved: list[tuple[Any, str, Any]] = []
+        for module in (dist, distributed_c10d):
+            for name in _BYTE_MODEL:
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                saved.append((module, name, original))
+                setattr(module, name, self._wrap(name, original))
+        try:
+            yield self
+        finally:
+            for module, name, original in saved:
+                setattr(module, name, original)

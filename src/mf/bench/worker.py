@@ -1,0 +1,215 @@
+"""One benchmark run: train a GPT with one engine on this rank and measure it.
+
+Runs inside a process started by torch's elastic launcher (or alone for the
+single-process reference). Each run is a fresh process, so the peak resident
+memory it reports belongs to that engine alone.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mf.bench.comm_counter import CommCounter
+from mf.bench.engines import build_engine
+from mf.models import GPT, PRESETS
+
+__all__ = ["RunResult", "RunSpec", "run"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: engine, model preset, batch and step counts."""
+
+    engine: str
+    preset: str
+    micro_batch: int
+    seq_len: int
+    steps: int
+    warmup: int
+    lr: float = 1e-3
+    seed: int = 0
+    device: str = "cpu"
+
+
+@dataclass
+class RunResult:
+    """What one run measured on one rank (times are the max over ranks of each step)."""
+
+    engine: str
+    preset: str
+    world_size: int
+    num_params: int
+    step_seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    state_bytes: int = 0
+    calls_per_step: float = 0.0
+    bytes_sent_per_step: float = 0.0
+    calls_by_kind: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def median_step(self) -> float:
+        """Median of the measured step times."""
+        return statistics.median(self.step_seconds)
+
+
+def _rss_bytes(field_name: str) -> int:
+    """Current (VmRSS) or peak (VmHWM) resident memory of this process."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of distinct storages held by parameters, gradients, buffers and optimizer state."""
+    tensors: list[torch.Tensor] = []
+    for param in model.parameters():
+        tensors.append(_local(param))
+        if param.grad is not None:
+            tensors.append(_local(param.grad))
+    tensors.extend(model.buffers())
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            tensors.append(_local(param))
+            if param.grad is not None:
+                tensors.append(_local(param.grad))
+    for state in optimizer.state.values():
+        tensors.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 0:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _batch(spec: RunSpec, step: int, rank: int, world_size: int, vocab: int, device: torch.device):
+    generator = torch.Generator().manual_seed(spec.seed * 100_003 + step)
+    tokens = torch.randint(
+        0, vocab, (world_size * spec.micro_batch, spec.seq_len + 1), generator=generator
+    )
+    mine = tokens[rank * spec.micro_batch : (rank + 1) * spec.micro_batch].to(device)
+    return mine[:, :-1], mine[:, 1:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    """Train ``spec.steps`` measured steps (after ``spec.warmup``) and return the measurements."""
+    distributed = spec.engine != "single"
+    device = torch.device(spec.device)
+    if distributed:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world_size, 1)))
+    mesh = None
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+    config = PRESETS[spec.preset]
+    if spec.seq_len > config.seq_len:
+        raise ValueError(
+            f"seq_len {spec.seq_len} exceeds the {spec.preset} preset's {config.seq_len}"
+        )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmRSS")
+    torch.manual_seed(spec.seed)
+    model = GPT(config).to(device)
+    result = RunResult(spec.engine, spec.preset, world_size, config.num_parameters())
+    model, optimizer = build_engine(spec.engine, model, mesh, spec.lr)
+    counter = CommCounter()
+    step_local: list[float] = []
+    with counter.installed():
+        for step in range(spec.warmup + spec.steps):
+            tokens, targets = _batch(spec, step, rank, world_size, config.vocab_size, device)
+            measured = step >= spec.warmup
+            counter.enabled = measured
+            if distributed:
+                counter.enabled = False
+                dist.barrier()
+                counter.enabled = measured
+            _sync(device)
+            start = time.perf_counter()
+            loss = model(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            if step == spec.warmup + spec.steps - 1:
+                result.state_bytes = model_state_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            counter.enabled = False
+            result.losses.append(_mean_over_ranks(loss.item(), device))
+            if measured:
+                step_local.append(elapsed)
+    result.step_seconds = [_max_over_ranks(t, device) for t in step_local]
+    result.calls_per_step = counter.num_calls / spec.steps
+    result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
+    result.bytes_sent_per_step = counter.bytes_sent / spec.steps
+    if spec.engine == "ddp":
+        _ddp_traffic(model, result, world_size)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+    else:
+        peak = _rss_bytes("VmHWM") - baseline
+    result.peak_bytes = int(_max_over_ranks(float(peak), device))
+    if distributed:
+        dist.destroy_process_group()
+    return asdict(result)
+
+
+def _ddp_traffic(model: nn.Module, result: RunResult, world_size: int) -> None:
+    """DDP all-reduces every gradient once per step, in C++ where the counter cannot see it."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buckets = model._get_ddp_logging_data().get("num_buckets_reduced") or len(
+        model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(",")
+    )
+    result.calls_per_step = float(buckets)
+    result.calls_by_kind = {"all_reduce": float(buckets)}
+    result.bytes_sent_per_step = 2 * grad_bytes * (world_size - 1) / world_size
