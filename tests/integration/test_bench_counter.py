@@ -1,0 +1,48 @@
+"""The benchmark's measuring tools: the collective counter and the model-state byte count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mf.bench import CommCounter, model_state_bytes
+from tests._multiprocess import run_on_ranks
+
+
+def _rank_counts(rank: int, world_size: int) -> None:
+    counter = CommCounter()
+    original = dist.all_reduce
+    shard = torch.ones(6)
+    full = torch.empty(6 * world_size)
+    with counter.installed():
+        dist.all_gather_into_tensor(full, shard)  # not counted: disabled
+        counter.enabled = True
+        dist.all_gather_into_tensor(full, shard)  # deprecated alias -> all_gather_single
+        dist.reduce_scatter_tensor(shard, full)
+        dist.all_reduce(shard)
+        work = dist.all_reduce(shard, async_op=True)
+        work.wait()
+    dist.all_reduce(shard)  # uninstalled: not counted
+    assert counter.calls == {"all_gather_single": 1, "reduce_scatter_single": 1, "all_reduce": 2}
+    scale = (world_size - 1) / world_size
+    element = 4
+    expected = (6 * world_size * element) * scale * 2 + 2 * (6 * element) * scale * 2
+    assert counter.bytes_sent == pytest.approx(expected)
+    assert dist.all_reduce is original  # the originals are back
+
+
+@pytest.mark.multiprocess
+def test_counter_counts_ring_bytes() -> None:
+    run_on_ranks(_rank_counts, 2)
+
+
+def test_model_state_bytes_counts_weights_grads_and_adam() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    # Adam keeps two fp32 moments plus a scalar step tensor per parameter.
+    step_bytes = sum(s["step"].untyped_storage().nbytes() for s in optimizer.state.values())
+    assert model_state_bytes(model, optimizer) == 16 * params + step_bytes
