@@ -132,7 +132,8 @@ def model_parallel_cuda_manual_seed(
         TypeError, ValueError: for a seed that is not an int in torch's range,
             or a rank that is not a non-negative int.
         ValueError: if two derived seeds coincide (ranks beyond the reference's
-            ranges, e.g. ``etp_rank >= 100``).
+            ranges, e.g. ``etp_rank >= 100``) or leave torch's seed range; the
+            tracker is left untouched then.
     """
     check_seed(seed, "model_parallel_cuda_manual_seed")
     tp_rank = _resolve_rank(tp_rank, "tp")
@@ -141,13 +142,26 @@ def model_parallel_cuda_manual_seed(
     initialize_rng_tracker(
         te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
     )
+    derived = {
+        get_data_parallel_rng_tracker_name(): seed,
+        get_model_parallel_rng_tracker_name(): seed + _TP_SEED_OFFSET + tp_rank,
+        get_expert_parallel_rng_tracker_name(): (
+            seed + _EXPERT_SEED_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
+        ),
+    }
+    if len(set(derived.values())) != len(derived):
+        raise ValueError(
+            f"model_parallel_cuda_manual_seed: the derived seeds {derived} collide for "
+            f"tp_rank={tp_rank}, ep_rank={ep_rank}, etp_rank={etp_rank}; the reference "
+            "arithmetic needs etp_rank < 100 and tp_rank, ep_rank small enough to stay apart"
+        )
+    for name, derived_seed in derived.items():
+        check_seed(derived_seed, f"model_parallel_cuda_manual_seed ({name})")
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     seed_device(seed, tracker.device)
-    tracker.add(get_data_parallel_rng_tracker_name(), seed)
-    tracker.add(get_model_parallel_rng_tracker_name(), seed + _TP_SEED_OFFSET + tp_rank)
-    expert_seed = seed + _EXPERT_SEED_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
-    tracker.add(get_expert_parallel_rng_tracker_name(), expert_seed)
+    for name, derived_seed in derived.items():
+        tracker.add(name, derived_seed)
 
 
 model_parallel_manual_seed = model_parallel_cuda_manual_seed
