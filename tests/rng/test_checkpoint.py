@@ -23,7 +23,10 @@ from mf_rng import (
     CheckpointWithoutOutput,
     checkpoint,
     get_cuda_rng_tracker,
+    get_rng_state,
+    initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
+    set_rng_state,
 )
 from tests._multiprocess import run_on_ranks
 
@@ -61,23 +64,25 @@ def _run_twice(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Grads of ``run`` and of plain ``block``, both from the same RNG states.
 
-    Also checks that the checkpointed run leaves every generator exactly where
-    the plain run does (recomputation in backward leaves no trace).
+    Also checks that the checkpointed run leaves every generator (``x``'s
+    device and the tracker) exactly where the plain run does: recomputation
+    in backward leaves no trace.
     """
     tracker = get_cuda_rng_tracker()
-    cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
+    device_state, tracker_states = get_rng_state(x.device), tracker.get_states()
     out = run(x)
-    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    weights = torch.arange(out.numel(), device=x.device).view_as(out)
+    (out * weights).sum().backward()
     got, got_out = _grads(block, x), out.detach().clone()
-    after = torch.get_rng_state(), tracker.get_states()
+    after = get_rng_state(x.device), tracker.get_states()
 
     _zero(block, x)
-    torch.set_rng_state(cpu_state)
+    set_rng_state(device_state, x.device)
     tracker.set_states(tracker_states)
     expected_out = block(x)
-    (expected_out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    (expected_out * weights).sum().backward()
     assert torch.equal(got_out, expected_out.detach())
-    assert torch.equal(after[0], torch.get_rng_state())
+    assert torch.equal(after[0], get_rng_state(x.device))
     for name, state in tracker.get_states().items():
         assert torch.equal(after[1][name], state), name
     return got, _grads(block, x)
@@ -89,10 +94,12 @@ def _assert_all_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> 
         assert torch.equal(a, b), f"gradient {index} differs"
 
 
-def _setup(seed: int = 0) -> tuple[Block, torch.Tensor]:
+def _setup(seed: int = 0, device: str = "cpu") -> tuple[Block, torch.Tensor]:
+    """A block and an input on ``device``; the process-wide tracker is seeded (TP rank 1)."""
     model_parallel_cuda_manual_seed(seed + 100, tp_rank=1)
     torch.manual_seed(seed)
-    return Block(), torch.randn(BATCH, HIDDEN, requires_grad=True)
+    block = Block().to(device)
+    return block, torch.randn(BATCH, HIDDEN, device=device, requires_grad=True)
 
 
 def test_checkpoint_gradients_are_bitwise_equal_with_dropout() -> None:
@@ -310,6 +317,7 @@ def test_checkpoint_without_output_in_inference_only_frees() -> None:
 
 
 def _rank_distributed_saved_activations(rank: int, world_size: int) -> None:
+    initialize_rng_tracker(device="cpu")
     group = dist.new_group(list(range(world_size)))
     block, x = _setup()  # same input on every rank, TP stream shared as in _setup
     original = x.detach().clone()

@@ -17,6 +17,7 @@ from mf_rng import (
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
+    initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
     register_model_parallel_group,
@@ -75,7 +76,9 @@ def test_reseeding_replaces_the_states() -> None:
 
 def test_force_reset_and_inference_flavour() -> None:
     model_parallel_cuda_manual_seed(SEED)
-    model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(
+        SEED, inference_rng_tracker=True, force_reset_rng=True, device="cpu"
+    )
     tracker = get_cuda_rng_tracker()
     assert isinstance(tracker, InferenceRNGStatesTracker)
     assert not tracker.is_initialized()
@@ -143,6 +146,7 @@ def _expected_mask(seed: int) -> torch.Tensor:
 
 
 def _rank_two_tp_ranks(rank: int, world_size: int) -> None:
+    initialize_rng_tracker(device="cpu")
     tp_group = dist.new_group(list(range(world_size)))
     register_model_parallel_group("tp", tp_group)
     register_model_parallel_group("ep", tp_group)
@@ -179,6 +183,7 @@ def test_dropout_across_two_tp_ranks() -> None:
 
 
 def _rank_dp_by_tp(rank: int, world_size: int) -> None:
+    initialize_rng_tracker(device="cpu")
     mesh = cpu_mesh((2, 2), ("dp", "tp"))
     register_model_parallel_group("tp", mesh.get_group("tp"))
     model_parallel_cuda_manual_seed(SEED)

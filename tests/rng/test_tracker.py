@@ -228,18 +228,29 @@ def test_inference_tracker_makes_add_set_states_and_fork_no_ops() -> None:
 
 
 def test_process_wide_tracker_is_created_once() -> None:
-    tracker = get_cuda_rng_tracker()
-    assert type(tracker) is RNGStatesTracker
-    assert get_rng_tracker() is tracker
-    # Options only matter for the first creation ...
-    assert get_cuda_rng_tracker(inference_rng_tracker=True) is tracker
-    initialize_rng_tracker(inference_rng_tracker=True)
-    assert get_cuda_rng_tracker() is tracker
-    # ... or with force_reset.
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    replaced = get_cuda_rng_tracker()
-    assert type(replaced) is InferenceRNGStatesTracker
-    assert replaced.is_inference_rng_tracker
+    with use_rng_tracker():
+        tracker = get_cuda_rng_tracker()
+        assert type(tracker) is RNGStatesTracker
+        assert get_rng_tracker() is tracker
+        # Options only matter for the first creation ...
+        assert get_cuda_rng_tracker(inference_rng_tracker=True) is tracker
+        initialize_rng_tracker(inference_rng_tracker=True, device="cpu")
+        assert get_cuda_rng_tracker() is tracker
+        # ... or with force_reset.
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True, device="cpu")
+        replaced = get_cuda_rng_tracker()
+        assert type(replaced) is InferenceRNGStatesTracker
+        assert replaced.is_inference_rng_tracker
+        assert replaced.device == torch.device("cpu")
+
+
+def test_failed_force_reset_keeps_the_existing_tracker() -> None:
+    before = get_cuda_rng_tracker()
+    with pytest.raises(RuntimeError, match=r"use_cudagraphable_rng=True: the cpu generator"):
+        initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True, device="cpu")
+    with pytest.raises(ValueError, match=r"Transformer Engine's tracker works on cuda only"):
+        initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True, device="cpu")
+    assert get_cuda_rng_tracker() is before
 
 
 def test_use_rng_tracker_swaps_and_restores() -> None:
@@ -262,8 +273,9 @@ def test_use_rng_tracker_swaps_and_restores() -> None:
 
 
 def test_get_all_rng_states() -> None:
-    with pytest.raises(
-        RuntimeError, match=r"get_all_rng_states: the RNG tracker is not initialized"
+    with (
+        use_rng_tracker(),
+        pytest.raises(RuntimeError, match=r"the RNG tracker is not initialized"),
     ):
         get_all_rng_states()
     tracker = get_cuda_rng_tracker()
@@ -275,10 +287,13 @@ def test_get_all_rng_states() -> None:
 
 @pytest.mark.skipif(get_te_version() is not None, reason="checks the error without TE")
 def test_te_tracker_without_te_is_a_clear_error() -> None:
+    before = get_cuda_rng_tracker()
     with pytest.raises(RuntimeError, match=r"use_te_rng_tracker=True needs Transformer Engine >="):
-        initialize_rng_tracker(use_te_rng_tracker=True)
-    with pytest.raises(RuntimeError, match=r"installed: None"):
-        get_cuda_rng_tracker(use_te_rng_tracker=True, inference_rng_tracker=True)
-    # The failed attempts left no tracker behind.
-    with pytest.raises(RuntimeError, match="not initialized"):
-        get_all_rng_states()
+        initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
+    assert get_cuda_rng_tracker() is before
+    with use_rng_tracker():
+        with pytest.raises(RuntimeError, match=r"installed: None"):
+            get_cuda_rng_tracker(use_te_rng_tracker=True, inference_rng_tracker=True)
+        # The failed attempt left no tracker behind.
+        with pytest.raises(RuntimeError, match="not initialized"):
+            get_all_rng_states()

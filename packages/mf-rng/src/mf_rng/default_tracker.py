@@ -16,6 +16,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
+from mf_rng.device_state import resolve_device
 from mf_rng.tracker import (
     InferenceRNGStatesTracker,
     RNGStatesTracker,
@@ -34,26 +37,26 @@ __all__ = [
 _tracker: RNGTracker | None = None
 
 
-def _ensure_tracker(
+def _new_tracker(
     use_te_rng_tracker: bool,
     inference_rng_tracker: bool,
     use_cudagraphable_rng: bool,
-    force_reset: bool,
+    device: torch.device | str | int | None,
 ) -> RNGTracker:
-    global _tracker
-    if force_reset:
-        _tracker = None
-    if _tracker is None:
-        if use_te_rng_tracker:
-            tracker_class = te_rng_tracker_class(bool(inference_rng_tracker))
-            _tracker = tracker_class(is_inference_rng_tracker=bool(inference_rng_tracker))
-        else:
-            tracker_class = InferenceRNGStatesTracker if inference_rng_tracker else RNGStatesTracker
-            _tracker = tracker_class(
-                use_cudagraphable_rng=use_cudagraphable_rng,
-                is_inference_rng_tracker=inference_rng_tracker,
+    if use_te_rng_tracker:
+        if device is not None and resolve_device(device).type != "cuda":
+            raise ValueError(
+                f"initialize_rng_tracker: Transformer Engine's tracker works on cuda only, "
+                f"got device={device!r}"
             )
-    return _tracker
+        tracker_class = te_rng_tracker_class(bool(inference_rng_tracker))
+        return tracker_class(is_inference_rng_tracker=bool(inference_rng_tracker))
+    tracker_class = InferenceRNGStatesTracker if inference_rng_tracker else RNGStatesTracker
+    return tracker_class(
+        use_cudagraphable_rng=use_cudagraphable_rng,
+        is_inference_rng_tracker=inference_rng_tracker,
+        device=device,
+    )
 
 
 def initialize_rng_tracker(
@@ -61,8 +64,13 @@ def initialize_rng_tracker(
     inference_rng_tracker: bool = False,
     use_cudagraphable_rng: bool = False,
     force_reset: bool = False,
+    *,
+    device: torch.device | str | int | None = None,
 ) -> None:
     """Create the process-wide tracker unless one exists (or ``force_reset`` asks to replace it).
+
+    The options describe the tracker to create; they change nothing about an
+    existing one (as in the reference).
 
     Args:
         use_te_rng_tracker: use Transformer Engine's tracker (graph-safe,
@@ -70,13 +78,35 @@ def initialize_rng_tracker(
         inference_rng_tracker: make add/set_states/fork no-ops.
         use_cudagraphable_rng: keep graph-safe states in mf's tracker (CUDA only;
             TE's tracker is graph-safe anyway).
-        force_reset: drop the existing tracker and build a new one.
+        force_reset: replace the existing tracker with a new one.
+        device: the device whose generator the tracker swaps; ``None`` follows
+            :func:`mf_utils.default_device` (pass ``"cpu"`` to track the CPU
+            generator on a machine that has an accelerator).
 
     Raises:
         RuntimeError: if TE is asked for but missing, or graph-safe states are
-            asked for on a device without them.
+            asked for on a device without them; the existing tracker is kept then.
+        ValueError: if TE's tracker is asked for on a device other than cuda.
     """
-    _ensure_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset)
+    _initialize(
+        use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset, device
+    )
+
+
+def _initialize(
+    use_te_rng_tracker: bool,
+    inference_rng_tracker: bool,
+    use_cudagraphable_rng: bool,
+    force_reset: bool,
+    device: torch.device | str | int | None,
+) -> RNGTracker:
+    global _tracker
+    if _tracker is None or force_reset:
+        # Build first, then replace: a failed build keeps the existing tracker.
+        _tracker = _new_tracker(
+            use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, device
+        )
+    return _tracker
 
 
 def get_cuda_rng_tracker(
@@ -90,8 +120,12 @@ def get_cuda_rng_tracker(
     :func:`initialize_rng_tracker`. The name is the reference's: the tracker
     works on whatever device is in use, CPU included.
     """
-    return _ensure_tracker(
-        use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=False
+    return _initialize(
+        use_te_rng_tracker,
+        inference_rng_tracker,
+        use_cudagraphable_rng,
+        force_reset=False,
+        device=None,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 
 from mf_rng.default_tracker import get_cuda_rng_tracker, initialize_rng_tracker
@@ -110,6 +111,7 @@ def model_parallel_cuda_manual_seed(
     ep_rank: int | None = None,
     etp_rank: int | None = None,
     force_reset_rng: bool = False,
+    device: torch.device | str | int | None = None,
 ) -> None:
     """Seed the device generator and the process-wide tracker for model parallelism.
 
@@ -127,6 +129,8 @@ def model_parallel_cuda_manual_seed(
         etp_rank: expert-tensor-parallel rank; default: the ``"etp"`` group's, else 0.
         force_reset_rng: replace the existing tracker with a new one of the
             requested flavour.
+        device: the device of a tracker created here (see
+            :func:`initialize_rng_tracker`); an existing tracker keeps its own.
 
     Raises:
         TypeError, ValueError: for a seed that is not an int in torch's range,
@@ -140,7 +144,11 @@ def model_parallel_cuda_manual_seed(
     ep_rank = _resolve_rank(ep_rank, "ep")
     etp_rank = _resolve_rank(etp_rank, "etp")
     initialize_rng_tracker(
-        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+        te_rng_tracker,
+        inference_rng_tracker,
+        use_cudagraphable_rng,
+        force_reset=force_reset_rng,
+        device=device,
     )
     derived = {
         get_data_parallel_rng_tracker_name(): seed,
