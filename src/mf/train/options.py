@@ -1,0 +1,131 @@
+"""Command-line options of ``mf-train`` and the checks that need no processes.
+
+Every mistake a user can make on the command line is caught here, in the
+launcher, and reported as one line, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mf.models import PRESETS
+from mf.train.data import VOCAB_SIZE
+
+__all__ = ["TrainOptions", "parse_options"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Everything one training run needs; the same object reaches every rank."""
+
+    nproc: int
+    tp: int
+    zero: int
+    dp_outer: int
+    model: str
+    steps: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    lr: float
+    precision: str
+    device: str
+    data: str | None
+    ckpt_dir: str
+    save_every: int
+    resume: bool
+    seed: int
+    eval_every: int
+    eval_batches: int
+    sample_tokens: int
+    out_dir: str
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (dp_outer x dp_shard)."""
+        return self.nproc // self.tp
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mf-train",
+        description="Train a small GPT with mf (ZeRO-3 on 2 local processes by default).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--nproc", type=int, default=2, help="processes on this machine")
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO strategy")
+    add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
+    add("--model", choices=sorted(PRESETS), default="small", help="model preset")
+    add("--steps", type=int, default=300, help="optimizer steps")
+    add("--micro-batch", type=int, default=8, help="sequences per rank per micro-batch")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--seq-len", type=int, default=128, help="tokens per sequence")
+    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine decay)")
+    add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute precision")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
+    add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
+    add("--save-every", type=int, default=100, help="save every N steps (0: only at the end)")
+    add("--resume", action="store_true", help="continue from the latest checkpoint")
+    add("--seed", type=int, default=0)
+    add("--eval-every", type=int, default=50, help="validation every N steps")
+    add("--eval-batches", type=int, default=4, help="batches per validation")
+    add("--sample-tokens", type=int, default=200, help="length of the final text sample")
+    add("--out-dir", default="runs/mf-train", help="metrics, loss curve and sample")
+    return parser
+
+
+def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
+    """Parse and check the command line.
+
+    Raises:
+        ValueError: one line naming the option, the value and what is expected.
+    """
+    args = _build_parser().parse_args(argv)
+    options = TrainOptions(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    for name in ("nproc", "tp", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
+        _positive("--" + name.replace("_", "-"), getattr(options, name))
+    for name in ("eval_every", "eval_batches"):
+        _positive("--" + name.replace("_", "-"), getattr(options, name))
+    if options.save_every < 0:
+        raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
+    if options.nproc % options.tp != 0:
+        raise ValueError(
+            f"--tp {options.tp} does not divide the {options.nproc} processes (--nproc); "
+            "choose a tensor-parallel size that divides it"
+        )
+    if options.dp_size % options.dp_outer != 0:
+        raise ValueError(
+            f"--dp-outer {options.dp_outer} does not divide the data-parallel size "
+            f"{options.dp_size} (= --nproc {options.nproc} / --tp {options.tp})"
+        )
+    preset = PRESETS[options.model]
+    if preset.vocab_size < VOCAB_SIZE:
+        raise ValueError(
+            f"--model {options.model!r} has {preset.vocab_size} tokens; bytes need 256"
+        )
+    if options.seq_len > preset.seq_len:
+        raise ValueError(
+            f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "
+            f"{preset.seq_len} positions"
+        )
+    if options.resume and not _has_checkpoint(options.ckpt_dir):
+        raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
+    return options
+
+
+def _has_checkpoint(ckpt_dir: str) -> bool:
+    from mf.train.checkpointing import latest_checkpoint
+
+    return os.path.isdir(ckpt_dir) and latest_checkpoint(Path(ckpt_dir)) is not None

@@ -1,0 +1,75 @@
+"""mf-train's launcher-side checks and its data pipeline (no processes started)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mf.train.cli import main
+from mf.train.data import TextData, decode, encode, load_corpus
+from mf.train.options import parse_options
+
+
+def test_defaults_are_valid() -> None:
+    options = parse_options([])
+    assert (options.nproc, options.zero, options.tp) == (2, 3, 1)
+    assert options.dp_size == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "3"], "--tp 3 does not divide the 2 processes"),
+        (["--nproc", "4", "--tp", "2", "--dp-outer", "3"], "--dp-outer 3 does not divide"),
+        (["--seq-len", "100000"], "--seq-len 100000 exceeds the 'small' model's 256 positions"),
+        (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
+        (["--resume", "--ckpt-dir", "/nonexistent/mf"], "--resume: no complete checkpoint"),
+    ],
+)
+def test_option_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_options(argv)
+
+
+def test_data_errors_are_one_line(tmp_path, capsys) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00")
+    cases = [
+        (["--data", str(tmp_path / "missing.txt")], "does not exist or is not a file"),
+        (["--data", str(empty)], "is empty"),
+        (["--data", str(binary)], "is not UTF-8 text"),
+        (["--data", str(short)], "--seq-len 128 is too long for the corpus"),
+        (["--tp", "3"], "--tp 3 does not divide"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mf-train: error: ")
+        assert message in err
+        assert err.count("\n") == 1
+        assert "Traceback" not in err
+
+
+def test_builtin_corpus_and_byte_tokens() -> None:
+    text, name = load_corpus(None)
+    assert len(text) > 400_000
+    assert "Python Language Reference" in name
+    assert decode(encode("héllo")) == "héllo"
+
+
+def test_batches_are_deterministic_and_rank_disjoint() -> None:
+    data = TextData.from_text("abcdefghijklmnopqrstuvwxyz" * 200, seq_len=16)
+    a0 = data.batch("train", 3, 0, 0, 2, 4, 16)
+    again = data.batch("train", 3, 0, 0, 2, 4, 16)
+    a1 = data.batch("train", 3, 0, 1, 2, 4, 16)
+    whole = data.batch("train", 3, 0, 0, 1, 8, 16)
+    assert torch.equal(a0[0], again[0])
+    assert torch.equal(torch.cat([a0[0], a1[0]]), whole[0])  # ranks split one global batch
+    assert torch.equal(a0[0][:, 1:], a0[1][:, :-1])  # targets are inputs shifted by one
+    assert not torch.equal(data.batch("validation", 3, 0, 0, 2, 4, 16)[0], a0[0])
+    with pytest.raises(ValueError, match="split must be 'train' or 'validation'"):
+        data.batch("test", 0, 0, 0, 1, 1, 16)
