@@ -206,6 +206,11 @@ def test_cudagraphable_tracker_on_cpu_is_a_clear_error() -> None:
         RNGStatesTracker(use_cudagraphable_rng=True, device="cpu")
 
 
+def test_tracker_on_a_device_without_generator_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"torch has no device module for 'meta'"):
+        RNGStatesTracker(device="meta")
+
+
 def test_tracker_follows_the_default_device_when_none_is_given() -> None:
     from mf_utils import default_device
 

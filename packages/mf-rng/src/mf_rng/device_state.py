@@ -21,6 +21,8 @@ Nothing here keeps state between calls.
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import TypeAlias
 
 import torch
@@ -47,6 +49,16 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 
 
+def _device_module(device: torch.device) -> ModuleType:
+    try:
+        return torch.get_device_module(device.type)
+    except RuntimeError as error:
+        raise ValueError(
+            f"device={device!r}: torch has no device module for {device.type!r}, so there is "
+            "no default generator to track"
+        ) from error
+
+
 def resolve_device(device: torch.device | str | int | None = None) -> torch.device:
     """Return the concrete device whose generator ``device`` means.
 
@@ -58,7 +70,8 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
 
     Raises:
         TypeError: if ``device`` is not a device, a str, an int or None.
-        ValueError: if ``device`` is an int but no accelerator is present.
+        ValueError: if ``device`` is an int but no accelerator is present, or
+            its type has no torch device module.
     """
     if device is None:
         return default_device()
@@ -73,8 +86,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
     if device.type == "cpu":
         return torch.device("cpu")
     if device.index is None:
-        module = torch.get_device_module(device.type)
-        return torch.device(device.type, module.current_device())
+        return torch.device(device.type, _device_module(device).current_device())
     return device
 
 
@@ -85,19 +97,18 @@ def device_generator(device: torch.device | str | int | None = None) -> torch.Ge
         ValueError: if ``device``'s type has no per-device default generators
             (for example ``"meta"``), or the index is out of range.
     """
-    device = resolve_device(device)
+    return _generator_at(resolve_device(device))
+
+
+@functools.cache
+def _generator_at(device: torch.device) -> torch.Generator:
+    # Cached: forks look the generator up on every entry and exit, and a
+    # device's default generator object never changes within a process.
     if device.type == "cpu":
         return torch.default_generator
-    try:
-        module = torch.get_device_module(device.type)
-    except RuntimeError as error:
-        raise ValueError(
-            f"device={device!r}: torch has no device module for {device.type!r}, so there is "
-            "no default generator to track"
-        ) from error
-    generators = getattr(module, "default_generators", None)
+    module = _device_module(device)
     init = getattr(module, "init", None)
-    if generators is None or init is None:
+    if getattr(module, "default_generators", None) is None or init is None:
         raise ValueError(
             f"device={device!r}: torch.{device.type} exposes no per-device default generators; "
             "mf_rng tracks cpu and accelerators such as cuda or xpu"
@@ -114,7 +125,12 @@ def device_generator(device: torch.device | str | int | None = None) -> torch.Ge
 
 def supports_graph_safe_rng(device: torch.device | str | int | None = None) -> bool:
     """Tell whether ``device``'s generator offers graph-safe state get/set."""
-    generator = device_generator(device)
+    return _graph_safe_at(resolve_device(device))
+
+
+@functools.cache
+def _graph_safe_at(device: torch.device) -> bool:
+    generator = _generator_at(device)
     if not hasattr(generator, "graphsafe_get_state"):
         return False
     try:

@@ -27,6 +27,7 @@ import torch
 from mf_rng.device_state import (
     RNGState,
     check_seed,
+    device_generator,
     fresh_rng_state,
     get_rng_state,
     resolve_device,
@@ -119,6 +120,7 @@ class RNGStatesTracker:
             follows that type's current device.
 
     Raises:
+        ValueError: if ``device`` has no default generator (e.g. ``"meta"``).
         RuntimeError: if ``use_cudagraphable_rng`` is set for a device whose
             generator has no graph-safe states.
     """
@@ -134,7 +136,8 @@ class RNGStatesTracker:
         self.is_inference_rng_tracker = bool(is_inference_rng_tracker)
         # Validate now, resolve at each use: the current device may change later.
         resolved = resolve_device(device)
-        self._device = None if device is None else device
+        device_generator(resolved)
+        self._device = device
         if self.use_cudagraphable_rng and not supports_graph_safe_rng(resolved):
             raise RuntimeError(
                 f"use_cudagraphable_rng=True: the {resolved} generator has no graph-safe states "
