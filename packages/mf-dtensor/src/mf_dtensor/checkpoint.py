@@ -20,12 +20,7 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from mf_dtensor.chunk_metadata import (
-    attach_chunk_metadata,
-    gather_chunk_layouts,
-    local_mesh_index,
-)
-from mf_dtensor.layout import validate_chunk_layout
+from mf_dtensor.chunk_metadata import _claimed_chunk, attach_gathered_layouts
 
 __all__ = [
     "filter_unflattened_state_dict",
@@ -117,16 +112,11 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
         if dtensor.device_mesh.get_coordinate() is None:
             continue  # DCP skips DTensors whose mesh excludes this rank; so do we.
         by_mesh.setdefault(dtensor.device_mesh, []).append((key_chain, dtensor))
-    for mesh, entries in by_mesh.items():
-        layouts = gather_chunk_layouts([dtensor for _, dtensor in entries], use_attached=True)
-        index = local_mesh_index(mesh)
-        for (key_chain, dtensor), chunks in zip(entries, layouts, strict=True):
-            validate_chunk_layout(
-                dtensor.shape,
-                chunks,
-                mesh_shape=mesh.shape,
-                placements=dtensor.placements,
-                name=f"state_dict{''.join(f'[{key!r}]' for key in key_chain)}",
-            )
-            attach_chunk_metadata(dtensor, chunks[index], chunks)
+    for entries in by_mesh.values():
+        dtensors = [dtensor for _, dtensor in entries]
+        claimed = [_claimed_chunk(dtensor) for dtensor in dtensors]
+        names = [
+            "state_dict" + "".join(f"[{key!r}]" for key in key_chain) for key_chain, _ in entries
+        ]
+        attach_gathered_layouts(dtensors, claimed, names)
     return state_dict

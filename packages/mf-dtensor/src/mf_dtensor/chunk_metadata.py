@@ -50,6 +50,8 @@ from mf_dtensor.layout import (
 __all__ = [
     "ChunkLayout",
     "attach_chunk_metadata",
+    "attach_gathered_layouts",
+    "full_layout",
     "gather_and_compute_chunk_metadata",
     "gather_chunk_layouts",
     "get_chunk_metadata",
@@ -171,7 +173,7 @@ def attach_chunk_metadata(
 
 
 def gather_chunk_layouts(
-    dtensors: Sequence[DTensor], *, use_attached: bool
+    dtensors: Sequence[DTensor], claimed: Sequence[ChunkStorageMetadata | None]
 ) -> list[tuple[ChunkStorageMetadata, ...]]:
     """Every rank's chunk of each DTensor, with one all-gather per mesh dim for the batch.
 
@@ -180,9 +182,12 @@ def gather_chunk_layouts(
 
     Args:
         dtensors: DTensors on one mesh.
-        use_attached: take each rank's chunk from its attached metadata when
-            every rank has some; otherwise (or when False) compute offsets
-            from the local shapes in DTensor's ``Shard`` order.
+        claimed: for each DTensor, this rank's chunk when the caller knows it
+            (e.g. from attached metadata), else ``None``. A DTensor whose
+            chunk no rank claims gets offsets from the local shapes in
+            DTensor's ``Shard`` order. Nothing is checked here, so that bad
+            input raises the same error on every rank once the layout is
+            validated.
 
     Returns:
         For each DTensor, one chunk per rank in row-major mesh order.
@@ -196,18 +201,19 @@ def gather_chunk_layouts(
     mesh = dtensors[0].device_mesh
     payload: list[int] = []
     signature: list[int] = [len(dtensors)]
-    for dtensor in dtensors:
+    if len(claimed) != len(dtensors):
+        raise ValueError(f"claimed: expected {len(dtensors)} entries, got {len(claimed)}")
+    for dtensor, chunk in zip(dtensors, claimed, strict=True):
         if dtensor.device_mesh != mesh:
             raise ValueError(
                 f"dtensors: expected one device mesh, got {mesh!r} and {dtensor.device_mesh!r}"
             )
         check_placements(dtensor.placements, dtensor.ndim, mesh.ndim)
-        layout = get_chunk_metadata(dtensor) if use_attached else None
         shape = tuple(dtensor.to_local().shape)
-        if layout is None:
+        if chunk is None:
             payload += [0, *([0] * dtensor.ndim), *shape]
         else:
-            payload += [1, *layout.local.offsets, *shape]
+            payload += [1, *chunk.offsets, *shape]
         signature += [dtensor.ndim, *dtensor.shape]
     check = zlib.crc32(repr(signature).encode())
     all_mesh_dims = list(range(mesh.ndim))
@@ -231,14 +237,50 @@ def gather_chunk_layouts(
         if flags != {0}:
             missing = [rank for rank, row in enumerate(rows) if row[0] == 0]
             raise ValueError(
-                f"dtensor: ranks {missing} of the mesh have no chunk metadata while others do; "
-                "attach it on all ranks or on none"
+                f"dtensor: ranks {missing} of the mesh give no chunk offsets while others do; "
+                "attach chunk metadata on all ranks or on none"
             )
         local_shapes = [row[1 + ndim :] for row in rows]
         layouts.append(
             tuple(rank_order_chunks(dtensor.shape, mesh.shape, dtensor.placements, local_shapes))
         )
     return layouts
+
+
+def _claimed_chunk(dtensor: DTensor) -> ChunkStorageMetadata | None:
+    layout = get_chunk_metadata(dtensor)
+    return None if layout is None else layout.local
+
+
+def _gather_validated(
+    dtensors: Sequence[DTensor],
+    claimed: Sequence[ChunkStorageMetadata | None],
+    names: Sequence[str],
+) -> list[tuple[ChunkStorageMetadata, ...]]:
+    """Gather the layouts and validate each (every rank sees the same data: same errors)."""
+    layouts = gather_chunk_layouts(dtensors, claimed)
+    for dtensor, chunks, name in zip(dtensors, layouts, names, strict=True):
+        validate_chunk_layout(
+            dtensor.shape,
+            chunks,
+            mesh_shape=dtensor.device_mesh.shape,
+            placements=dtensor.placements,
+            name=name,
+        )
+    return layouts
+
+
+def attach_gathered_layouts(
+    dtensors: Sequence[DTensor],
+    claimed: Sequence[ChunkStorageMetadata | None],
+    names: Sequence[str],
+) -> None:
+    """Gather, validate and attach the full layouts of DTensors sharing a mesh (collective)."""
+    if not dtensors:
+        return
+    index = local_mesh_index(dtensors[0].device_mesh)
+    for dtensor, chunks in zip(dtensors, _gather_validated(dtensors, claimed, names), strict=True):
+        attach_chunk_metadata(dtensor, chunks[index], chunks)
 
 
 def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
@@ -253,7 +295,7 @@ def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
         ValueError: if the local shapes cannot be laid out on the mesh.
     """
     _require_dtensor(dtensor)
-    (layout,) = gather_chunk_layouts([dtensor], use_attached=False)
+    (layout,) = gather_chunk_layouts([dtensor], [None])
     return layout[local_mesh_index(dtensor.device_mesh)]
 
 
@@ -261,41 +303,32 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> DTensor:
     """Compute ``dtensor``'s chunks in ``Shard`` order and attach them for DCP (collective).
 
     After this, ``dcp.save``/``dcp.load`` see the true offset of this rank's
-    uneven piece. The full layout is cached too, so later gathers and
-    validations need no metadata exchange.
+    uneven piece. The full layout is validated and cached too, so later
+    gathers need no metadata exchange.
 
     Returns:
         ``dtensor`` itself, modified in place.
+
+    Raises:
+        TypeError: if ``dtensor`` is not a DTensor.
+        ValueError: (on every rank) if the local shapes do not tile the tensor.
     """
     _require_dtensor(dtensor)
-    (layout,) = gather_chunk_layouts([dtensor], use_attached=False)
-    return attach_chunk_metadata(dtensor, layout[local_mesh_index(dtensor.device_mesh)], layout)
+    attach_gathered_layouts([dtensor], [None], ["dtensor"])
+    return dtensor
 
 
-def full_layout(dtensor: DTensor, *, validate: bool = False) -> tuple[ChunkStorageMetadata, ...]:
-    """Every rank's chunk of ``dtensor``: cached, else gathered and cached (collective then).
+def full_layout(dtensor: DTensor) -> tuple[ChunkStorageMetadata, ...]:
+    """Every rank's chunk of ``dtensor``: cached, else gathered, validated and cached.
 
-    With ``validate``, the layout is checked (see :func:`validate_uneven_dtensor`)
-    before it is cached, so a bad layout is never attached.
+    Collective when nothing is cached. The cached layout is always one that
+    passed :func:`~mf_dtensor.layout.validate_chunk_layout`.
     """
     layout = get_chunk_metadata(dtensor)
-    cached = layout is not None and layout.all_chunks is not None
-    if cached:
-        chunks = layout.all_chunks
-    else:
-        (chunks,) = gather_chunk_layouts([dtensor], use_attached=True)
-    if validate:
-        mesh = dtensor.device_mesh
-        validate_chunk_layout(
-            dtensor.shape,
-            chunks,
-            mesh_shape=mesh.shape,
-            placements=dtensor.placements,
-            name="dtensor",
-        )
-    if not cached:
-        attach_chunk_metadata(dtensor, chunks[local_mesh_index(dtensor.device_mesh)], chunks)
-    return chunks
+    if layout is None or layout.all_chunks is None:
+        attach_gathered_layouts([dtensor], [_claimed_chunk(dtensor)], ["dtensor"])
+        layout = get_chunk_metadata(dtensor)
+    return layout.all_chunks
 
 
 def validate_uneven_dtensor(dtensor: DTensor) -> None:
@@ -306,10 +339,12 @@ def validate_uneven_dtensor(dtensor: DTensor) -> None:
     order of the local shapes. Checks that every chunk lies inside the
     tensor, no two chunks overlap, nothing is left uncovered, and replicas
     (ranks differing only in ``Replicate`` mesh dims) hold the same chunk.
+    The exchanged layout is always fresh (never a cached one), and every
+    rank raises the same error.
 
     Raises:
         TypeError: if ``dtensor`` is not a DTensor.
         ValueError: describing the first violation found, with the chunks involved.
     """
     _require_dtensor(dtensor)
-    full_layout(dtensor, validate=True)
+    attach_gathered_layouts([dtensor], [_claimed_chunk(dtensor)], ["dtensor"])

@@ -32,10 +32,10 @@ from mf_dtensor.chunk_metadata import (
     ChunkLayout,
     _require_dtensor,
     attach_chunk_metadata,
+    attach_gathered_layouts,
     full_layout,
     get_chunk_metadata,
     local_mesh_index,
-    update_uneven_dtensor_chunk_metadata,
 )
 from mf_dtensor.layout import (
     check_placements,
@@ -77,8 +77,11 @@ def uneven_dtensor_from_local(
             no communication is needed to attach the chunk metadata; when
             ``None``, offsets follow DTensor's ``Shard`` order (mesh
             coordinate order) and are computed with one small all-gather.
-        validate: also check across ranks that the pieces tile the tensor
-            exactly (one small all-gather when ``global_offset`` is given).
+        validate: with ``global_offset``, also check across ranks that the
+            pieces tile the tensor exactly (one small all-gather); without
+            it, only this rank's piece is checked, locally, and nothing is
+            exchanged. Layouts computed without ``global_offset`` are always
+            validated.
 
     Returns:
         A DTensor of shape ``global_shape`` whose chunk metadata is attached.
@@ -127,11 +130,14 @@ def uneven_dtensor_from_local(
         stride=contiguous_stride(shape),
     )
     if global_offset is None:
-        update_uneven_dtensor_chunk_metadata(dtensor)
+        attach_gathered_layouts([dtensor], [None], ["dtensor"])
+    elif validate:
+        # Exchange the claimed chunk before checking anything, so that a bad
+        # offset raises the same error on every rank instead of stranding
+        # the others in the gather.
+        attach_gathered_layouts([dtensor], [make_chunk(offset, local_tensor.shape)], ["dtensor"])
     else:
         attach_chunk_metadata(dtensor, make_chunk(offset, local_tensor.shape))
-    if validate:
-        full_layout(dtensor, validate=True)
     return dtensor
 
 
@@ -186,34 +192,43 @@ def assemble_full_tensor_from_uneven_chunks(
             f"{'mesh rank' if process_group is None else 'group member'}), got {len(chunks)}"
         )
     local = dtensor.to_local()
-    if tuple(chunks[position].sizes) != tuple(local.shape):
-        raise ValueError(
-            f"all_chunk_info: this rank's chunk has sizes {tuple(chunks[position].sizes)}, "
-            f"but its local piece has shape {tuple(local.shape)}"
-        )
     validate_chunk_layout(dtensor.shape, chunks, name="all_chunk_info")
     if process_group is None:
         mesh_dims = _sharded_mesh_dims(dtensor.placements)
         members = _members_sharing_replicate_coordinates(mesh, mesh_dims)
+        position = members.index(position)
         chunks = [chunks[index] for index in members]
         device = get_group_device(mesh.get_group(0))
     else:
         device = get_group_device(process_group)
+    # Each row: the piece padded to the largest chunk, then a "matches my
+    # chunk" flag, so a rank whose piece disagrees with the list makes every
+    # rank raise instead of leaving its peers in the gather.
     width = max(math.prod(chunk.sizes) for chunk in chunks)
-    flat = torch.zeros(width, dtype=local.dtype, device=device)
-    flat[: local.numel()] = local.reshape(-1)
+    matches = tuple(chunks[position].sizes) == tuple(local.shape)
+    row = torch.zeros(width + 1, dtype=local.dtype, device=device)
+    if matches:
+        row[: local.numel()] = local.reshape(-1)
+    row[width] = 1 if matches else 0
     if process_group is None:
-        gathered = all_gather_over_mesh_dims(flat, mesh, mesh_dims)
+        gathered = all_gather_over_mesh_dims(row, mesh, mesh_dims)
     else:
-        gathered = flat.new_empty((len(chunks), width))
-        dist.all_gather_into_tensor(gathered.view(-1), flat, group=process_group)
+        gathered = row.new_empty((len(chunks), width + 1))
+        dist.all_gather_into_tensor(gathered.view(-1), row, group=process_group)
+    mismatched = [i for i, flag in enumerate(gathered[:, width].tolist()) if flag != 1]
+    if mismatched:
+        raise ValueError(
+            f"all_chunk_info: the local pieces of members {mismatched} do not have the sizes "
+            f"of their chunks (this rank: chunk sizes {tuple(chunks[position].sizes)}, local "
+            f"piece {tuple(local.shape)})"
+        )
     full = torch.empty(dtensor.shape, dtype=local.dtype, device=device)
-    for row, chunk in zip(gathered, chunks, strict=True):
+    for data, chunk in zip(gathered, chunks, strict=True):
         slices = tuple(
             slice(offset, offset + size)
             for offset, size in zip(chunk.offsets, chunk.sizes, strict=True)
         )
-        full[slices] = row[: math.prod(chunk.sizes)].view(chunk.sizes)
+        full[slices] = data[: math.prod(chunk.sizes)].view(chunk.sizes)
     return _replicated(full, mesh, target_device)
 
 
@@ -297,7 +312,7 @@ def split_dtensor(
     dim_is_sharded = any(isinstance(p, Shard) and p.dim == dim for p in dtensor.placements)
     layout = get_chunk_metadata(dtensor)
     if layout is None and (dim_is_sharded or update_uneven_dtensor_chunk_meta):
-        update_uneven_dtensor_chunk_metadata(dtensor)
+        full_layout(dtensor)
         layout = get_chunk_metadata(dtensor)
     return _split_pieces(dtensor, sections, dim, layout, update_uneven_dtensor_chunk_meta)
 
