@@ -237,9 +237,20 @@ def test_process_wide_tracker_is_created_once() -> None:
         tracker = get_cuda_rng_tracker()
         assert type(tracker) is RNGStatesTracker
         assert get_rng_tracker() is tracker
-        # Options only matter for the first creation ...
-        assert get_cuda_rng_tracker(inference_rng_tracker=True) is tracker
-        initialize_rng_tracker(inference_rng_tracker=True, device="cpu")
+        # Options only matter for the first creation (a warning says so) ...
+        with pytest.warns(UserWarning, match=r"inference_rng_tracker=True is ignored"):
+            assert get_cuda_rng_tracker(inference_rng_tracker=True) is tracker
+        with pytest.warns(
+            UserWarning,
+            match=r"already exists \(RNGStatesTracker\), so use_te_rng_tracker=True, "
+            r"inference_rng_tracker=True, device=device\(type='meta', index=0\) is ignored; "
+            r"pass force_reset=True",
+        ):
+            initialize_rng_tracker(
+                use_te_rng_tracker=True,
+                inference_rng_tracker=True,
+                device=torch.device("meta", 0),  # differs from the tracker's device
+            )
         assert get_cuda_rng_tracker() is tracker
         # ... or with force_reset.
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True, device="cpu")

@@ -42,7 +42,7 @@ _GRAD_ERROR = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _RNGSnapshot:
     """The CPU, accelerator and tracker generator states at one moment."""
 
@@ -67,7 +67,7 @@ class _RNGSnapshot:
         get_cuda_rng_tracker().set_states(self.tracker_states)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ForwardState:
     """What the recomputation must reproduce: RNG states and autocast settings at forward."""
 
@@ -106,7 +106,7 @@ class _ForwardState:
             current.restore()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ArgLayout:
     """Where the tensors sit among a call's positional arguments (the rest kept as is)."""
 

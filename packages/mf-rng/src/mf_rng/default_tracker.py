@@ -13,6 +13,7 @@ instead of touching this module's globals.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,7 +71,8 @@ def initialize_rng_tracker(
     """Create the process-wide tracker unless one exists (or ``force_reset`` asks to replace it).
 
     The options describe the tracker to create; they change nothing about an
-    existing one (as in the reference).
+    existing one (as in the reference), and a warning says so when an option
+    explicitly asked for (a True flag, a device) differs from it.
 
     Args:
         use_te_rng_tracker: use Transformer Engine's tracker (graph-safe,
@@ -106,7 +108,46 @@ def _initialize(
         _tracker = _new_tracker(
             use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, device
         )
+        return _tracker
+    ignored = _unmet_requests(
+        _tracker, use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, device
+    )
+    if ignored:
+        warnings.warn(
+            f"the process-wide RNG tracker already exists ({type(_tracker).__name__}), so "
+            f"{', '.join(ignored)} is ignored; pass force_reset=True (force_reset_rng=True "
+            "when seeding) to rebuild it",
+            UserWarning,
+            stacklevel=3,
+        )
     return _tracker
+
+
+def _unmet_requests(
+    tracker: RNGTracker,
+    use_te_rng_tracker: bool,
+    inference_rng_tracker: bool,
+    use_cudagraphable_rng: bool,
+    device: torch.device | str | int | None,
+) -> list[str]:
+    """The options explicitly asked for that the existing ``tracker`` does not have.
+
+    Defaults never count: most callers ask for "the" tracker without options.
+    """
+    unmet = []
+    if use_te_rng_tracker and not getattr(tracker, "uses_transformer_engine", False):
+        unmet.append("use_te_rng_tracker=True")
+    if inference_rng_tracker and not getattr(tracker, "is_inference_rng_tracker", False):
+        unmet.append("inference_rng_tracker=True")
+    if (
+        use_cudagraphable_rng
+        and not use_te_rng_tracker
+        and not getattr(tracker, "use_cudagraphable_rng", False)
+    ):
+        unmet.append("use_cudagraphable_rng=True")
+    if device is not None and resolve_device(device) != tracker.device:
+        unmet.append(f"device={device!r}")
+    return unmet
 
 
 def get_cuda_rng_tracker(

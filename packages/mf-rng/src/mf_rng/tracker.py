@@ -125,6 +125,11 @@ class RNGStatesTracker:
             generator has no graph-safe states.
     """
 
+    use_cudagraphable_rng: bool
+    is_inference_rng_tracker: bool
+    states_: dict[str, RNGState]  # name -> state (byte tensor, or generator when graph-safe)
+    seeds_: set[int]  # seeds in use, so no two names share a stream
+
     def __init__(
         self,
         use_cudagraphable_rng: bool = False,
@@ -144,8 +149,8 @@ class RNGStatesTracker:
                 f"in torch {torch.__version__} (cuda generators do); pass "
                 "use_cudagraphable_rng=False on this device"
             )
-        self.states_: dict[str, RNGState] = {}
-        self.seeds_: set[int] = set()
+        self.states_ = {}
+        self.seeds_ = set()
         self._is_initialized = False
 
     @property
@@ -287,6 +292,8 @@ def te_rng_tracker_class(inference: bool = False) -> type:
 
     class TERNGStatesTracker(_TETracker):  # type: ignore[misc, valid-type]
         """TE's tracker plus the ``is_initialized`` bookkeeping mf expects."""
+
+        uses_transformer_engine = True
 
         def __init__(self, is_inference_rng_tracker: bool = False) -> None:
             self._is_initialized = False
