@@ -108,6 +108,16 @@ def test_checkpoint_gradients_are_bitwise_equal_with_dropout() -> None:
     _assert_all_equal(got, expected)
 
 
+def test_checkpoint_replays_the_same_states_on_a_second_backward() -> None:
+    block, x = _setup()
+    out = checkpoint(block, False, x)
+    out.sum().backward(retain_graph=True)
+    first = _grads(block, x)
+    out.sum().backward()  # recomputes again from the same forward states
+    # g + g == 2 * g exactly in floating point, so the sums are bitwise equal.
+    _assert_all_equal(_grads(block, x), [2 * g for g in first])
+
+
 def test_recomputation_differs_without_state_replay() -> None:
     """Control: the RNG replay is what makes the gradients match."""
     block, x = _setup()

@@ -64,7 +64,13 @@ def test_cuda_fork_matches_a_fresh_generator_and_restores_default(graph_safe: bo
     with tracker.fork("a"):
         first = torch.rand(64, device=CUDA)
     after_fork = torch.rand(8, device=CUDA)
-    snapshot = tracker.get_states()
+    # Graph-safe states are live objects (forks advance them): a snapshot clones.
+    snapshot = {
+        name: state.clone_state() if graph_safe else state
+        for name, state in tracker.get_states().items()
+    }
+    if graph_safe:
+        assert tracker.get_states()["a"] is tracker.states_["a"]
     with tracker.fork("a"):
         second = torch.rand(64, device=CUDA)
 

@@ -42,15 +42,28 @@ _GRAD_ERROR = (
 )
 
 
+def _clone(state: Any) -> Any:
+    # Graph-safe states are live generator objects that draws advance in place;
+    # plain states are byte tensors that nothing modifies.
+    return state.clone_state() if isinstance(state, torch.Generator) else state
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _RNGSnapshot:
-    """The CPU, accelerator and tracker generator states at one moment."""
+    """The CPU, accelerator and tracker generator states at one moment.
+
+    A snapshot ``for_replay`` holds clones and installs fresh clones on every
+    :meth:`restore`, so replaying it never consumes it. Otherwise it holds the
+    live state objects and :meth:`restore` puts those very objects back, which
+    keeps graph-safe states registered with CUDA graphs in use.
+    """
 
     device_states: tuple[tuple[torch.device, RNGState, bool], ...]
     tracker_states: dict[str, Any]
+    for_replay: bool
 
     @classmethod
-    def capture(cls) -> _RNGSnapshot:
+    def capture(cls, *, for_replay: bool) -> _RNGSnapshot:
         tracker = get_cuda_rng_tracker()
         graph_safe = bool(getattr(tracker, "use_cudagraphable_rng", False))
         devices = dict.fromkeys((torch.device("cpu"), default_device(), tracker.device))
@@ -58,13 +71,20 @@ class _RNGSnapshot:
         for device in devices:
             # The CPU generator has no graph-safe states; accelerators follow the tracker.
             safe = graph_safe and device.type != "cpu"
-            states.append((device, get_rng_state(device, graph_safe=safe, clone=True), safe))
-        return cls(tuple(states), tracker.get_states())
+            state = get_rng_state(device, graph_safe=safe, clone=for_replay)
+            states.append((device, state, safe))
+        tracker_states = tracker.get_states()
+        if for_replay:
+            tracker_states = {name: _clone(state) for name, state in tracker_states.items()}
+        return cls(tuple(states), tracker_states, for_replay)
 
     def restore(self) -> None:
+        copy = _clone if self.for_replay else (lambda state: state)
         for device, state, graph_safe in self.device_states:
-            set_rng_state(state, device, graph_safe=graph_safe)
-        get_cuda_rng_tracker().set_states(self.tracker_states)
+            set_rng_state(copy(state), device, graph_safe=graph_safe)
+        get_cuda_rng_tracker().set_states(
+            {name: copy(state) for name, state in self.tracker_states.items()}
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,7 +97,7 @@ class _ForwardState:
 
     @classmethod
     def capture(cls) -> _ForwardState:
-        rng = _RNGSnapshot.capture()
+        rng = _RNGSnapshot.capture(for_replay=True)
         device_types = dict.fromkeys(device.type for device, _, _ in rng.device_states)
         autocast = tuple(
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
@@ -90,7 +110,7 @@ class _ForwardState:
         """Run the block with the forward's RNG and autocast state and grad enabled."""
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(_GRAD_ERROR.format(where=where))
-        current = _RNGSnapshot.capture()
+        current = _RNGSnapshot.capture(for_replay=False)
         self.rng.restore()
         try:
             with contextlib.ExitStack() as stack:

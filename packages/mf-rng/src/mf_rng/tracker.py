@@ -168,17 +168,21 @@ class RNGStatesTracker:
         self.seeds_ = set()
         self._is_initialized = False
 
-    def _copy_state(self, state: RNGState) -> RNGState:
-        # A graph-safe state is a live object that forks advance in place, so a
-        # snapshot must be a clone; plain states are immutable byte tensors here.
-        return state.clone_state() if isinstance(state, torch.Generator) else state
-
     def get_states(self) -> dict[str, RNGState]:
-        """Return a snapshot of the named states that later forks do not change."""
-        return {name: self._copy_state(state) for name, state in self.states_.items()}
+        """Return the named states in a new dict.
+
+        Plain states are byte tensors that later forks replace rather than
+        modify, so the dict is a snapshot. Graph-safe states are the live
+        generator objects (as in the reference, so CUDA graphs that registered
+        them keep working): forks advance them in place, and a snapshot needs
+        ``state.clone_state()``.
+        """
+        return dict(self.states_)
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Replace the named states with ``states``, typically a :meth:`get_states` snapshot.
+        """Replace the named states with ``states``, typically from :meth:`get_states`.
+
+        The dict is copied; the states themselves are used by reference.
 
         Raises:
             TypeError: if ``states`` is not a mapping of names to states of the
@@ -194,7 +198,7 @@ class RNGStatesTracker:
                     f"set_states: expected str -> {kind.__name__} entries, got "
                     f"{name!r} -> {type(state).__name__}"
                 )
-        self.states_ = {name: self._copy_state(state) for name, state in states.items()}
+        self.states_ = dict(states)
         self._is_initialized = True
 
     def add(self, name: str, seed: int) -> None:
