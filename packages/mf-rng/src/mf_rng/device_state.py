@@ -16,7 +16,9 @@ Two kinds of state exist:
   that object, which is what CUDA graph capture needs. Only generators that
   implement it (CUDA today) accept ``graph_safe=True``; the others raise.
 
-Nothing here keeps state between calls.
+Nothing here keeps state between calls beyond a cache of each device's
+default generator object and whether it offers graph-safe states (both fixed
+for the life of the process).
 """
 
 from __future__ import annotations
