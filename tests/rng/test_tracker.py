@@ -105,6 +105,25 @@ def test_states_advance_across_forks_and_streams_are_independent() -> None:
     assert torch.equal(torch.cat([b1, b2]), torch.rand(10, generator=_fresh(200)))
 
 
+def test_nested_fork_of_the_same_name_is_refused() -> None:
+    tracker = RNGStatesTracker(device="cpu")
+    tracker.add("a", 1)
+    before = torch.get_rng_state()
+    with tracker.fork("a"):
+        first = torch.rand(4)
+        with (
+            pytest.raises(RuntimeError, match=r"fork: the RNG state 'a' is already forked"),
+            tracker.fork("a"),
+        ):
+            pass
+        second = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)
+    # The refused fork changed nothing: the stream ran on without repeats.
+    assert torch.equal(torch.cat([first, second]), torch.rand(8, generator=_fresh(1)))
+    with tracker.fork("a"):  # the name is free again after its block
+        pass
+
+
 def test_default_fork_name_is_the_model_parallel_state() -> None:
     tracker = RNGStatesTracker(device="cpu")
     tracker.add(get_model_parallel_rng_tracker_name(), 9)

@@ -152,6 +152,7 @@ class RNGStatesTracker:
         self.states_ = {}
         self.seeds_ = set()
         self._is_initialized = False
+        self._forked: set[str] = set()  # names whose fork block is running
 
     @property
     def device(self) -> torch.device:
@@ -230,19 +231,31 @@ class RNGStatesTracker:
         The advanced state is stored under ``name``, so the next fork continues
         the same stream.
 
+        Forks of different names nest. Re-entering a name that is already
+        forked is refused: the inner fork would restart from the state stored
+        before the outer one began and silently repeat its random numbers.
+
         Raises:
             ValueError: if no state named ``name`` was added.
+            RuntimeError: if ``name`` is already forked (nested fork of one name).
         """
         if name not in self.states_:
             raise ValueError(
                 f"fork: no RNG state named {name!r}; added states: {sorted(self.states_)}"
             )
+        if name in self._forked:
+            raise RuntimeError(
+                f"fork: the RNG state {name!r} is already forked by an enclosing block; "
+                "draw from it directly instead of forking it again"
+            )
         device, graph_safe = self.device, self.use_cudagraphable_rng
         original = get_rng_state(device, graph_safe=graph_safe)
         set_rng_state(self.states_[name], device, graph_safe=graph_safe)
+        self._forked.add(name)
         try:
             yield
         finally:
+            self._forked.discard(name)
             self.states_[name] = get_rng_state(device, graph_safe=graph_safe)
             set_rng_state(original, device, graph_safe=graph_safe)
 
