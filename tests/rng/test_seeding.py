@@ -88,9 +88,9 @@ def test_force_reset_and_inference_flavour() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"tp_rank": -1}, ValueError, r"tp_rank must be a non-negative int or None, got -1"),
-        ({"ep_rank": 1.0}, ValueError, r"ep_rank must be a non-negative int or None, got 1\.0"),
-        ({"etp_rank": True}, ValueError, r"etp_rank must be a non-negative int or None, got True"),
+        ({"tp_rank": -1}, ValueError, r"tp_rank must be non-negative, got -1"),
+        ({"ep_rank": 1.0}, TypeError, r"ep_rank must be an int or None, got 1\.0"),
+        ({"etp_rank": True}, TypeError, r"etp_rank must be an int or None, got True"),
         # 100 * 0 + 1694 + 1024 == 2718 + 0: the expert seed would repeat the TP seed.
         (
             {"tp_rank": 0, "etp_rank": 1694},

@@ -96,8 +96,10 @@ def registered_model_parallel_rank(axis: ParallelAxis) -> int:
 def _resolve_rank(rank: int | None, axis: ParallelAxis) -> int:
     if rank is None:
         return registered_model_parallel_rank(axis)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"{axis}_rank must be a non-negative int or None, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{axis}_rank must be an int or None, got {rank!r}")
+    if rank < 0:
+        raise ValueError(f"{axis}_rank must be non-negative, got {rank!r}")
     return rank
 
 
@@ -133,11 +135,11 @@ def model_parallel_cuda_manual_seed(
             :func:`initialize_rng_tracker`); an existing tracker keeps its own.
 
     Raises:
-        TypeError, ValueError: for a seed that is not an int in torch's range,
-            or a rank that is not a non-negative int.
-        ValueError: if two derived seeds coincide (ranks beyond the reference's
-            ranges, e.g. ``etp_rank >= 100``) or leave torch's seed range; the
-            tracker is left untouched then.
+        TypeError: for a seed or rank that is not an int.
+        ValueError: for a seed outside torch's range, a negative rank, or
+            derived seeds that coincide (ranks beyond the reference's ranges,
+            e.g. ``etp_rank >= 100``) or leave torch's seed range; the tracker
+            is left untouched then.
     """
     check_seed(seed, "model_parallel_cuda_manual_seed")
     tp_rank = _resolve_rank(tp_rank, "tp")
