@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from mf_dtensor import (
     assemble_full_tensor_from_uneven_chunks,
+    attach_chunk_metadata,
     gather_and_compute_chunk_metadata,
     gather_uneven_dtensor_to_full_tensor,
     get_chunk_metadata,
@@ -28,7 +29,7 @@ from mf_dtensor import (
     uneven_dtensor_from_local,
     validate_uneven_dtensor,
 )
-from mf_dtensor.chunk_metadata import attach_chunk_metadata, local_mesh_index
+from mf_dtensor.chunk_metadata import local_mesh_index
 from mf_dtensor.layout import make_chunk
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.dtensor._cases import LayoutCase, chunk_slices, layout_cases

@@ -17,6 +17,7 @@ from mf_dtensor.checkpoint import (
 )
 from mf_dtensor.chunk_metadata import (
     ChunkLayout,
+    attach_chunk_metadata,
     gather_and_compute_chunk_metadata,
     get_chunk_metadata,
     update_uneven_dtensor_chunk_metadata,
@@ -33,6 +34,7 @@ from mf_dtensor.uneven import (
 __all__ = [
     "ChunkLayout",
     "assemble_full_tensor_from_uneven_chunks",
+    "attach_chunk_metadata",
     "filter_unflattened_state_dict",
     "gather_and_compute_chunk_metadata",
     "gather_uneven_dtensor_to_full_tensor",

@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from mf_dtensor.chunk_metadata import _claimed_chunk, attach_gathered_layouts
+from mf_dtensor.chunk_metadata import attach_gathered_layouts, claimed_chunk
 
 __all__ = [
     "filter_unflattened_state_dict",
@@ -114,7 +114,7 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
         by_mesh.setdefault(dtensor.device_mesh, []).append((key_chain, dtensor))
     for entries in by_mesh.values():
         dtensors = [dtensor for _, dtensor in entries]
-        claimed = [_claimed_chunk(dtensor) for dtensor in dtensors]
+        claimed = [claimed_chunk(dtensor) for dtensor in dtensors]
         names = [
             "state_dict" + "".join(f"[{key!r}]" for key in key_chain) for key_chain, _ in entries
         ]

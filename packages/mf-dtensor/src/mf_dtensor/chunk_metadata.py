@@ -51,11 +51,13 @@ __all__ = [
     "ChunkLayout",
     "attach_chunk_metadata",
     "attach_gathered_layouts",
+    "claimed_chunk",
     "full_layout",
     "gather_and_compute_chunk_metadata",
     "gather_chunk_layouts",
     "get_chunk_metadata",
     "local_mesh_index",
+    "require_dtensor",
     "update_uneven_dtensor_chunk_metadata",
     "validate_uneven_dtensor",
 ]
@@ -78,7 +80,8 @@ class ChunkLayout:
     all_chunks: tuple[ChunkStorageMetadata, ...] | None = None
 
 
-def _require_dtensor(dtensor: Any, argument: str = "dtensor") -> DTensor:
+def require_dtensor(dtensor: Any, argument: str = "dtensor") -> DTensor:
+    """Return ``dtensor`` if it is a DTensor, else raise a TypeError naming ``argument``."""
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"{argument}: expected a DTensor, got {type(dtensor).__name__}")
     return dtensor
@@ -101,7 +104,7 @@ def local_mesh_index(mesh: DeviceMesh) -> int:
 
 def get_chunk_metadata(dtensor: DTensor) -> ChunkLayout | None:
     """The chunk metadata attached to ``dtensor``, or ``None`` if it has none."""
-    return getattr(_require_dtensor(dtensor), _METADATA_ATTR, None)
+    return getattr(require_dtensor(dtensor), _METADATA_ATTR, None)
 
 
 def _chunk_list(layout: ChunkLayout, global_numel: int) -> list[ChunkStorageMetadata]:
@@ -145,7 +148,7 @@ def attach_chunk_metadata(
         ValueError: if the chunk does not match the local piece or the DTensor
             has unsupported placements.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     mesh = dtensor.device_mesh
     check_placements(dtensor.placements, dtensor.ndim, mesh.ndim)
     local_shape = tuple(dtensor.to_local().shape)
@@ -247,7 +250,8 @@ def gather_chunk_layouts(
     return layouts
 
 
-def _claimed_chunk(dtensor: DTensor) -> ChunkStorageMetadata | None:
+def claimed_chunk(dtensor: DTensor) -> ChunkStorageMetadata | None:
+    """This rank's attached chunk of ``dtensor``, or ``None`` when nothing is attached."""
     layout = get_chunk_metadata(dtensor)
     return None if layout is None else layout.local
 
@@ -294,7 +298,7 @@ def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
         TypeError: if ``dtensor`` is not a DTensor.
         ValueError: if the local shapes cannot be laid out on the mesh.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     (layout,) = gather_chunk_layouts([dtensor], [None])
     return layout[local_mesh_index(dtensor.device_mesh)]
 
@@ -313,7 +317,7 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> DTensor:
         TypeError: if ``dtensor`` is not a DTensor.
         ValueError: (on every rank) if the local shapes do not tile the tensor.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     attach_gathered_layouts([dtensor], [None], ["dtensor"])
     return dtensor
 
@@ -326,7 +330,7 @@ def full_layout(dtensor: DTensor) -> tuple[ChunkStorageMetadata, ...]:
     """
     layout = get_chunk_metadata(dtensor)
     if layout is None or layout.all_chunks is None:
-        attach_gathered_layouts([dtensor], [_claimed_chunk(dtensor)], ["dtensor"])
+        attach_gathered_layouts([dtensor], [claimed_chunk(dtensor)], ["dtensor"])
         layout = get_chunk_metadata(dtensor)
     return layout.all_chunks
 
@@ -346,5 +350,5 @@ def validate_uneven_dtensor(dtensor: DTensor) -> None:
         TypeError: if ``dtensor`` is not a DTensor.
         ValueError: describing the first violation found, with the chunks involved.
     """
-    _require_dtensor(dtensor)
-    attach_gathered_layouts([dtensor], [_claimed_chunk(dtensor)], ["dtensor"])
+    require_dtensor(dtensor)
+    attach_gathered_layouts([dtensor], [claimed_chunk(dtensor)], ["dtensor"])

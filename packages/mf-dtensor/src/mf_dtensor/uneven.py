@@ -30,12 +30,12 @@ from torch.distributed.tensor.placement_types import Placement
 from mf_dtensor._collectives import all_gather_over_mesh_dims
 from mf_dtensor.chunk_metadata import (
     ChunkLayout,
-    _require_dtensor,
     attach_chunk_metadata,
     attach_gathered_layouts,
     full_layout,
     get_chunk_metadata,
     local_mesh_index,
+    require_dtensor,
 )
 from mf_dtensor.layout import (
     check_placements,
@@ -179,7 +179,7 @@ def assemble_full_tensor_from_uneven_chunks(
         ValueError: if the chunk list has the wrong length, this rank's chunk
             does not match its local piece, or the chunks do not tile the tensor.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     mesh = dtensor.device_mesh
     chunks = list(all_chunk_info)
     if process_group is None:
@@ -192,14 +192,22 @@ def assemble_full_tensor_from_uneven_chunks(
             f"{'mesh rank' if process_group is None else 'group member'}), got {len(chunks)}"
         )
     local = dtensor.to_local()
-    validate_chunk_layout(dtensor.shape, chunks, name="all_chunk_info")
     if process_group is None:
+        # Replicas must agree, or the members gathered below might not cover the tensor.
+        validate_chunk_layout(
+            dtensor.shape,
+            chunks,
+            mesh_shape=mesh.shape,
+            placements=dtensor.placements,
+            name="all_chunk_info",
+        )
         mesh_dims = _sharded_mesh_dims(dtensor.placements)
         members = _members_sharing_replicate_coordinates(mesh, mesh_dims)
         position = members.index(position)
         chunks = [chunks[index] for index in members]
         device = get_group_device(mesh.get_group(0))
     else:
+        validate_chunk_layout(dtensor.shape, chunks, name="all_chunk_info")
         device = get_group_device(process_group)
     # Each row: the piece padded to the largest chunk, then a "matches my
     # chunk" flag, so a rank whose piece disagrees with the list makes every
@@ -263,7 +271,7 @@ def gather_uneven_dtensor_to_full_tensor(
         TypeError: if ``dtensor`` is not a DTensor.
         ValueError: if the pieces do not tile the tensor.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     return assemble_full_tensor_from_uneven_chunks(
         dtensor, full_layout(dtensor), None, target_device
     )
@@ -301,7 +309,7 @@ def split_dtensor(
         TypeError: on a non-DTensor or a malformed split.
         ValueError: on a dim out of range or sections that do not sum to the dim size.
     """
-    _require_dtensor(dtensor)
+    require_dtensor(dtensor)
     ndim = dtensor.ndim
     if not -ndim <= dim < ndim:
         raise ValueError(f"dim: expected a dim of a {ndim}-D DTensor, got {dim!r}")
