@@ -226,6 +226,15 @@ def _rank_bad_input(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"ranks \[1\] of the mesh give no chunk offsets"):
         validate_uneven_dtensor(mixed)
 
+    # Explicit offsets need not follow mesh order: rank 0 holds the tail here.
+    low, high = [(3, 5), (0, 3)][rank]
+    reversed_order = uneven_dtensor_from_local(
+        full[low:high].clone(), mesh, [Shard(0)], global_shape=(5, 2), global_offset=(low, 0)
+    )
+    assert torch.equal(_replicated_full(reversed_order), full)
+    # gather_and_compute_chunk_metadata is about mesh order only: rank 0 first.
+    assert gather_and_compute_chunk_metadata(reversed_order).offsets[0] == [0, 2][rank]
+
     chunks = [make_chunk((0, 0), (1, 2)), make_chunk((1, 0), (4, 2))]
     with pytest.raises(ValueError, match="all_chunk_info: expected 2 chunks"):
         assemble_full_tensor_from_uneven_chunks(good, chunks[:1], dist.group.WORLD)
