@@ -110,8 +110,10 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return x
-    stacked = torch.empty((world_size, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(stacked, x.contiguous(), group=group)
+    # Flat buffers: gloo wants the output to be the inputs laid end to end.
+    flat = torch.empty(world_size * x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(flat, x.contiguous().reshape(-1), group=group)
+    stacked = flat.view(world_size, *x.shape)
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -121,9 +123,9 @@ def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     if world_size == 1:
         return x
     check_divisible(x.shape[-1], world_size, "the last dim", "reduce-scatter along the last dim")
-    stacked = torch.stack(x.chunk(world_size, dim=-1)).contiguous()  # [t, ..., H/t]
+    stacked = torch.stack(x.chunk(world_size, dim=-1))  # [t, ..., H/t]
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, stacked, group=group)
+    dist.reduce_scatter_tensor(out.view(-1), stacked.reshape(-1), group=group)
     return out
 
 
