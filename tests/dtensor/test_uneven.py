@@ -194,12 +194,17 @@ def _rank_bad_input(rank: int, world_size: int) -> None:
 
     with pytest.raises(ValueError, match=r"placements\[0\]: expected Shard\(dim\) or Replicate"):
         uneven_dtensor_from_local(full, mesh, [Partial()], global_shape=(5, 2))
+    local_only = {"device_mesh": mesh, "placements": [Shard(0)], "global_shape": (5, 2)}
     with pytest.raises(ValueError, match=r"dim 1 is not sharded, so its size must equal"):
-        uneven_dtensor_from_local(full[:, :1], mesh, [Shard(0)], global_shape=(5, 2))
-    with pytest.raises(ValueError, match=r"global_offset: expected 2 offsets, zero on unsharded"):
-        uneven_dtensor_from_local(
-            full[:1], mesh, [Shard(0)], global_shape=(5, 2), global_offset=(0, 1)
-        )
+        uneven_dtensor_from_local(full[:, :1], **local_only, global_offset=(0, 0), validate=False)
+    with pytest.raises(ValueError, match=r"global_offset: dim 1 is not sharded, so its offset"):
+        uneven_dtensor_from_local(full[:1], **local_only, global_offset=(0, 1), validate=False)
+    with pytest.raises(ValueError, match=r"global_offset: expected 2 offsets, got \(0,\)"):
+        uneven_dtensor_from_local(full[:1], **local_only, global_offset=(0,))
+    # A mistake on one rank only, with validation: every rank raises, none hangs.
+    piece, offset = [(full[:2], (0, 0)), (full[2:, :1], (2, 0))][rank]
+    with pytest.raises(ValueError, match="cover 7 of the 10 elements"):
+        uneven_dtensor_from_local(piece, **local_only, global_offset=offset)
     with pytest.raises(ValueError, match=r"chunk of rank 0 \(offsets=\(4, 0\) .* out of bounds"):
         uneven_dtensor_from_local(
             full[:2], mesh, [Shard(0)], global_shape=(5, 2), global_offset=(4, 0)

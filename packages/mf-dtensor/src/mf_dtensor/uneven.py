@@ -77,21 +77,23 @@ def uneven_dtensor_from_local(
             no communication is needed to attach the chunk metadata; when
             ``None``, offsets follow DTensor's ``Shard`` order (mesh
             coordinate order) and are computed with one small all-gather.
-        validate: with ``global_offset``, also check across ranks that the
-            pieces tile the tensor exactly (one small all-gather); without
-            it, only this rank's piece is checked, locally, and nothing is
-            exchanged. Layouts computed without ``global_offset`` are always
-            validated.
+        validate: only matters with ``global_offset``. True: exchange every
+            rank's chunk (one small all-gather) and check that the pieces
+            tile the tensor. False: no communication; only this rank's piece
+            is checked, locally. Without ``global_offset`` the layout is
+            always exchanged and validated.
 
     Returns:
         A DTensor of shape ``global_shape`` whose chunk metadata is attached.
 
     Raises:
         TypeError: if ``local_tensor`` is not a plain tensor.
-        ValueError: if the piece does not fit ``global_shape`` at
-            ``global_offset``, a placement is unsupported, or (with
-            ``validate``) the ranks' pieces overlap, leave gaps or disagree
-            between replicas.
+        ValueError: if a placement is unsupported or ``global_shape`` /
+            ``global_offset`` have the wrong length; if the exchanged pieces
+            overlap, leave gaps, stick out or disagree between replicas
+            (raised on every rank alike, so no rank is left waiting); or,
+            with ``validate=False``, if this rank's piece does not fit
+            ``global_shape`` at ``global_offset``.
     """
     if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
         raise TypeError(
@@ -105,22 +107,14 @@ def uneven_dtensor_from_local(
         )
     placements = tuple(placements)
     check_placements(placements, len(shape), device_mesh.ndim)
-    sharded = {p.dim for p in placements if isinstance(p, Shard)}
-    for dim, (local_size, size) in enumerate(zip(local_tensor.shape, shape, strict=True)):
-        if dim not in sharded and local_size != size:
-            raise ValueError(
-                f"local_tensor: dim {dim} is not sharded, so its size must equal global_shape"
-                f"[{dim}]={size}, got local shape {tuple(local_tensor.shape)}"
-            )
-    if global_offset is not None:
-        offset = tuple(int(o) for o in global_offset)
-        if len(offset) != len(shape) or any(
-            o != 0 for d, o in enumerate(offset) if d not in sharded
-        ):
-            raise ValueError(
-                f"global_offset: expected {len(shape)} offsets, zero on unsharded dims, "
-                f"got {offset!r} for placements {placements!r}"
-            )
+    offset = None if global_offset is None else tuple(int(o) for o in global_offset)
+    if offset is not None and len(offset) != len(shape):
+        raise ValueError(f"global_offset: expected {len(shape)} offsets, got {offset!r}")
+    if offset is not None and not validate:
+        # Nothing is exchanged, so check what this rank can check alone. When
+        # a layout is exchanged, its validation catches the same mistakes on
+        # every rank at once (a local raise would strand the other ranks).
+        _check_piece_alone(local_tensor, shape, placements, offset)
     dtensor = DTensor.from_local(
         local_tensor,
         device_mesh,
@@ -129,16 +123,35 @@ def uneven_dtensor_from_local(
         shape=torch.Size(shape),
         stride=contiguous_stride(shape),
     )
-    if global_offset is None:
+    if offset is None:
         attach_gathered_layouts([dtensor], [None], ["dtensor"])
     elif validate:
-        # Exchange the claimed chunk before checking anything, so that a bad
-        # offset raises the same error on every rank instead of stranding
-        # the others in the gather.
         attach_gathered_layouts([dtensor], [make_chunk(offset, local_tensor.shape)], ["dtensor"])
     else:
         attach_chunk_metadata(dtensor, make_chunk(offset, local_tensor.shape))
     return dtensor
+
+
+def _check_piece_alone(
+    local_tensor: torch.Tensor,
+    shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    offset: tuple[int, ...],
+) -> None:
+    sharded = {p.dim for p in placements if isinstance(p, Shard)}
+    for dim in range(len(shape)):
+        if dim in sharded:
+            continue
+        if local_tensor.shape[dim] != shape[dim]:
+            raise ValueError(
+                f"local_tensor: dim {dim} is not sharded, so its size must equal global_shape"
+                f"[{dim}]={shape[dim]}, got local shape {tuple(local_tensor.shape)}"
+            )
+        if offset[dim] != 0:
+            raise ValueError(
+                f"global_offset: dim {dim} is not sharded, so its offset must be 0, "
+                f"got {offset!r} for placements {placements!r}"
+            )
 
 
 def _sharded_mesh_dims(placements: Sequence[Placement]) -> list[int]:
