@@ -3,19 +3,20 @@
 Each rank builds the same full tensors from a shared seed, feeds its own
 piece through the mapping, backpropagates a known upstream gradient and
 compares with what the math says the local output and input gradient must be.
-Only the order of fp32 sums differs from the math, hence atol = rtol = 1e-6. TP=2 and TP=4 run the same body; the
-TP=4 run also covers the process-group layout over the world and a DeviceMesh.
+Only the order of fp32 sums differs from the math, hence atol = rtol = 1e-6.
+TP=2 and TP=4 run the same body; a separate TP=4 run covers the process-group
+layout over the world and over a DeviceMesh.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import mf_rng
 import pytest
 import torch
 import torch.distributed as dist
 
+import mf_rng
 import mf_tp
 from tests._multiprocess import cpu_mesh, run_on_ranks
 
