@@ -28,6 +28,7 @@ class LayoutCase:
     seed: int
     split_dim: int
     split_sections: tuple[int, ...]
+    load_shapes: tuple[tuple[int, ...], ...]  # another layout to load a checkpoint into
 
     def full_tensor(self) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed)
@@ -47,14 +48,16 @@ def _placement(ndim: int) -> st.SearchStrategy[Placement]:
 
 
 @st.composite
-def layout_cases(draw: st.DrawFn, mesh_shapes: list[tuple[int, ...]]) -> LayoutCase:
-    mesh_shape = draw(st.sampled_from(mesh_shapes))
-    ndim = draw(st.integers(1, 3))
-    global_shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
-    placements = tuple(draw(_placement(ndim)) for _ in mesh_shape)
+def _local_shapes(
+    draw: st.DrawFn,
+    global_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> tuple[tuple[int, ...], ...]:
+    """Every rank's local shape for random piece sizes along each sharded dim."""
     coordinates = mesh_coordinates(mesh_shape)
     local_shapes = [list(global_shape) for _ in coordinates]
-    for dim in range(ndim):
+    for dim in range(len(global_shape)):
         mesh_dims = sharding_mesh_dims(placements, dim)
         if not mesh_dims:
             continue
@@ -62,16 +65,26 @@ def layout_cases(draw: st.DrawFn, mesh_shapes: list[tuple[int, ...]]) -> LayoutC
         sizes = draw(compositions(global_shape[dim], len(keys)))
         for rank, coordinate in enumerate(coordinates):
             local_shapes[rank][dim] = sizes[keys.index(tuple(coordinate[m] for m in mesh_dims))]
+    return tuple(tuple(shape) for shape in local_shapes)
+
+
+@st.composite
+def layout_cases(draw: st.DrawFn, mesh_shapes: list[tuple[int, ...]]) -> LayoutCase:
+    mesh_shape = draw(st.sampled_from(mesh_shapes))
+    ndim = draw(st.integers(1, 3))
+    global_shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    placements = tuple(draw(_placement(ndim)) for _ in mesh_shape)
     split_dim = draw(st.integers(0, ndim - 1))
     pieces = draw(st.integers(1, 3))
     return LayoutCase(
         global_shape=global_shape,
         mesh_shape=mesh_shape,
         placements=placements,
-        local_shapes=tuple(tuple(shape) for shape in local_shapes),
+        local_shapes=draw(_local_shapes(global_shape, mesh_shape, placements)),
         seed=draw(st.integers(0, 2**16)),
         split_dim=split_dim,
         split_sections=tuple(draw(compositions(global_shape[split_dim], pieces))),
+        load_shapes=draw(_local_shapes(global_shape, mesh_shape, placements)),
     )
 
 

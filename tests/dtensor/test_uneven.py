@@ -1,7 +1,8 @@
 """Multi-rank tests: building, validating, gathering and splitting uneven DTensors.
 
 Property tests draw whole lists of layouts with hypothesis in the parent and
-check them all inside one spawn of the ranks. Every comparison is exact
+check them all inside one spawn of the ranks; each case is also saved with
+DCP and loaded into a second random layout of the same mesh. Every comparison is exact
 (``torch.equal``): gathering and splitting only move data, so any
 difference at all is a bug.
 """
@@ -9,10 +10,12 @@ difference at all is a bug.
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,6 +27,7 @@ from mf_dtensor import (
     gather_and_compute_chunk_metadata,
     gather_uneven_dtensor_to_full_tensor,
     get_chunk_metadata,
+    preprocess_state_dict_for_uneven_dtensor,
     rank_order_chunks,
     split_dtensor,
     uneven_dtensor_from_local,
@@ -45,7 +49,7 @@ def _replicated_full(dtensor: DTensor) -> torch.Tensor:
     return gathered.to_local()
 
 
-def _check_case(case: LayoutCase, mesh) -> None:
+def _check_case(case: LayoutCase, mesh, path: str) -> None:
     full = case.full_tensor()
     chunks = rank_order_chunks(
         case.global_shape, case.mesh_shape, case.placements, case.local_shapes
@@ -95,14 +99,33 @@ def _check_case(case: LayoutCase, mesh) -> None:
                 assert storage == local.untyped_storage().data_ptr()
             assert torch.equal(_replicated_full(piece), reference)
 
+    # DCP: save this layout, load into another random layout, bit-exact.
+    dcp.save(preprocess_state_dict_for_uneven_dtensor({"x": fresh}), checkpoint_id=path)
+    load_chunks = rank_order_chunks(
+        case.global_shape, case.mesh_shape, case.placements, case.load_shapes
+    )
+    target_chunk = load_chunks[local_mesh_index(mesh)]
+    target = DTensor.from_local(
+        torch.zeros(target_chunk.sizes),
+        mesh,
+        case.placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+    dcp.load(preprocess_state_dict_for_uneven_dtensor({"x": target}), checkpoint_id=path)
+    assert torch.equal(target.to_local(), full[chunk_slices(target_chunk)])
 
-def _rank_property_cases(rank: int, world_size: int, cases: list[LayoutCase]) -> None:
+
+def _rank_property_cases(
+    rank: int, world_size: int, cases: list[LayoutCase], directory: str
+) -> None:
     meshes = {}
-    for case in cases:
+    for index, case in enumerate(cases):
         if case.mesh_shape not in meshes:
             names = tuple(f"m{i}" for i in range(len(case.mesh_shape)))
             meshes[case.mesh_shape] = cpu_mesh(case.mesh_shape, names)
-        _check_case(case, meshes[case.mesh_shape])
+        _check_case(case, meshes[case.mesh_shape], f"{directory}/case{index}")
 
 
 @pytest.mark.multiprocess
@@ -117,7 +140,8 @@ def test_uneven_layout_properties(world_size: int, data) -> None:
     cases = data.draw(
         st.lists(layout_cases(MESH_SHAPES[world_size]), min_size=16, max_size=16), label="cases"
     )
-    run_on_ranks(_rank_property_cases, world_size, cases, timeout=240)
+    with tempfile.TemporaryDirectory(prefix="mf-dtensor-") as directory:
+        run_on_ranks(_rank_property_cases, world_size, cases, directory, timeout=240)
 
 
 def _rank_1d_flat_params(rank: int, world_size: int) -> None:
