@@ -1,0 +1,170 @@
+"""Public policies of the engine: sharding strategy, mixed precision, DDP config, states.
+
+Everything here is a small frozen value validated at construction, so a bad
+argument fails where the user wrote it, not deep inside a hook. Nothing here
+touches process groups or tensors' storage.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DistributedDataParallelConfig",
+    "MixedPrecisionPolicy",
+    "TrainingState",
+    "ZeroDPStrategy",
+    "normalize_strategy",
+]
+
+
+class ZeroDPStrategy(enum.StrEnum):
+    """What a data-parallel rank shards (see the README's strategy table).
+
+    - ``no_shard`` (0): full params and grads everywhere, grads all-reduced.
+    - ``optim`` (1): optimizer state and main weights sharded (ZeRO-1).
+    - ``optim_grads`` (2): gradients sharded too (ZeRO-2).
+    - ``optim_grads_params`` (3): parameters sharded too (ZeRO-3).
+    """
+
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"
+    OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+    @property
+    def level(self) -> int:
+        """The ZeRO stage number 0..3."""
+        return _LEVELS.index(self)
+
+    @property
+    def shards_grads(self) -> bool:
+        """True when the persistent gradient store holds only this rank's shard."""
+        return self.level >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        """True when model weights live sharded between forward/backward passes."""
+        return self.level == 3
+
+
+_LEVELS = (
+    ZeroDPStrategy.NO_SHARD,
+    ZeroDPStrategy.OPTIM,
+    ZeroDPStrategy.OPTIM_GRADS,
+    ZeroDPStrategy.OPTIM_GRADS_PARAMS,
+)
+
+
+def normalize_strategy(value: object, name: str = "zero_dp_strategy") -> ZeroDPStrategy:
+    """Turn 0..3, a strategy name or a ``ZeroDPStrategy`` into a ``ZeroDPStrategy``.
+
+    Raises:
+        ValueError: naming ``name``, the value and the accepted choices.
+    """
+    if isinstance(value, ZeroDPStrategy):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(_LEVELS):
+        return _LEVELS[value]
+    if isinstance(value, str) and value in ZeroDPStrategy._value2member_map_:
+        return ZeroDPStrategy(value)
+    choices = ", ".join(f"{i} / {s.value!r}" for i, s in enumerate(_LEVELS))
+    raise ValueError(f"{name}: unknown strategy {value!r}; expected one of {choices}")
+
+
+class TrainingState(enum.Enum):
+    """Where a parameter group is in the training step.
+
+    FORWARD: its forward is running (params gathered). PRE_BACKWARD: its
+    backward has started (params gathered, grads accumulating); a forward seen
+    in this state is activation recomputation. POST_BACKWARD: its grads are
+    being reduced. IDLE: between passes (ZeRO-3 params released).
+    """
+
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+    IDLE = enum.auto()
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if value is not None and value not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"MixedPrecisionPolicy: {name} must be None or one of {_FLOAT_DTYPES}, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the compute weights, optimizer weights, gradients and their reduction.
+
+    Attributes:
+        param_dtype: compute dtype of the model weights (e.g. ``torch.bfloat16``);
+            None keeps each parameter's own dtype.
+        main_params_dtype: dtype of the optimizer's (main) weights; None uses the
+            compute weights themselves. When it equals the compute dtype there is one
+            copy of the weights, not two.
+        main_grads_dtype: dtype of the reduced gradient store the optimizer reads;
+            None means ``main_params_dtype`` (or the compute dtype when that is None).
+        grad_comm_dtype: dtype the reduction runs in; None means ``main_grads_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+    grad_comm_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        """Validate each dtype."""
+        for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            _check_dtype(name, getattr(self, name))
+
+    def resolve(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """Return (compute, main params, main grads, comm) dtypes for a parameter dtype."""
+        compute = self.param_dtype or model_dtype
+        main = self.main_params_dtype or compute
+        grads = self.main_grads_dtype or main
+        return compute, main, grads, self.grad_comm_dtype or grads
+
+
+@dataclass(slots=True)
+class DistributedDataParallelConfig:
+    """The reference's DDP/FSDP configuration fields that this engine honours.
+
+    Attributes:
+        data_parallel_sharding_strategy: ZeRO strategy (0..3 or its name).
+        outer_dp_sharding_strategy: strategy across ``dp_outer`` (only 0 / no_shard:
+            replicate and all-reduce there).
+        overlap_grad_reduce: reduce a unit's grads asynchronously as soon as its
+            backward ends (else synchronously at that point).
+        overlap_param_gather: prefetch the next unit's all-gather (ZeRO-3).
+        average_in_collective: divide inside the collective (``ReduceOp.AVG``)
+            instead of before it; the result is the same.
+        grad_reduce_in_fp32: reduce gradients in fp32 whatever the compute dtype.
+    """
+
+    data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "optim_grads_params"
+    outer_dp_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    average_in_collective: bool = False
+    grad_reduce_in_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        """Normalise the strategies and reject the outer sharding this engine lacks."""
+        self.data_parallel_sharding_strategy = normalize_strategy(
+            self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy"
+        )
+        outer = normalize_strategy(self.outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+        if outer is not ZeroDPStrategy.NO_SHARD:
+            raise ValueError(
+                f"outer_dp_sharding_strategy: {outer.value!r} (fully sharded hybrid FSDP) is not "
+                "supported yet; expected 0 / 'no_shard' (replicate across dp_outer)"
+            )
+        self.outer_dp_sharding_strategy = outer

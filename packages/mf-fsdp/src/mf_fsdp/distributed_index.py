@@ -1,0 +1,192 @@
+"""FSDPDistributedIndex: the meshes and process groups the engine communicates over.
+
+Mesh facts (groups, sizes, ranks) are looked up once here and never recomputed
+at call sites. The index accepts a ``dp_shard`` dim (required when the mesh has
+more than one dim), an optional ``dp_outer`` dim (replication across it, HSDP)
+and an optional ``tp`` dim; a mesh without a tp dim is fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mf_utils import get_mesh_names
+
+__all__ = ["FSDPDistributedIndex"]
+
+
+class FSDPDistributedIndex:
+    """References to the device meshes and process groups used by the engine.
+
+    Args:
+        device_mesh: the mesh holding the data-parallel (and maybe tp) dims.
+        dp_shard_dim: name of the dim parameters are sharded over; may be None only
+            for a 1-D mesh (its single dim is used).
+        dp_outer_dim: name of the outer data-parallel dim (replicas), or None.
+        tp_dim: name of the tensor-parallel dim, or None.
+        hybrid_fsdp_group: the flattened (dp_outer x dp_shard) group; built from the
+            mesh when None and ``dp_outer_dim`` is set.
+        hsdp_outer_dp_shard: shard across dp_outer too (fully sharded hybrid FSDP).
+        expt_device_mesh: mesh for expert-parallel parameters, or None.
+
+    Raises:
+        TypeError: if ``device_mesh`` is not a DeviceMesh.
+        ValueError: if a named dim is not in the mesh, or the dims are ambiguous.
+    """
+
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        dp_shard_dim: str | None = None,
+        dp_outer_dim: str | None = None,
+        tp_dim: str | None = None,
+        hybrid_fsdp_group: dist.ProcessGroup | None = None,
+        hsdp_outer_dp_shard: bool = False,
+        expt_device_mesh: DeviceMesh | None = None,
+    ) -> None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(
+                f"FSDPDistributedIndex: device_mesh must be a DeviceMesh, got {device_mesh!r}"
+            )
+        names = get_mesh_names(device_mesh)
+        if dp_shard_dim is None:
+            if device_mesh.ndim != 1:
+                raise ValueError(
+                    f"FSDPDistributedIndex: dp_shard_dim is required for a {device_mesh.ndim}-D "
+                    f"mesh with dims {names!r}"
+                )
+            dp_shard_dim = names[0] if names else None
+        for arg, value in (
+            ("dp_shard_dim", dp_shard_dim),
+            ("dp_outer_dim", dp_outer_dim),
+            ("tp_dim", tp_dim),
+        ):
+            if value is not None and value not in names:
+                raise ValueError(
+                    f"FSDPDistributedIndex: {arg}={value!r} is not a dim of the mesh; "
+                    f"expected one of {names!r}"
+                )
+        if hsdp_outer_dp_shard:
+            raise ValueError(
+                "FSDPDistributedIndex: hsdp_outer_dp_shard=True (fully sharded hybrid FSDP) "
+                "is not supported yet; expected False"
+            )
+        self.device_mesh = device_mesh
+        self.dp_shard_dim = dp_shard_dim
+        self.dp_outer_dim = dp_outer_dim
+        self.tp_dim = tp_dim
+        self.hsdp_outer_dp_shard = hsdp_outer_dp_shard
+        self.expt_device_mesh = expt_device_mesh
+        self.fsdp_group = self._group(dp_shard_dim)
+        self.outer_fsdp_group = self._group(dp_outer_dim) if dp_outer_dim else None
+        self.tp_group = self._group(tp_dim) if tp_dim else None
+        if dp_outer_dim is not None and hybrid_fsdp_group is None:
+            hybrid_fsdp_group = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten().get_group()
+        self.hybrid_fsdp_group = hybrid_fsdp_group
+        self.expt_fsdp_group = (
+            expt_device_mesh.get_group(dp_shard_dim) if expt_device_mesh is not None else None
+        )
+
+    def _group(self, dim: str | None) -> dist.ProcessGroup:
+        if dim is None or self.device_mesh.ndim == 1:
+            return self.device_mesh.get_group()
+        return self.device_mesh.get_group(dim)
+
+    def get_submesh(
+        self, mesh_dim_names: str | Sequence[str], is_expert_parallel: bool = False
+    ) -> DeviceMesh:
+        """Return the sub-mesh of the (expert) mesh with the given dim name(s).
+
+        Raises:
+            ValueError: if a name is None or not a dim of that mesh.
+        """
+        mesh = self.get_root_mesh(is_expert_parallel)
+        dims = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        names = get_mesh_names(mesh)
+        missing = [d for d in dims if d not in names]
+        if missing:
+            raise ValueError(
+                f"FSDPDistributedIndex.get_submesh: mesh_dim_names={mesh_dim_names!r} has dims "
+                f"{missing!r} that are not in the mesh; expected names from {names!r}"
+            )
+        if mesh.ndim == 1 and dims == tuple(mesh.mesh_dim_names or ()):
+            return mesh
+        return mesh[dims if len(dims) > 1 else dims[0]]
+
+    def get_dp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup:
+        """The whole data-parallel group: the hybrid group under HSDP, else the FSDP group."""
+        if is_expert_parallel:
+            return self.get_fsdp_group(True)
+        return self.hybrid_fsdp_group or self.fsdp_group
+
+    def get_fsdp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup:
+        """The group parameters are sharded over (the ``dp_shard`` dim).
+
+        Raises:
+            ValueError: for the expert group when no expert mesh was given.
+        """
+        if not is_expert_parallel:
+            return self.fsdp_group
+        if self.expt_fsdp_group is None:
+            raise ValueError(
+                "FSDPDistributedIndex.get_fsdp_group: is_expert_parallel=True but no "
+                "expt_device_mesh was given"
+            )
+        return self.expt_fsdp_group
+
+    def get_outer_fsdp_group(self) -> dist.ProcessGroup | None:
+        """The ``dp_outer`` group (replicas under HSDP), or None without a dp_outer dim."""
+        return self.outer_fsdp_group
+
+    def get_root_mesh(self, is_expert_parallel: bool = False) -> DeviceMesh:
+        """The (expert) device mesh the index was built on.
+
+        Raises:
+            ValueError: for the expert mesh when none was given.
+        """
+        if not is_expert_parallel:
+            return self.device_mesh
+        if self.expt_device_mesh is None:
+            raise ValueError(
+                "FSDPDistributedIndex.get_root_mesh: is_expert_parallel=True but no "
+                "expt_device_mesh was given"
+            )
+        return self.expt_device_mesh
+
+    def get_logical_hybrid_fsdp_rank(self) -> int:
+        """This process's index in the hybrid group, shard-major: ``shard * outer_size + outer``.
+
+        Raises:
+            RuntimeError: when there is no dp_outer dim.
+        """
+        if self.outer_fsdp_group is None:
+            raise RuntimeError(
+                "FSDPDistributedIndex.get_logical_hybrid_fsdp_rank: needs a dp_outer_dim, got None"
+            )
+        outer = dist.get_rank(self.outer_fsdp_group)
+        shard = dist.get_rank(self.fsdp_group)
+        return shard * dist.get_world_size(self.outer_fsdp_group) + outer
+
+    @property
+    def shard_size(self) -> int:
+        """Number of ranks in the ``dp_shard`` group."""
+        return dist.get_world_size(self.fsdp_group)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index in the ``dp_shard`` group."""
+        return dist.get_rank(self.fsdp_group)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (dp_outer x dp_shard)."""
+        return dist.get_world_size(self.get_dp_group())
+
+    def dp_mesh(self) -> DeviceMesh:
+        """Mesh the optimizer's DTensors live on: (dp_outer, dp_shard) or (dp_shard,)."""
+        if self.dp_outer_dim is None:
+            return self.get_submesh(self.dp_shard_dim) if self.dp_shard_dim else self.device_mesh
+        return self.get_submesh((self.dp_outer_dim, self.dp_shard_dim))

@@ -1,0 +1,190 @@
+"""Entry points: fully_shard, fully_shard_model (and re-export of fully_shard_optimizer).
+
+They validate the mesh and dims, build the ``FSDPDistributedIndex`` (a 1-D
+mesh over the whole world when none is given), wrap the model in
+``MegatronFSDP`` and rebind the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mf_fsdp.config import (
+    DistributedDataParallelConfig,
+    MixedPrecisionPolicy,
+    ZeroDPStrategy,
+    normalize_strategy,
+)
+from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.layout import DEFAULT_ALIGNMENT
+from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optimizer import fully_shard_optimizer
+from mf_utils import get_group_device
+
+__all__ = ["fully_shard", "fully_shard_model"]
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    fsdp_unit_modules: Sequence[type[nn.Module] | str] | None = None,
+    zero_dp_strategy: ZeroDPStrategy | int | str = 3,
+    outer_dp_sharding_strategy: ZeroDPStrategy | int | str = 0,
+    device: torch.device | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    *,
+    gradient_scaling_factor: float | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> MegatronFSDP:
+    """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (see ``fully_shard``).
+
+    ``preproc_state_dict_for_dcp_ckpt`` is accepted for the reference signature: the
+    state dict's DTensors already carry their chunk metadata (mf_dtensor).
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialised.
+        TypeError / ValueError: for bad arguments (see ``MegatronFSDP``).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard_model: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    strategy = normalize_strategy(zero_dp_strategy)
+    outer = normalize_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    if device_mesh is None:
+        device_type = get_group_device(None).type
+        device_mesh = init_device_mesh(
+            device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",)
+        )
+        dp_shard_dim = dp_shard_dim or "dp_shard"
+    elif not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"fully_shard_model: device_mesh must be a DeviceMesh, got {device_mesh!r}")
+    if device_mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"device_mesh: covers {device_mesh.size()} ranks (shape {tuple(device_mesh.shape)}) "
+            f"but the world has {dist.get_world_size()}; expected a mesh over every rank"
+        )
+    index = FSDPDistributedIndex(
+        device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim
+    )
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy,
+        outer_dp_sharding_strategy=outer,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        average_in_collective=average_in_collective,
+    )
+    del preproc_state_dict_for_dcp_ckpt
+    return MegatronFSDP(
+        module,
+        index,
+        config,
+        fsdp_unit_modules=list(fsdp_unit_modules) if fsdp_unit_modules else None,
+        disable_bucketing=disable_bucketing,
+        device=device,
+        calculate_per_token_loss=calculate_per_token_loss,
+        init_model_with_meta_device=init_model_with_meta_device,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        mixed_precision_policy=mixed_precision_policy,
+        gradient_scaling_factor=gradient_scaling_factor,
+        alignment=alignment,
+    )
+
+
+def fully_shard(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    fsdp_unit_modules: Sequence[type[nn.Module] | str] | None = None,
+    zero_dp_strategy: ZeroDPStrategy | int | str = 3,
+    outer_dp_sharding_strategy: ZeroDPStrategy | int | str = 0,
+    device: torch.device | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    *,
+    gradient_scaling_factor: float | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    """Shard ``module`` and rebind ``optimizer`` so the plain training loop just works.
+
+    After it, ``loss = model(x); loss.backward(); optimizer.step(); optimizer.zero_grad()``
+    trains with data parallelism: ``optimizer.step()`` first finishes any pending
+    gradient reduction, steps on this rank's shard, then installs the new weights.
+
+    Args:
+        module: the model (on the meta device with ``init_model_with_meta_device``).
+        optimizer: a torch optimizer built on ``module``'s parameters, not stepped yet.
+        device_mesh: mesh over all ranks; None builds a 1-D ``("dp_shard",)`` mesh.
+        dp_shard_dim: the dim parameters are sharded over (optional for a 1-D mesh).
+        dp_outer_dim: the dim of replicas (HSDP), or None.
+        tp_dim: the tensor-parallel dim, or None.
+        fsdp_unit_modules: classes or dotted class paths gathered/released as units.
+        zero_dp_strategy: 0..3 or "no_shard" / "optim" / "optim_grads" /
+            "optim_grads_params".
+        outer_dp_sharding_strategy: across dp_outer; only 0 / "no_shard".
+        device: buffer device (default: the group's device).
+        init_model_with_meta_device: materialise meta parameters unit by unit.
+        mixed_precision_policy: dtypes (compute, main, grads, communication).
+        overlap_grad_reduce: reduce each unit's grads asynchronously during backward.
+        overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
+        sync_model_each_microbatch: wait for reductions at the end of each backward.
+        preproc_state_dict_for_dcp_ckpt: accepted for the reference signature.
+        average_in_collective: divide inside the collective (same result).
+        disable_bucketing: one bucket for all parameters.
+        calculate_per_token_loss: reduce grads by sum instead of mean.
+        gradient_scaling_factor: extra factor on every reduced gradient.
+        alignment: per-tensor alignment inside a bucket, in elements.
+
+    Returns:
+        ``(model, optimizer)``: the ``MegatronFSDP`` and the same optimizer, rebound.
+    """
+    model = fully_shard_model(
+        module,
+        device_mesh,
+        dp_shard_dim,
+        dp_outer_dim,
+        tp_dim,
+        fsdp_unit_modules,
+        zero_dp_strategy,
+        outer_dp_sharding_strategy,
+        device,
+        init_model_with_meta_device,
+        mixed_precision_policy,
+        overlap_grad_reduce,
+        overlap_param_gather,
+        sync_model_each_microbatch,
+        preproc_state_dict_for_dcp_ckpt,
+        average_in_collective,
+        disable_bucketing,
+        calculate_per_token_loss,
+        gradient_scaling_factor=gradient_scaling_factor,
+        alignment=alignment,
+    )
+    return model, fully_shard_optimizer(optimizer, model)

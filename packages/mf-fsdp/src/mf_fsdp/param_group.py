@@ -1,0 +1,468 @@
+"""ParamGroup: one flat bucket of parameters, its buffers and its collectives.
+
+A group owns, for the parameters of one FSDP unit with one dtype:
+
+==================  ===========================  =====================================
+buffer              size                         held when
+==================  ===========================  =====================================
+``model_full``      whole bucket, compute dtype  ZeRO-0/1/2 always; ZeRO-3 while gathered
+``model_shard``     one shard, compute dtype     ZeRO-3
+``main``            shard (full for ZeRO-0),     only when its dtype differs from the
+                    main dtype                   compute dtype; else a view of the above
+``grad_local``      whole bucket, compute dtype  ZeRO-0/1 always; ZeRO-2/3 from a unit's
+                                                 backward until its reduction
+``grad_store``      shard (full for ZeRO-0),     ZeRO-1 fp32: a view of ``grad_local``'s
+                    main dtype                   own region; ZeRO-0: ``grad_local`` itself
+==================  ===========================  =====================================
+
+Parameters' ``.data`` and ``.grad`` are views of ``model_full`` / ``grad_local``;
+between passes a ZeRO-3 parameter keeps its view of ``model_full`` whose
+storage is resized to zero. Temporary whole-bucket tensors come from a shared
+``BufferPool`` and go back to it, so a training step allocates nothing after
+the first one.
+
+Reduction contract (see the README): after ``finish_reduce`` the store holds
+``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
+(mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
+division into the collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mf_fsdp.config import ZeroDPStrategy
+from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.layout import BucketLayout
+
+__all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ReduceSpec"]
+
+
+class BufferPool:
+    """Free lists of flat tensors keyed by (numel, dtype, device), reused across steps."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Return a flat tensor of ``numel`` elements (contents undefined)."""
+        free = self._free.get((numel, dtype, device))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Hand a tensor from ``take`` back for reuse."""
+        self._free.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors waiting in the pool."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDtypes:
+    """Compute, main-weight, main-grad and communication dtypes of one group."""
+
+    compute: torch.dtype
+    main: torch.dtype
+    grads: torch.dtype
+    comm: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceSpec:
+    """How gradients are reduced: pre-multiplier, collective op and the overall factor.
+
+    Attributes:
+        pre: multiply local grads by this before the collective (1.0 skips it).
+        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
+        factor: what the result is relative to the plain sum over dp ranks.
+    """
+
+    pre: float
+    op: dist.ReduceOp.RedOpType
+    factor: float
+
+    @classmethod
+    def build(
+        cls, dp_size: int, per_token: bool, in_collective: bool, scale: float | None
+    ) -> ReduceSpec:
+        """Derive the spec from the contract's knobs (one place for all scaling)."""
+        scale = 1.0 if scale is None else float(scale)
+        if per_token:
+            return cls(scale, dist.ReduceOp.SUM, scale)
+        if in_collective:
+            return cls(scale, dist.ReduceOp.AVG, scale / dp_size)
+        return cls(scale / dp_size, dist.ReduceOp.SUM, scale / dp_size)
+
+
+class ParamGroup:
+    """The parameters of one bucket and everything needed to shard, gather and reduce them.
+
+    Args:
+        params: the parameters, in bucket order (their current values initialise it;
+            meta parameters are left for ``materialize``).
+        names: their fully qualified names.
+        layout: the bucket layout over the shard group.
+        strategy: the ZeRO strategy.
+        dtypes: the group's dtypes.
+        dist_index: groups and meshes.
+        device: where the buffers live.
+        pool: the shared pool of temporary whole-bucket tensors.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        layout: BucketLayout,
+        strategy: ZeroDPStrategy,
+        dtypes: GroupDtypes,
+        dist_index: FSDPDistributedIndex,
+        device: torch.device,
+        pool: BufferPool,
+    ) -> None:
+        self.params = params
+        self.names = names
+        self.layout = layout
+        self.strategy = strategy
+        self.dtypes = dtypes
+        self.dist_index = dist_index
+        self.device = device
+        self.pool = pool
+        self.requires_grad = params[0].requires_grad
+        self.rank = dist_index.shard_rank
+        self.lo, self.hi = layout.shard_range(self.rank)
+        self._slices = [
+            (s, s + n, p.shape)
+            for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
+        ]
+        self._view_cache: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._gather: dist.Work | None = None
+        self._pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self.model_full: torch.Tensor | None = None
+        self.grad_local: torch.Tensor | None = None
+        self.has_unreduced = False
+        self._reduced_in_local = False
+        self._store_fresh = True
+        self._allocate()
+
+    # ------------------------------------------------------------------ buffers
+    @property
+    def gathered(self) -> bool:
+        """True while the whole bucket of weights is present on this rank."""
+        return self.model_full is not None
+
+    def _allocate(self) -> None:
+        layout, d, dev = self.layout, self.dtypes, self.device
+        level = self.strategy.level
+        shard = layout.shard_size
+        if level == 3:
+            self.model_shard = torch.zeros(shard, dtype=d.compute, device=dev)
+            self.main = (
+                self.model_shard
+                if d.main == d.compute
+                else torch.zeros(shard, dtype=d.main, device=dev)
+            )
+            # One full-bucket tensor for the group's lifetime: releasing it resizes its
+            # storage to zero, gathering resizes it back. Views of it (parameters' .data
+            # and any view autograd saved in forward) therefore always see the current
+            # gather; a pooled tensor would leave saved views pointing at another unit.
+            self._full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            self._full_nbytes = self._full.untyped_storage().nbytes()
+        else:
+            self.model_full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            main_numel = layout.padded_numel if level == 0 else shard
+            own = self.model_full if level == 0 else self.model_full[self.lo : self.hi]
+            self.main = (
+                own if d.main == d.compute else torch.zeros(main_numel, dtype=d.main, device=dev)
+            )
+        self.grad_store: torch.Tensor | None = None
+        if not self.requires_grad:
+            return
+        # The store aliases the local accumulation buffer when dtypes allow (one copy).
+        self._store_aliases_local = level <= 1 and d.grads == d.compute
+        if level <= 1:
+            self.grad_local = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            if self._store_aliases_local:
+                self.grad_store = (
+                    self.grad_local if level == 0 else self.grad_local[self.lo : self.hi]
+                )
+        if self.grad_store is None:
+            store_numel = layout.padded_numel if level == 0 else shard
+            self.grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
+
+    @property
+    def main_is_separate(self) -> bool:
+        """True when main weights are their own buffer (their dtype differs from compute)."""
+        return self.main.dtype != self.dtypes.compute
+
+    def copy_in(self, index: int, value: torch.Tensor) -> None:
+        """Write parameter ``index``'s full value into this rank's buffers (init and load)."""
+        start, end, _ = self._slices[index]
+        flat = value.detach().reshape(-1)
+        level = self.strategy.level
+        if level < 3:
+            assert self.model_full is not None  # internal invariant
+            self.model_full[start:end].copy_(flat)
+        if level == 0:
+            if self.main_is_separate:
+                self.main[start:end].copy_(flat)
+            return
+        b, e = self.layout.local_piece(index, self.rank)
+        if b == e:
+            return
+        lo = start + b - self.lo
+        if level == 3:
+            self.model_shard[lo : lo + e - b].copy_(flat[b:e])
+        if self.main_is_separate:
+            self.main[lo : lo + e - b].copy_(flat[b:e])
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        hit = self._view_cache.get(id(buffer))
+        if hit is not None and hit[0] is buffer:
+            return hit[1]
+        views = [buffer[s:e].view(shape) for s, e, shape in self._slices]
+        if len(self._view_cache) > 8:
+            self._view_cache.clear()
+        self._view_cache[id(buffer)] = (buffer, views)
+        return views
+
+    def local_main_piece(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's piece of parameter ``index`` in a shard-sized buffer, and its offset."""
+        start = self._slices[index][0]
+        b, e = self.layout.local_piece(index, self.rank)
+        lo = max(start + b - self.lo, 0) if b < e else 0
+        return buffer[lo : lo + e - b], b
+
+    # ------------------------------------------------------------------ ZeRO-3 gather
+    def unshard(self, async_op: bool) -> None:
+        """Start (or do) the all-gather of the bucket's weights; no-op when gathered."""
+        if self.model_full is not None or self._gather is not None:
+            return
+        self._full.untyped_storage().resize_(self._full_nbytes)
+        self._gather = (
+            dist.all_gather_into_tensor(
+                self._full, self.model_shard, group=self.dist_index.fsdp_group, async_op=async_op
+            )
+            or _DONE
+        )
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather; the parameters' views now hold the whole weights."""
+        if self._gather is None:
+            return
+        self._gather.wait()
+        self._gather = None
+        self.model_full = self._full
+
+    def reshard(self) -> None:
+        """Free the gathered bucket (ZeRO-3); parameters keep their shapes, lose storage."""
+        if self.strategy.level < 3:
+            return
+        self.wait_unshard()
+        self.model_full = None
+        self._full.untyped_storage().resize_(0)
+
+    def point_params_at_buffer(self) -> None:
+        """Make every parameter's ``.data`` a view of the whole-bucket weights (once)."""
+        full = self.model_full if self.strategy.level < 3 else self._full
+        for p, v in zip(self.params, self._views(full), strict=True):
+            p.data = v
+
+    # ------------------------------------------------------------------ gradients
+    def begin_accumulate(self, spec: ReduceSpec) -> None:
+        """Get the local grad buffer ready before autograd accumulates into it."""
+        if not self.requires_grad:
+            return
+        if self.strategy.level >= 2:
+            if self.grad_local is None:
+                self.grad_local = self.pool.take(
+                    self.layout.padded_numel, self.dtypes.compute, self.device
+                )
+                self.grad_local.zero_()
+                for p, v in zip(self.params, self._views(self.grad_local), strict=True):
+                    p.grad = v
+        else:
+            self.finish_reduce()
+            if self._reduced_in_local:
+                self._rebase_reduced(spec)
+            if self.params[0].grad is None:
+                self.attach_local_grads()
+        self.has_unreduced = True
+
+    def attach_local_grads(self) -> None:
+        """Point every parameter's ``.grad`` at its view of the local grad buffer."""
+        if self.grad_local is not None:
+            for p, v in zip(self.params, self._views(self.grad_local), strict=True):
+                p.grad = v
+
+    def _rebase_reduced(self, spec: ReduceSpec) -> None:
+        # The aliased store already holds reduced grads and more local grads are
+        # about to be added on top: rescale so that the next reduction maps the
+        # reduced part to itself (see the README, "accumulating after a reduction").
+        assert self.grad_local is not None  # internal invariant
+        if self.strategy.level == 0:
+            self.grad_local.mul_(1.0 / (spec.factor * self.dist_index.dp_size))
+        else:
+            outer = self.dist_index.outer_fsdp_group
+            replicas = dist.get_world_size(outer) if outer is not None else 1
+            own = self.grad_local[self.lo : self.hi]
+            own.mul_(1.0 / (spec.factor * replicas))
+            self.grad_local[: self.lo].zero_()
+            self.grad_local[self.hi :].zero_()
+        self._reduced_in_local = False
+
+    def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
+        """Launch the reduction of the accumulated local grads (one collective)."""
+        if not self.requires_grad or not self.has_unreduced or self._pending is not None:
+            return
+        local = self.grad_local
+        assert local is not None  # internal invariant
+        if self.dtypes.comm != local.dtype:
+            src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
+        else:
+            src = local
+        if spec.pre != 1.0:
+            src.mul_(spec.pre)
+        index = self.dist_index
+        if self.strategy.level == 0:
+            work = dist.all_reduce(src, op=spec.op, group=index.get_dp_group(), async_op=async_op)
+            out = src
+        else:
+            direct = (
+                self.strategy.level >= 2
+                and self._store_fresh
+                and self.grad_store is not None
+                and self.grad_store.dtype == src.dtype
+                and index.outer_fsdp_group is None
+            )
+            out = (
+                self.grad_store
+                if direct
+                else self.pool.take(self.layout.shard_size, src.dtype, self.device)
+            )
+            work = dist.reduce_scatter_tensor(
+                out, src, op=spec.op, group=index.fsdp_group, async_op=async_op
+            )
+        self._pending = (work, src, out)
+        self.has_unreduced = False
+
+    def finish_reduce(self) -> None:
+        """Wait for the pending reduction and fold its result into the grad store."""
+        if self._pending is None:
+            return
+        work, src, out = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        outer = self.dist_index.outer_fsdp_group
+        if outer is not None and self.strategy.level > 0:
+            dist.all_reduce(out, op=self._outer_op, group=outer)
+        store, local = self.grad_store, self.grad_local
+        assert store is not None  # internal invariant
+        assert local is not None
+        level = self.strategy.level
+        if src is not local:
+            self.pool.give(src)
+        if level <= 1 and self._store_aliases_local:
+            if out is not local:
+                store.copy_(out)
+                self.pool.give(out)
+            self._reduced_in_local = True
+            return
+        if out is not store:
+            store.add_(out)
+            if out is not src:
+                self.pool.give(out)
+        self._store_fresh = False
+        if level <= 1:
+            local.zero_()
+            return
+        for p in self.params:
+            p.grad = None
+        self.pool.give(local)
+        self.grad_local = None
+
+    def set_outer_op(self, op: dist.ReduceOp.RedOpType) -> None:
+        """Record the reduce op used across dp_outer replicas."""
+        self._outer_op = op
+
+    def zero_grad(self) -> None:
+        """Drop every gradient held for this group (local and reduced)."""
+        if not self.requires_grad:
+            return
+        self.finish_reduce()
+        assert self.grad_store is not None  # internal invariant
+        self.grad_store.zero_()
+        if self.strategy.level <= 1:
+            assert self.grad_local is not None  # internal invariant
+            self.grad_local.zero_()
+            self.attach_local_grads()
+        elif self.grad_local is not None:
+            for p in self.params:
+                p.grad = None
+            self.pool.give(self.grad_local)
+            self.grad_local = None
+        self.has_unreduced = False
+        self._reduced_in_local = False
+        self._store_fresh = True
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the reduced and any unreduced local grads by ``factor``."""
+        if self.grad_store is not None:
+            self.grad_store.mul_(factor)
+        if self.grad_local is not None and not self._store_aliases_local:
+            self.grad_local.mul_(factor)
+        elif self.grad_local is not None and self.strategy.level == 1:
+            self.grad_local[: self.lo].mul_(factor)
+            self.grad_local[self.hi :].mul_(factor)
+
+    # ------------------------------------------------------------------ weights
+    def install_main_weights(self, async_op: bool) -> dist.Work | None:
+        """Copy updated main weights into the compute weights (all-gather for ZeRO-1/2)."""
+        level = self.strategy.level
+        if level == 3:
+            if self.main is not self.model_shard:
+                self.model_shard.copy_(self.main)
+            return None
+        assert self.model_full is not None  # internal invariant
+        if level == 0:
+            if self.main is not self.model_full:
+                self.model_full.copy_(self.main)
+            return None
+        own = self.model_full[self.lo : self.hi]
+        if self.main is not own:
+            own.copy_(self.main)
+        return dist.all_gather_into_tensor(
+            self.model_full, own, group=self.dist_index.fsdp_group, async_op=async_op
+        )
+
+    def owned_bytes(self) -> dict[str, int]:
+        """Bytes of the persistent buffers this group holds, by kind (pool excluded)."""
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        level = self.strategy.level
+        params = nbytes(self.model_shard) if level == 3 else nbytes(self.model_full)
+        main = nbytes(self.main) if self.main_is_separate else 0
+        grads = 0
+        if self.requires_grad:
+            grads = nbytes(self.grad_local) if level <= 1 else 0
+            if not (level <= 1 and self._store_aliases_local):
+                grads += nbytes(self.grad_store)
+        return {"params": params, "main_params": main, "grads": grads}
+
+
+class _Done:
+    """A finished collective (what a synchronous call returns in place of a Work)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()

@@ -1,0 +1,137 @@
+"""Finding FSDP units and splitting a model's parameters into buckets.
+
+A unit is a module whose class is listed in ``fsdp_unit_modules`` and that
+does not sit inside another unit (the outermost match wins). A parameter
+belongs to the unit that contains it; a parameter reachable from several
+units (a tied weight) or from none goes to the root. Each unit's parameters
+are split by (dtype, requires_grad) into buckets, keeping model order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["BucketSpec", "plan_buckets", "resolve_unit_classes"]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """The parameters of one bucket.
+
+    Attributes:
+        unit: the unit module, or None for the root bucket(s).
+        unit_name: the unit's qualified name ("" for the root).
+        params: parameters in bucket order.
+        names: their qualified names (the first name of a tied parameter).
+    """
+
+    unit: nn.Module | None
+    unit_name: str
+    params: tuple[nn.Parameter, ...]
+    names: tuple[str, ...]
+
+
+def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
+    """Turn classes or dotted class paths into classes.
+
+    Raises:
+        TypeError: for an entry that is neither an ``nn.Module`` subclass nor a string.
+        ValueError: for a path that cannot be imported.
+    """
+    if spec is None:
+        return ()
+    if isinstance(spec, (str, type)):
+        spec = [spec]
+    classes: list[type[nn.Module]] = []
+    for item in spec:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            classes.append(item)
+        elif isinstance(item, str):
+            classes.append(_import_class(item))
+        else:
+            raise TypeError(
+                f"fsdp_unit_modules: expected nn.Module subclasses or dotted class paths, "
+                f"got {item!r}"
+            )
+    return tuple(classes)
+
+
+def _import_class(path: str) -> type[nn.Module]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"fsdp_unit_modules: cannot import {path!r} ({exc}); expected a dotted path "
+            "such as 'package.module.ClassName'"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(
+            f"fsdp_unit_modules: {path!r} is not an nn.Module subclass; expected a dotted "
+            "path such as 'package.module.ClassName'"
+        )
+    return cls
+
+
+def plan_buckets(
+    module: nn.Module, unit_classes: tuple[type[nn.Module], ...], disable_bucketing: bool
+) -> list[BucketSpec]:
+    """Split ``module``'s parameters into buckets: the root bucket(s) first, then units.
+
+    Raises:
+        ValueError: if the module has no parameters, or a unit class matches no submodule.
+    """
+    names: dict[nn.Parameter, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, name)
+    if not names:
+        raise ValueError(
+            f"module: {type(module).__name__} has no parameters; expected a module with at "
+            "least one parameter to shard"
+        )
+    units: list[tuple[str, nn.Module]] = []
+    covered: set[int] = set()
+    seen: set[type] = set()
+    for qual, sub in module.named_modules():
+        if not isinstance(sub, unit_classes):
+            continue
+        seen.update(c for c in unit_classes if isinstance(sub, c))
+        if id(sub) not in covered:
+            units.append((qual, sub))
+            covered.update(id(m) for m in sub.modules())
+    missing = [c.__qualname__ for c in unit_classes if c not in seen]
+    if missing:
+        raise ValueError(
+            f"fsdp_unit_modules: {missing!r} match no submodule of {type(module).__name__}; "
+            "expected classes of modules inside the model"
+        )
+    if disable_bucketing:
+        units = []
+    owners: dict[nn.Parameter, list[int]] = {}
+    for index, (_, unit) in enumerate(units):
+        for param in unit.parameters():
+            owners.setdefault(param, []).append(index)
+    specs = _split(None, "", [p for p in names if len(owners.get(p, ())) != 1], names)
+    for index, (qual, unit) in enumerate(units):
+        own = [p for p in unit.parameters() if owners[p] == [index]]
+        specs.extend(_split(unit, qual, own, names))
+    return specs
+
+
+def _split(
+    unit: nn.Module | None,
+    qual: str,
+    params: list[nn.Parameter],
+    names: dict[nn.Parameter, str],
+) -> list[BucketSpec]:
+    by_key: dict[tuple[object, bool], list[nn.Parameter]] = {}
+    for param in params:
+        by_key.setdefault((param.dtype, param.requires_grad), []).append(param)
+    return [
+        BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group))
+        for group in by_key.values()
+    ]

@@ -1,0 +1,68 @@
+"""Shared pieces of the mf_fsdp tests: the tiny GPT, rank-dependent data, a reference run."""
+
+from __future__ import annotations
+
+import torch
+
+import mf_fsdp
+from mf.models import GPT, PRESETS, Block, GPTConfig
+
+CONFIG: GPTConfig = PRESETS["tiny"]
+BATCH, SEQ = 2, 16
+
+
+def make_model(seed: int = 0, config: GPTConfig = CONFIG) -> GPT:
+    """The same tiny GPT on every rank for a given seed."""
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank- and step-dependent tokens and targets (deterministic)."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """SGD exposes any gradient-scale error; Adam is the usual choice."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def reference_run(
+    opt_name: str, world: int, steps: int, micro: int = 1, clip: float | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the global batch: losses and final parameters."""
+    model = make_model()
+    opt = make_optimizer(opt_name, model.parameters())
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for m in range(micro):
+            for r in range(world):
+                tokens, targets = batch(step, r, m)
+                loss = model(tokens, targets) / (world * micro)
+                loss.backward()
+                total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_params(model: mf_fsdp.MegatronFSDP) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, gathered from the engine (collective)."""
+    model.start_param_sync(force_sync=True)
+    model.synchronize_param_gather()
+    out = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    for group in model.groups:
+        group.reshard()
+    return out
+
+
+def unit_classes() -> list[type]:
+    return [Block]
