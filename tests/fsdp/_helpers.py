@@ -32,9 +32,18 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def reference_run(
-    opt_name: str, world: int, steps: int, micro: int = 1, clip: float | None = None
+    opt_name: str,
+    world: int,
+    steps: int,
+    micro: int = 1,
+    clip: float | None = None,
+    per_token: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the global batch: losses and final parameters."""
+    """Single-process training on the global batch: losses and final parameters.
+
+    With ``per_token`` the ranks' losses are summed, not averaged (the contract of
+    ``calculate_per_token_loss``).
+    """
     model = make_model()
     opt = make_optimizer(opt_name, model.parameters())
     losses = []
@@ -43,7 +52,7 @@ def reference_run(
         for m in range(micro):
             for r in range(world):
                 tokens, targets = batch(step, r, m)
-                loss = model(tokens, targets) / (world * micro)
+                loss = model(tokens, targets) / ((1 if per_token else world) * micro)
                 loss.backward()
                 total += loss.item()
         if clip is not None:

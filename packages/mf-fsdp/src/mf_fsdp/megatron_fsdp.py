@@ -53,8 +53,8 @@ MANAGED_ATTR = "_mf_fsdp_managed"
 """Set on model parameters whose values the optimizer must not step directly."""
 
 
-_OWNERS: weakref.WeakKeyDictionary[nn.Parameter, MegatronFSDP] = weakref.WeakKeyDictionary()
-"""Model parameter -> the engine managing it (found by ``fully_shard_optimizer``)."""
+OWNER_ATTR = "_mf_fsdp_owner"
+"""Weak reference from a model parameter to the engine managing it."""
 
 
 _GUARD_INSTALLED = False
@@ -285,7 +285,7 @@ class MegatronFSDP(nn.Module):
             for index, param in enumerate(group.params):
                 if level == 0:
                     if not group.main_is_separate:
-                        _OWNERS[param] = self
+                        setattr(param, OWNER_ATTR, weakref.ref(self))
                         self._opt_params[param] = param
                         continue
                     start, end, shape = group._slices[index]
@@ -319,7 +319,7 @@ class MegatronFSDP(nn.Module):
                     opt.local_offset = offset  # type: ignore[attr-defined]
                 opt.orig_shape = param.shape  # type: ignore[attr-defined]
                 setattr(param, MANAGED_ATTR, True)
-                _OWNERS[param] = self
+                setattr(param, OWNER_ATTR, weakref.ref(self))
                 self._opt_params[param] = opt
                 if grad is not None:
                     self._grad_pairs.append((opt, grad))
@@ -616,7 +616,8 @@ class MegatronFSDP(nn.Module):
     @staticmethod
     def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
         """The engine managing model parameter ``param``, or None."""
-        return _OWNERS.get(param)
+        ref = getattr(param, OWNER_ATTR, None)
+        return None if ref is None else ref()
 
     def optimizer_param(self, param: nn.Parameter) -> nn.Parameter:
         """The parameter the optimizer steps on in place of model parameter ``param``.

@@ -278,6 +278,7 @@ class ParamGroup:
         """Get the local grad buffer ready before autograd accumulates into it."""
         if not self.requires_grad:
             return
+        self.finish_reduce()
         if self.strategy.level >= 2:
             if self.grad_local is None:
                 self.grad_local = self.pool.take(
@@ -287,7 +288,6 @@ class ParamGroup:
                 for p, v in zip(self.params, self._views(self.grad_local), strict=True):
                     p.grad = v
         else:
-            self.finish_reduce()
             if self._reduced_in_local:
                 self._rebase_reduced(spec)
             if self.params[0].grad is None:
@@ -318,8 +318,9 @@ class ParamGroup:
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
-        if not self.requires_grad or not self.has_unreduced or self._pending is not None:
+        if not self.requires_grad or not self.has_unreduced:
             return
+        self.finish_reduce()
         local = self.grad_local
         assert local is not None  # internal invariant
         if self.dtypes.comm != local.dtype:

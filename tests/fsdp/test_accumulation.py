@@ -1,0 +1,146 @@
+"""The gradient-reduction contract under accumulation, scaling options and deferred sync.
+
+Every case trains with plain SGD (a wrong gradient scale changes the result at
+O(1)) and compares to one process at 1e-5 relative (fp32 rounding only).
+Collectives are counted to prove that no_sync micro-batches communicate
+nothing and that a never-flagged last micro-batch still gets reduced once,
+before the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mf_fsdp
+from tests._multiprocess import cpu_mesh, run_on_ranks
+from tests.fsdp._helpers import (
+    batch,
+    full_params,
+    make_model,
+    make_optimizer,
+    reference_run,
+    unit_classes,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS, MICRO = 3, 4
+_COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[dict[str, int]]:
+    """Count calls of the collectives the engine uses (patched on torch.distributed)."""
+    counts = dict.fromkeys(_COUNTED, 0)
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    for name in _COUNTED:
+        setattr(dist, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _check(model, losses, ref, label: str) -> None:
+    ref_losses, ref_params = ref
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(ref_losses),
+        rtol=RTOL,
+        atol=ATOL,
+        msg=lambda m: f"{label} losses: {m}",
+    )
+    params = full_params(model)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(
+            params[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{label} {n}: {m}"
+        )
+
+
+def _train(model, opt, rank, world, *, micro, no_sync, per_token=False, check_silent=False):
+    losses = []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for m in range(micro):
+            tokens, targets = batch(step, rank, m)
+            quiet = no_sync and m < micro - 1
+            ctx = model.no_sync() if quiet else contextlib.nullcontext()
+            with ctx, count_collectives() as counts:
+                loss = model(tokens, targets) / micro
+                loss.backward()
+            reductions = counts["all_reduce"] + counts["reduce_scatter_tensor"]
+            if quiet or check_silent:
+                assert reductions == 0, f"micro-batch {m} communicated: {counts}"
+            total += loss.detach()
+        dist.all_reduce(total)
+        with count_collectives() as counts:
+            opt.step()
+        if check_silent:  # the never-flagged last micro-batch is reduced by step()
+            assert counts["all_reduce"] + counts["reduce_scatter_tensor"] == len(model.groups)
+        opt.zero_grad()
+        losses.append(total.item() / (1 if per_token else world))
+    return losses
+
+
+def _rank_contract(rank: int, world: int) -> None:
+    ref_micro = reference_run("sgd", world, STEPS, micro=MICRO)
+    ref_one = reference_run("sgd", world, STEPS)
+    ref_sum = reference_run("sgd", world, STEPS, per_token=True)
+    mesh = cpu_mesh((world,), ("dp",))
+    for strategy in range(4):
+
+        def build(**kwargs):
+            module = make_model()
+            opt = make_optimizer("sgd", module.parameters())
+            return mf_fsdp.fully_shard(
+                module,
+                opt,
+                device_mesh=mesh,
+                fsdp_unit_modules=unit_classes(),
+                zero_dp_strategy=strategy,
+                **kwargs,
+            )
+
+        model, opt = build()
+        losses = _train(model, opt, rank, world, micro=MICRO, no_sync=True)
+        _check(model, losses, ref_micro, f"z{strategy} no_sync")
+
+        for in_collective in (False, True):
+            model, opt = build(average_in_collective=in_collective)
+            losses = _train(model, opt, rank, world, micro=1, no_sync=False)
+            _check(model, losses, ref_one, f"z{strategy} average_in_collective={in_collective}")
+
+        model, opt = build(calculate_per_token_loss=True)
+        losses = _train(model, opt, rank, world, micro=1, no_sync=False, per_token=True)
+        _check(model, losses, ref_sum, f"z{strategy} per-token sum")
+
+        # MegatronFSDP's own default: no auto-sync; the user never flags the last
+        # micro-batch. ZeRO-0/1 defer every reduction; step() must still reduce.
+        index = mf_fsdp.FSDPDistributedIndex(mesh)
+        config = mf_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+        module = make_model()
+        opt = make_optimizer("sgd", module.parameters())
+        model = mf_fsdp.MegatronFSDP(module, index, config, fsdp_unit_modules=unit_classes())
+        opt = mf_fsdp.fully_shard_optimizer(opt)
+        losses = _train(
+            model, opt, rank, world, micro=MICRO, no_sync=False, check_silent=strategy <= 1
+        )
+        _check(model, losses, ref_micro, f"z{strategy} never-flagged")
+
+
+@pytest.mark.multiprocess
+def test_reduction_contract_all_strategies() -> None:
+    run_on_ranks(_rank_contract, 2, timeout=240)
