@@ -102,7 +102,7 @@ def _rank_contract(rank: int, world: int) -> None:
     mesh = cpu_mesh((world,), ("dp",))
     for strategy in range(4):
 
-        def build(**kwargs):
+        def build(strategy: int = strategy, **kwargs):
             module = make_model()
             opt = make_optimizer("sgd", module.parameters())
             return mf_fsdp.fully_shard(

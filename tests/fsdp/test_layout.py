@@ -48,7 +48,8 @@ def test_small_example() -> None:
     assert layout.local_piece(0, 1) == (15, 15)
     assert layout.local_piece(1, 1) == (0, 7)
     assert layout.local_piece(2, 1) == (0, 4)
-    assert layout.rank_numel(0) == 15 and layout.rank_numel(1) == 11
+    assert layout.rank_numel(0) == 15
+    assert layout.rank_numel(1) == 11
     assert math.isclose(layout.padding_fraction, 1 - 26 / 32)
 
 

@@ -61,13 +61,13 @@ def fully_shard_model(
         RuntimeError: if torch.distributed is not initialised.
         TypeError / ValueError: for bad arguments (see ``MegatronFSDP``).
     """
+    strategy = normalize_strategy(zero_dp_strategy)
+    outer = normalize_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard_model: torch.distributed is not initialised; call "
             "torch.distributed.init_process_group first"
         )
-    strategy = normalize_strategy(zero_dp_strategy)
-    outer = normalize_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
     if device_mesh is None:
         device_type = get_group_device(None).type
         device_mesh = init_device_mesh(

@@ -757,6 +757,8 @@ def _materialize(root: nn.Module, params: set[nn.Parameter], device: torch.devic
                 "has no reset_parameters(); expected every module with parameters to define it"
             )
         for p in direct:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            # swap_tensors keeps the Parameter object (optimizers and ties refer to it).
+            real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+            torch.utils.swap_tensors(p, real)
         with torch.no_grad():
             reset()

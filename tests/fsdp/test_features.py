@@ -1,0 +1,246 @@
+"""Bad input, memory per rank, meta-device init, clipping, bf16, tied weights, recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+import mf_fsdp
+from mf.models import GPT, Block, GPTConfig
+from tests._multiprocess import run_on_ranks
+from tests.fsdp._helpers import (
+    CONFIG,
+    batch,
+    full_params,
+    make_model,
+    make_optimizer,
+    reference_run,
+    unit_classes,
+)
+from tests.fsdp.test_accumulation import count_collectives
+
+
+def test_unknown_strategy_fails_before_any_communication() -> None:
+    with pytest.raises(ValueError, match=r"zero_dp_strategy: unknown strategy 'zero9'"):
+        mf_fsdp.fully_shard(nn.Linear(2, 2), None, zero_dp_strategy="zero9")
+
+
+def _rank_bad_input(rank: int, world: int) -> None:
+    module = make_model()
+    with pytest.raises(ValueError, match=r"fsdp_unit_modules: \['Conv2d'\] match no submodule"):
+        mf_fsdp.fully_shard_model(module, fsdp_unit_modules=[Block, nn.Conv2d])
+    with pytest.raises(ValueError, match="fsdp_unit_modules: cannot import 'no.such.Class'"):
+        mf_fsdp.fully_shard_model(make_model(), fsdp_unit_modules=["no.such.Class"])
+    with pytest.raises(ValueError, match="module: ReLU has no parameters"):
+        mf_fsdp.fully_shard_model(nn.ReLU())
+    lone = DeviceMesh("cpu", [rank], mesh_dim_names=("dp",), _init_backend=False)
+    with pytest.raises(ValueError, match=r"device_mesh: covers 1 ranks .* the world has 2"):
+        mf_fsdp.fully_shard_model(make_model(), device_mesh=lone)
+    # An optimizer built on the original parameters and never rebound: a clear error.
+    module = make_model()
+    stale = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = mf_fsdp.fully_shard_model(module, fsdp_unit_modules=unit_classes())
+    model(*batch(0, rank)).backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): this optimizer holds the original"):
+        stale.step()
+    # An optimizer that already stepped cannot be rebound.
+    module = make_model()
+    opt = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(*batch(0, rank)).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="optimizer already has state"):
+        mf_fsdp.fully_shard(module, opt)
+
+
+@pytest.mark.multiprocess
+def test_bad_input() -> None:
+    run_on_ranks(_rank_bad_input, 2, timeout=120)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _rank_memory(rank: int, world: int) -> None:
+    total = sum(p.numel() for p in make_model().parameters()) * 4  # fp32 bytes, tied once
+    for strategy in range(4):
+        module = make_model()
+        opt = make_optimizer("adam", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
+        )
+        model(*batch(0, rank)).backward()
+        opt.step()
+        stats = model.bucket_stats()
+        assert all(s.padding_fraction < 0.01 for s in stats), stats
+        owned = torch.tensor(sum(s.rank_numel for s in stats))
+        dist.all_reduce(owned)
+        assert owned.item() * 4 == total  # the ranks' real pieces tile the model exactly
+        held = model.memory_footprint()
+        shard = total / world
+        expected = {
+            0: (total, total, 2 * total),
+            1: (total, total, 2 * shard),
+            2: (total, shard, 2 * shard),
+            3: (shard, shard, 2 * shard),
+        }[strategy]
+        got = (held["params"], held["grads"], _state_bytes(opt))
+        for name, value, want in zip(("params", "grads", "adam"), got, expected, strict=True):
+            assert want <= value * (1 + 1e-9) or name == "adam", (strategy, name, value, want)
+            assert value <= want * 1.01, (strategy, name, value, want)
+        assert held["main_params"] == 0  # fp32 model + fp32 main: one copy of the weights
+
+
+@pytest.mark.multiprocess
+def test_memory_per_rank() -> None:
+    run_on_ranks(_rank_memory, 2, timeout=120)
+
+
+def _storage_bytes(module: nn.Module) -> int:
+    storages = {}
+    for p in module.parameters():
+        if not p.is_meta:
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _rank_meta_init(rank: int, world: int) -> None:
+    config = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=6, n_heads=4)
+    with torch.device("meta"):
+        module = GPT(config)
+    whole = sum(p.numel() for p in module.parameters()) * 4
+    largest_unit = max(sum(p.numel() for p in b.parameters()) for b in module.blocks) * 4
+    root = whole - largest_unit * config.n_layers
+    peak = [0]
+    original = nn.Linear.reset_parameters
+
+    def spy(self: nn.Linear) -> None:
+        original(self)
+        peak[0] = max(peak[0], _storage_bytes(module))
+
+    nn.Linear.reset_parameters = spy  # type: ignore[method-assign]
+    try:
+        model = mf_fsdp.fully_shard_model(
+            module, fsdp_unit_modules=unit_classes(), init_model_with_meta_device=True
+        )
+    finally:
+        nn.Linear.reset_parameters = original  # type: ignore[method-assign]
+    assert 0 < peak[0] <= max(largest_unit, root) < whole / 2, (peak[0], largest_unit, whole)
+    assert not any(p.is_meta for p in module.parameters())
+    params = full_params(model)
+    for value in params.values():
+        gathered = [torch.empty_like(value) for _ in range(world)]
+        dist.all_gather(gathered, value)
+        assert all(torch.equal(g, gathered[0]) for g in gathered)  # same init everywhere
+    assert float(params["blocks.0.fc.weight"].std()) > 0
+
+
+@pytest.mark.multiprocess
+def test_meta_device_init_is_unit_by_unit() -> None:
+    run_on_ranks(_rank_meta_init, 2, timeout=120)
+
+
+class _Recomputed(nn.Module):
+    """Runs a Block under activation recomputation (the Block stays the FSDP unit)."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _rank_features(rank: int, world: int) -> None:
+    steps = 3
+    # clip_grad_norm_ equals torch's on the unsharded model, and training with it matches.
+    ref_losses, ref_params = reference_run("sgd", world, steps, clip=0.05)
+    for strategy in (0, 3):
+        module = make_model()
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
+        )
+        assert module.lm_head.weight is module.wte.weight  # tied weights stay tied
+        reference = make_model()
+        ref_opt = make_optimizer("sgd", reference.parameters())
+        for step in range(steps):
+            model(*batch(step, rank)).backward()
+            norm = mf_fsdp.clip_grad_norm_(model, 0.05)
+            for r in range(world):
+                (reference(*batch(step, r)) / world).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+            inf = mf_fsdp.get_grad_norm(model, float("inf"))
+            ref_inf = max(p.grad.abs().max() for p in reference.parameters())
+            torch.testing.assert_close(inf, ref_inf, rtol=1e-5, atol=1e-8)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        params = full_params(model)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
+        assert module.lm_head.weight is module.wte.weight
+    del ref_losses
+
+    # Recomputing a whole unit gathers its weights once for recompute + backward.
+    counts_by_mode = {}
+    for recompute in (False, True):
+        module = make_model()
+        if recompute:
+            module.blocks = nn.ModuleList(_Recomputed(b) for b in module.blocks)
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
+        for step in range(steps):
+            with count_collectives() as counts:
+                model(*batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        counts_by_mode[recompute] = counts["all_gather_into_tensor"]
+        params = {k.replace("block.", ""): v for k, v in full_params(model).items()}
+        if recompute:
+            for name, value in ref_params_plain.items():
+                torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
+        else:
+            ref_params_plain = params
+    assert counts_by_mode[True] == counts_by_mode[False] == 1 + 2 * CONFIG.n_layers
+
+    # bf16 compute with fp32 main weights stays close to the fp32 run.
+    fp32_losses, _ = reference_run("adam", world, 10)
+    module = make_model()
+    opt = make_optimizer("adam", module.parameters())
+    policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model, opt = mf_fsdp.fully_shard(
+        module, opt, fsdp_unit_modules=unit_classes(), mixed_precision_policy=policy
+    )
+    assert module.wte.weight.dtype is torch.bfloat16
+    losses = []
+    for step in range(10):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total.item() / world)
+    assert next(iter(opt.state.values()))["exp_avg"].dtype is torch.float32
+    # bf16 keeps 8 mantissa bits (~0.4% per rounding); over 10 Adam steps the loss
+    # stays within 2% of fp32 while a wrong scale or lost update moves it by far more.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32_losses), rtol=2e-2, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_clip_recompute_bf16_tied() -> None:
+    run_on_ranks(_rank_features, 2, timeout=240)
