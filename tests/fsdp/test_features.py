@@ -196,7 +196,7 @@ def _rank_features(rank: int, world: int) -> None:
     del ref_losses
 
     # Recomputing a whole unit gathers its weights once for recompute + backward.
-    counts_by_mode = {}
+    counts_by_mode, params_by_mode = {}, {}
     for recompute in (False, True):
         module = make_model()
         if recompute:
@@ -209,12 +209,11 @@ def _rank_features(rank: int, world: int) -> None:
             opt.step()
             opt.zero_grad()
         counts_by_mode[recompute] = counts["all_gather_into_tensor"]
-        params = {k.replace("block.", ""): v for k, v in full_params(model).items()}
-        if recompute:
-            for name, value in ref_params_plain.items():
-                torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
-        else:
-            ref_params_plain = params
+        params_by_mode[recompute] = {
+            k.replace("block.", ""): v for k, v in full_params(model).items()
+        }
+    for name, value in params_by_mode[False].items():
+        torch.testing.assert_close(params_by_mode[True][name], value, rtol=1e-5, atol=1e-6)
     assert counts_by_mode[True] == counts_by_mode[False] == 1 + 2 * CONFIG.n_layers
 
     # bf16 compute with fp32 main weights stays close to the fp32 run.
