@@ -35,7 +35,7 @@ def _init(tensor: torch.Tensor) -> torch.Tensor:
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     # An entry that is a sum of cancelling terms carries the rounding of those terms, so
     # the absolute slack is 1e-5 of the tensor's largest entry (floor ATOL).
-    atol = max(ATOL, RTOL * float(expected.abs().max())) if expected.numel() else ATOL
+    atol = max(ATOL, RTOL * float(expected.detach().abs().max())) if expected.numel() else ATOL
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -228,11 +228,15 @@ def _gradient_accumulation_and_frozen(rank: int, world: int) -> None:
 
 
 def _initialisation(rank: int, world: int) -> None:
-    """CPU and on-device init give the TP=1 full weight at TP=2, stride included."""
+    """CPU and on-device init give the TP=1 full weight at TP=2, stride included.
+
+    The tracker is seeded for the CPU (``device="cpu"``), which also seeds the CPU
+    generator the CPU path draws from, so this holds on a machine with a GPU too.
+    """
     seed, out_size, in_size = 123, 8, 6
     for stride in (1, 2):
         for use_cpu in (True, False):
-            mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+            mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True, device="cpu")
             config = mf_tp.ModelParallelConfig(
                 tensor_model_parallel_size=world, use_cpu_initialization=use_cpu
             )
@@ -245,7 +249,7 @@ def _initialisation(rank: int, world: int) -> None:
                 keep_master_weight_for_test=True,
             )
             # The TP=1 weight from the same seed, drawn without any group.
-            mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+            mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True, device="cpu")
             full = torch.empty(out_size, in_size)
             if use_cpu:
                 initialize_affine_weight_cpu(
@@ -280,13 +284,18 @@ def _initialisation(rank: int, world: int) -> None:
             assert layer.weight.tensor_model_parallel
             assert layer.weight.partition_stride == stride
     # Right after seeding, both paths draw the same numbers on the CPU.
-    mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True, device="cpu")
     a = torch.empty(4, 4)
     initialize_affine_weight_cpu(a, 4, 4, 4, 0, _init, rank=0, world_size=1)
-    mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    mf_rng.model_parallel_cuda_manual_seed(seed, force_reset_rng=True, device="cpu")
     b = torch.empty(4, 4)
     initialize_affine_weight_on_device(b, 4, 4, 4, 0, _init, rank=0, world_size=1)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A weight on a device type the tracker does not fork for (here "meta") is refused.
+    with pytest.raises(ValueError, match="seed it for the weight's device"):
+        initialize_affine_weight_on_device(
+            torch.empty(4, 4, device="meta"), 4, 4, 4, 0, _init, rank=0, world_size=1
+        )
 
 
 def _bad_input(rank: int, world: int) -> None:

@@ -147,8 +147,19 @@ def initialize_affine_weight_on_device(
     data-parallel fork (expert-parallel for ``is_expert``) in fp32, cast and split; see
     [Note: TP-size-independent init]. Needs ``mf_rng.model_parallel_cuda_manual_seed``
     to have run. Returns the master weight when ``return_master_weight``.
+
+    Raises:
+        ValueError: if the tracker's device type is not the weight's (its fork
+            would not govern the draw).
     """
     _check_rank(rank, world_size)
+    tracker = get_cuda_rng_tracker()
+    if tracker.device.type != weight.device.type:
+        raise ValueError(
+            f"initialize_affine_weight_on_device: weight is on {weight.device}, but the mf_rng "
+            f"tracker forks the {tracker.device} generator; seed it for the weight's device "
+            "with model_parallel_cuda_manual_seed(seed, device=...)"
+        )
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     name = (
         get_expert_parallel_rng_tracker_name()
@@ -157,7 +168,7 @@ def initialize_affine_weight_on_device(
     )
     # fp32 first, like the CPU path, so both give the same numbers in any params dtype.
     master = torch.empty(output_size, input_size, dtype=torch.float32, device=weight.device)
-    with get_cuda_rng_tracker().fork(name):
+    with tracker.fork(name):
         init_method(master)
     master = master.to(dtype=weight.dtype)
     shard = _shard_of_master(master, per_partition_size, partition_dim, stride, rank, world_size)
