@@ -226,6 +226,39 @@ def _gradient_accumulation_and_frozen(rank: int, world: int) -> None:
     _close(x_b.grad, x_a.grad, "frozen-weight input gradient")
     assert plain.bias.grad is not None  # only the weight is frozen
 
+    # Frozen weight under sequence parallelism: the input is gathered, its grad reduce-scattered.
+    sp = mf_tp.ModelParallelConfig(
+        tensor_model_parallel_size=world, sequence_parallel=True, use_cpu_initialization=True
+    )
+    torch.manual_seed(4)
+    column = mf_tp.ColumnParallelLinear(H, FFN, config=sp, init_method=_init)
+    x_rows = x.chunk(world, dim=0)[rank]
+    x_a, x_b = x_rows.clone().requires_grad_(True), x_rows.clone().requires_grad_(True)
+    out_a, _ = column(x_a)
+    out_a.square().sum().backward()
+    column.weight.requires_grad_(False)
+    out_b, _ = column(x_b)
+    out_b.square().sum().backward()
+    _close(out_b, out_a.detach(), "frozen-weight SP output")
+    _close(x_b.grad, x_a.grad, "frozen-weight SP input gradient")
+
+    # Deferred weight gradient: output gradients go to the buffer, no weight gradient.
+    weight = torch.randn(FFN // world, H, requires_grad=True)
+    buffer: list[torch.Tensor] = []
+    out = mf_tp.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, False, True, False, grad_output_buffer=buffer
+    )
+    out.backward(torch.ones_like(out))
+    assert weight.grad is None
+    assert len(buffer) == 1
+    assert torch.equal(buffer[0], torch.ones_like(out))
+    with pytest.warns(DeprecationWarning, match="async_grad_allreduce is deprecated"):
+        mf_tp.linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, False, False, False, async_grad_allreduce=True
+        )
+    with pytest.raises(ValueError, match="allreduce_dgrad and sequence_parallel are exclusive"):
+        mf_tp.linear_with_grad_accumulation_and_async_allreduce(x, weight, None, False, True, True)
+
 
 def _initialisation(rank: int, world: int) -> None:
     """CPU and on-device init give the TP=1 full weight at TP=2, stride included.
