@@ -243,3 +243,61 @@ def _rank_features(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_clip_recompute_bf16_tied() -> None:
     run_on_ranks(_rank_features, 2, timeout=240)
+
+
+def _rank_index_and_state(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_outer", "dp_shard"))
+    index = mf_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    assert dist.get_world_size(index.get_fsdp_group()) == world
+    assert dist.get_world_size(index.get_outer_fsdp_group()) == 1
+    assert dist.get_world_size(index.get_dp_group()) == world
+    assert index.get_logical_hybrid_fsdp_rank() == rank
+    assert index.get_submesh("dp_shard").size() == world
+    with pytest.raises(ValueError, match=r"tp_dim='tp' is not a dim of the mesh"):
+        mf_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    with pytest.raises(ValueError, match="dp_shard_dim is required for a 2-D mesh"):
+        mf_fsdp.FSDPDistributedIndex(mesh)
+    tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
+    tp_index = mf_fsdp.FSDPDistributedIndex(tp_mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    assert tp_index.get_outer_fsdp_group() is None
+    with pytest.raises(RuntimeError, match="needs a dp_outer_dim"):
+        tp_index.get_logical_hybrid_fsdp_rank()
+
+    # HSDP-shaped mesh (one replica) and a (dp_shard, tp) mesh train like a 1-D mesh.
+    ref_losses, ref_params = reference_run("sgd", world, 2)
+    for mesh_kwargs in (
+        {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"},
+        {"device_mesh": tp_mesh, "dp_shard_dim": "dp_shard", "tp_dim": "tp"},
+    ):
+        module = make_model()
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), **mesh_kwargs
+        )
+        for step in range(2):
+            model(*batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        params = full_params(model)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
+
+        # state_dict round trip: sharded values keyed by the module's own names.
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        assert set(state) == {n for n, _ in module.named_parameters()}
+        with torch.no_grad():
+            for _, p in model.optimizer_named_parameters():
+                p.zero_()
+        model.load_state_dict(state)
+        after = full_params(model)
+        for name, value in params.items():
+            torch.testing.assert_close(after[name], value)
+        with pytest.raises(ValueError, match=r"missing keys \['wte.weight'\]"):
+            model.load_state_dict({k: v for k, v in state.items() if k != "wte.weight"})
+
+
+@pytest.mark.multiprocess
+def test_index_meshes_and_state_dict() -> None:
+    run_on_ranks(_rank_index_and_state, 2, timeout=120)
