@@ -241,6 +241,17 @@ def _rank_groups(rank: int, world_size: int) -> None:
         assert dist.get_process_group_ranks(groups.tp_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
     finally:
         mf_tp.destroy_model_parallel()
+    # Lending groups temporarily: the default and the mf_rng registration follow, then revert.
+    with mf_tp.use_model_parallel_groups(groups):
+        assert mf_tp.get_tensor_model_parallel_group() is groups.tp_group
+        assert mf_rng.registered_model_parallel_rank("tp") == rank % 2
+    assert not mf_tp.model_parallel_is_initialized()
+    assert mf_rng.registered_model_parallel_rank("tp") == 0
+    with (
+        pytest.raises(TypeError, match="groups must be ModelParallelGroups or None"),
+        mf_tp.use_model_parallel_groups(mesh),
+    ):
+        pass
     with pytest.raises(ValueError, match="disagrees with the mesh"):
         mf_tp.initialize_model_parallel(4, device_mesh=mesh)
     with pytest.raises(ValueError, match=r"must name dims 'tp' and 'dp'"):

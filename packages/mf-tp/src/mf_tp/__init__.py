@@ -63,6 +63,7 @@ from mf_tp.parallel_state import (
     get_tensor_model_parallel_world_size,
     initialize_model_parallel,
     model_parallel_is_initialized,
+    use_model_parallel_groups,
 )
 from mf_tp.partition import (
     VocabUtility,
@@ -124,5 +125,6 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",
+    "use_model_parallel_groups",
     "vocab_parallel_cross_entropy",
 ]

@@ -15,6 +15,8 @@ It must not: guess a group when none is given and none is initialised.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -36,6 +38,7 @@ __all__ = [
     "initialize_model_parallel",
     "model_parallel_is_initialized",
     "resolve_tp_group",
+    "use_model_parallel_groups",
 ]
 
 
@@ -175,6 +178,30 @@ def destroy_model_parallel() -> None:
     if groups.owns_groups and dist.is_initialized():
         for group in {groups.tp_group, groups.dp_group}:
             dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def use_model_parallel_groups(groups: ModelParallelGroups | None) -> Iterator[None]:
+    """Make ``groups`` the default (None: no default) inside the block, then restore.
+
+    The mf_rng TP registration follows the swap. Nothing is created or destroyed,
+    so this is how a caller lends its own groups to code that reads the default.
+
+    Raises:
+        TypeError: if ``groups`` is neither a ModelParallelGroups nor None.
+    """
+    global _groups
+    if groups is not None and not isinstance(groups, ModelParallelGroups):
+        raise TypeError(
+            f"use_model_parallel_groups: groups must be ModelParallelGroups or None, got {groups!r}"
+        )
+    previous, _groups = _groups, groups
+    register_model_parallel_group("tp", None if groups is None else groups.tp_group)
+    try:
+        yield
+    finally:
+        _groups = previous
+        register_model_parallel_group("tp", None if previous is None else previous.tp_group)
 
 
 def model_parallel_is_initialized() -> bool:
