@@ -266,7 +266,7 @@ def _rank_index_and_state(rank: int, world: int) -> None:
         tp_index.get_logical_hybrid_fsdp_rank()
 
     # HSDP-shaped mesh (one replica) and a (dp_shard, tp) mesh train like a 1-D mesh.
-    ref_losses, ref_params = reference_run("sgd", world, 2)
+    _, ref_params = reference_run("sgd", world, 2)
     for mesh_kwargs in (
         {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"},
         {"device_mesh": tp_mesh, "dp_shard_dim": "dp_shard", "tp_dim": "tp"},
