@@ -242,6 +242,40 @@ def _gradient_accumulation_and_frozen(rank: int, world: int) -> None:
     _close(out_b, out_a.detach(), "frozen-weight SP output")
     _close(x_b.grad, x_a.grad, "frozen-weight SP input gradient")
 
+    # Row layer scattering a full input itself, and a column layer gathering its output.
+    torch.manual_seed(6)
+    row = mf_tp.RowParallelLinear(
+        FFN,
+        H,
+        config=config,
+        init_method=_init,
+        bias=True,
+        input_is_parallel=False,
+        skip_bias_add=True,
+        keep_master_weight_for_test=True,
+    )
+    column = mf_tp.ColumnParallelLinear(
+        H,
+        FFN,
+        config=config,
+        init_method=_init,
+        gather_output=True,
+        keep_master_weight_for_test=True,
+    )
+    z = torch.randn(S, B, FFN, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    z_ref = z.detach().clone().requires_grad_(True)
+    out, out_bias = row(z)
+    assert out_bias is row.bias
+    full, _ = column(out)
+    assert full.shape == (S, B, FFN)
+    full_ref = (z_ref @ row.master_weight.t()) @ column.master_weight.t()
+    _close(full, full_ref, "scatter-input row -> gathered-output column")
+    full.square().sum().backward()
+    full_ref.square().sum().backward()
+    _close(z.grad, z_ref.grad, "scatter-input row: input gradient")
+    sharded, _ = column(out.detach(), runtime_gather_output=False)
+    _close(sharded, full_ref.detach().chunk(world, dim=-1)[rank], "runtime_gather_output=False")
+
     # Deferred weight gradient: output gradients go to the buffer, no weight gradient.
     weight = torch.randn(FFN // world, H, requires_grad=True)
     buffer: list[torch.Tensor] = []
