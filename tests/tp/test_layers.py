@@ -12,6 +12,8 @@ sums of cancelling terms.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -413,6 +415,21 @@ def _bad_input(rank: int, world: int) -> None:
         mf_tp.ColumnParallelLinear(8, 4, config=sp, init_method=init, gather_output=True)(
             torch.zeros(2, 1, 8)
         )
+    weightless = mf_tp.ColumnParallelLinear(
+        8, 4, config=config, init_method=init, skip_weight_param_allocation=True
+    )
+    with pytest.raises(RuntimeError, match="skip_weight_param_allocation=True, so weight must"):
+        weightless(torch.zeros(2, 8))
+    assert weightless(torch.ones(2, 8), weight=torch.ones(2, 8))[0].shape == (2, 2)
+    # Expert layers leave their communication to the caller (explicit expert comm).
+    expert = mf_tp.ColumnParallelLinear(
+        8, 4, config=config, init_method=init, gather_output=True, is_expert=True
+    )
+    assert expert(torch.ones(2, 8))[0].shape == (2, 4 // world)
+    uninitialised = mf_tp.ColumnParallelLinear(
+        8, 4, config=dataclasses.replace(config, perform_initialization=False), init_method=init
+    )
+    assert uninitialised.weight.partition_dim == 0
     embedding = mf_tp.VocabParallelEmbedding(8, 4, init_method=init, config=config)
     with pytest.raises(ValueError, match=r"input_ must lie in \[0, 8\), got values in \[0, 8\]"):
         embedding(torch.tensor([0, 8]))

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import mf_rng
 import mf_tp
 
 
@@ -143,3 +144,17 @@ def test_group_is_required_without_initialisation() -> None:
         mf_tp.copy_to_tensor_model_parallel_region(torch.zeros(1))
     with pytest.raises(TypeError, match="group must be a ProcessGroup or None"):
         mf_tp.copy_to_tensor_model_parallel_region(torch.zeros(1), group="tp")
+
+
+def test_on_device_init_needs_a_seeded_tracker() -> None:
+    with mf_rng.use_rng_tracker(None):
+        with pytest.raises(RuntimeError, match="call mf_rng.model_parallel_cuda_manual_seed"):
+            mf_tp.initialize_affine_weight_on_device(
+                torch.empty(2, 2), 2, 2, 2, 0, torch.nn.init.normal_, rank=0, world_size=1
+            )
+        mf_rng.model_parallel_cuda_manual_seed(0, device="cpu")
+        weight = torch.empty(2, 2)
+        mf_tp.initialize_affine_weight_on_device(
+            weight, 2, 2, 2, 0, torch.nn.init.normal_, rank=0, world_size=1
+        )
+        assert weight.tensor_model_parallel

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from mf_rng import (
+    InferenceRNGStatesTracker,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
@@ -151,6 +152,7 @@ def initialize_affine_weight_on_device(
     Raises:
         ValueError: if the tracker's device type is not the weight's (its fork
             would not govern the draw).
+        RuntimeError: if the tracker was not seeded.
     """
     _check_rank(rank, world_size)
     tracker = get_cuda_rng_tracker()
@@ -168,6 +170,12 @@ def initialize_affine_weight_on_device(
     )
     # fp32 first, like the CPU path, so both give the same numbers in any params dtype.
     master = torch.empty(output_size, input_size, dtype=torch.float32, device=weight.device)
+    if not isinstance(tracker, InferenceRNGStatesTracker) and name not in tracker.get_states():
+        raise RuntimeError(
+            f"initialize_affine_weight_on_device: the mf_rng tracker has no {name!r} state; "
+            "call mf_rng.model_parallel_cuda_manual_seed(seed) first, or set "
+            "use_cpu_initialization=True"
+        )
     with tracker.fork(name):
         init_method(master)
     master = master.to(dtype=weight.dtype)
