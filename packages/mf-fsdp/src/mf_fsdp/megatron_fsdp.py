@@ -288,7 +288,7 @@ class MegatronFSDP(nn.Module):
                         setattr(param, OWNER_ATTR, weakref.ref(self))
                         self._opt_params[param] = param
                         continue
-                    start, end, shape = group._slices[index]
+                    start, end, shape = group.param_range(index)
                     opt = nn.Parameter(group.main[start:end].view(shape), param.requires_grad)
                     grad = group.grad_store[start:end].view(shape) if group.requires_grad else None
                 else:

@@ -221,6 +221,10 @@ class ParamGroup:
         if self.main_is_separate:
             self.main[lo : lo + e - b].copy_(flat[b:e])
 
+    def param_range(self, index: int) -> tuple[int, int, torch.Size]:
+        """Parameter ``index``'s ``[start, end)`` in the bucket and its shape."""
+        return self._slices[index]
+
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         hit = self._view_cache.get(id(buffer))
         if hit is not None and hit[0] is buffer:
@@ -367,26 +371,24 @@ class ParamGroup:
         assert store is not None  # internal invariant
         assert local is not None
         level = self.strategy.level
-        if src is not local:
-            self.pool.give(src)
         if level <= 1 and self._store_aliases_local:
-            if out is not local:
+            if out is not local:  # ZeRO-1: the reduced shard arrived in a temporary
                 store.copy_(out)
-                self.pool.give(out)
             self._reduced_in_local = True
-            return
-        if out is not store:
-            store.add_(out)
-            if out is not src:
-                self.pool.give(out)
-        self._store_fresh = False
-        if level <= 1:
-            local.zero_()
-            return
-        for p in self.params:
-            p.grad = None
-        self.pool.give(local)
-        self.grad_local = None
+        else:
+            if out is not store:
+                store.add_(out)
+            self._store_fresh = False
+            if level <= 1:
+                local.zero_()
+            else:
+                for p in self.params:
+                    p.grad = None
+                self.pool.give(local)
+                self.grad_local = None
+        temporaries = {id(t): t for t in (src, out) if t is not local and t is not store}
+        for tensor in temporaries.values():
+            self.pool.give(tensor)
 
     def set_outer_op(self, op: dist.ReduceOp.RedOpType) -> None:
         """Record the reduce op used across dp_outer replicas."""
