@@ -147,7 +147,7 @@ def test_group_is_required_without_initialisation() -> None:
 
 
 def test_on_device_init_needs_a_seeded_tracker() -> None:
-    with mf_rng.use_rng_tracker(None):
+    with mf_rng.use_rng_tracker(mf_rng.RNGStatesTracker(device="cpu")):
         with pytest.raises(RuntimeError, match="call mf_rng.model_parallel_cuda_manual_seed"):
             mf_tp.initialize_affine_weight_on_device(
                 torch.empty(2, 2), 2, 2, 2, 0, torch.nn.init.normal_, rank=0, world_size=1
