@@ -74,6 +74,21 @@ def _rank_parity(rank: int, world: int, strategies: list[int], optimizers: list[
             )
             losses = _train(model, opt, rank, world, STEPS)
             _check(losses, full_params(model), ref_losses, ref_params, f"{opt_name} z{strategy}")
+    # Options that change scheduling or grouping, never the result: a dotted unit
+    # path with synchronous collectives, and one bucket for the whole model.
+    ref_losses, ref_params = reference_run("sgd", world, STEPS)
+    for options in (
+        {"overlap_grad_reduce": False, "overlap_param_gather": False},
+        {"disable_bucketing": True},
+    ):
+        module = make_model()
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=["mf.models.gpt.Block"], **options
+        )
+        assert len(model.bucket_stats()) == (1 if options.get("disable_bucketing") else 3)
+        losses = _train(model, opt, rank, world, STEPS)
+        _check(losses, full_params(model), ref_losses, ref_params, f"z3 {options}")
 
 
 @pytest.mark.multiprocess
@@ -83,4 +98,6 @@ def test_parity_all_strategies_world2() -> None:
 
 @pytest.mark.multiprocess
 def test_parity_zero3_world4() -> None:
+    # World 4 puts several ranks' shard boundaries inside one tensor and leaves some
+    # pieces empty.
     run_on_ranks(_rank_parity, 4, [3], ["sgd"], timeout=240)
