@@ -86,7 +86,14 @@ def _rank_memory(rank: int, world: int) -> None:
         owned = torch.tensor(sum(s.rank_numel for s in stats))
         dist.all_reduce(owned)
         assert owned.item() * 4 == total  # the ranks' real pieces tile the model exactly
-        held = model.memory_footprint()
+        held = model.memory_footprint(opt)
+        scalars = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if v.dim() == 0
+        )
+        assert held["optimizer_state"] == _state_bytes(opt) + scalars
         shard = total / world
         expected = {
             0: (total, total, 2 * total),

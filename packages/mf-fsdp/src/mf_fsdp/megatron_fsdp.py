@@ -661,13 +661,24 @@ class MegatronFSDP(nn.Module):
                 return unit.name
         return ""
 
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes this rank holds persistently: params, separate main params, grads, pool."""
+    def memory_footprint(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds: params, separate main params, grads, pool (and optimizer).
+
+        ``pool`` is the reusable temporaries currently idle; with ``optimizer``, the
+        local pieces of its state tensors are counted under ``optimizer_state``.
+        """
         total = {"params": 0, "main_params": 0, "grads": 0}
         for group in self.groups:
             for key, value in group.owned_bytes().items():
                 total[key] += value
         total["pool"] = self._pool.held_bytes()
+        if optimizer is not None:
+            total["optimizer_state"] = sum(
+                _local(v).numel() * v.element_size()
+                for state in optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
         return total
 
     # ------------------------------------------------------------------ state dict
@@ -737,6 +748,10 @@ def _load_into(name: str, opt: nn.Parameter, value: Any) -> None:
         )
     start = opt.local_offset  # type: ignore[attr-defined]
     target.copy_(value.reshape(-1)[start : start + target.numel()])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:
