@@ -316,6 +316,18 @@ def _rank_index_and_state(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match=r"missing keys \['wte.weight'\]"):
             model.load_state_dict({k: v for k, v in state.items() if k != "wte.weight"})
 
+    # broadcast_params: replicas that started different agree with dp rank 0 afterwards.
+    for strategy in (0, 1, 2):
+        module = make_model(seed=rank)
+        model = mf_fsdp.fully_shard_model(
+            module, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
+        )
+        model.broadcast_params()
+        expected = make_model(seed=0)
+        params = full_params(model)
+        for name, value in expected.named_parameters():
+            torch.testing.assert_close(params[name], value.detach())
+
 
 @pytest.mark.multiprocess
 def test_index_meshes_and_state_dict() -> None:

@@ -592,25 +592,30 @@ class MegatronFSDP(nn.Module):
                 work.wait()
 
     def broadcast_params(self) -> None:
-        """Make every replica of the weights equal to data-parallel rank 0's copy."""
+        """Make every replica of the weights equal to data-parallel rank 0's copy.
+
+        Full weights (ZeRO-0/1/2) are broadcast over the whole data-parallel group and
+        the main weights refreshed from them; ZeRO-3 shards only have replicas across
+        ``dp_outer``, so they are broadcast there (nothing to do without it).
+        """
         index = self.dist_index
         for group in self.groups:
             if group.strategy.shards_params:
-                tensors, pg = [group.model_shard], index.outer_fsdp_group
-            else:
-                assert group.model_full is not None  # internal invariant
-                tensors, pg = [group.model_full], index.get_dp_group()
-            if group.main_is_separate:
-                tensors.append(group.main)
-                if not group.strategy.shards_params and group.strategy.level > 0:
-                    pg = index.outer_fsdp_group
-                    tensors = [group.main]
-            if pg is None:
+                pg = index.outer_fsdp_group
+                if pg is None:
+                    continue
+                tensors = [group.model_shard]
+                if group.main_is_separate:
+                    tensors.append(group.main)
+                for tensor in tensors:
+                    dist.broadcast(tensor, src=dist.get_global_rank(pg, 0), group=pg)
                 continue
-            src = dist.get_global_rank(pg, 0)
-            for tensor in tensors:
-                dist.broadcast(tensor, src=src, group=pg)
-        self.install_optimized_model_weights()
+            assert group.model_full is not None  # internal invariant
+            pg = index.get_dp_group()
+            dist.broadcast(group.model_full, src=dist.get_global_rank(pg, 0), group=pg)
+            if group.main_is_separate:
+                own = group.model_full if group.strategy.level == 0 else group.own_weights()
+                group.main.copy_(own)
 
     # ------------------------------------------------------------------ introspection
     @staticmethod

@@ -221,6 +221,11 @@ class ParamGroup:
         if self.main_is_separate:
             self.main[lo : lo + e - b].copy_(flat[b:e])
 
+    def own_weights(self) -> torch.Tensor:
+        """This rank's shard region of the full compute weights (ZeRO-0/1/2)."""
+        assert self.model_full is not None  # internal invariant
+        return self.model_full[self.lo : self.hi]
+
     def param_range(self, index: int) -> tuple[int, int, torch.Size]:
         """Parameter ``index``'s ``[start, end)`` in the bucket and its shape."""
         return self._slices[index]
