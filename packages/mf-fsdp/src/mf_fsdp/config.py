@@ -138,7 +138,8 @@ class DistributedDataParallelConfig:
     """The reference's DDP/FSDP configuration fields that this engine honours.
 
     Attributes:
-        data_parallel_sharding_strategy: ZeRO strategy (0..3 or its name).
+        data_parallel_sharding_strategy: ZeRO strategy (0..3 or its name); the
+            reference's default, ``no_shard`` (``fully_shard`` defaults to 3).
         outer_dp_sharding_strategy: strategy across ``dp_outer`` (only 0 / no_shard:
             replicate and all-reduce there).
         overlap_grad_reduce: reduce a unit's grads asynchronously as soon as its
@@ -149,7 +150,7 @@ class DistributedDataParallelConfig:
         grad_reduce_in_fp32: reduce gradients in fp32 whatever the compute dtype.
     """
 
-    data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "optim_grads_params"
+    data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
     outer_dp_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
