@@ -313,6 +313,11 @@ def _rank_index_and_state(rank: int, world: int) -> None:
         after = full_params(model)
         for name, value in params.items():
             torch.testing.assert_close(after[name], value)
+        # model.zero_grad() clears the engine's buffers too (no stale accumulation).
+        model(*batch(0, rank)).backward()
+        assert float(mf_fsdp.get_grad_norm(model)) > 0
+        model.zero_grad()
+        assert float(mf_fsdp.get_grad_norm(model)) == 0.0
         with pytest.raises(ValueError, match=r"missing keys \['wte.weight'\]"):
             model.load_state_dict({k: v for k, v in state.items() if k != "wte.weight"})
 

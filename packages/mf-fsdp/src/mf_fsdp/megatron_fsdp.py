@@ -556,6 +556,13 @@ class MegatronFSDP(nn.Module):
         for group in self.groups:
             group.scale_gradients(scaling_factor)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient: the engine's buffers and the optimizer parameters' ``.grad``."""
+        self.zero_grad_buffer()
+        if set_to_none:
+            for opt, _ in self._grad_pairs:
+                opt.grad = None
+
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer (call with ``optimizer.zero_grad``; the wrapped one does)."""
         for group in self.groups:
