@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mf.models import GPT, PRESETS
-from mf_fsdp import compute_bucket_layout
+from mf_fsdp import compute_bucket_layout, plan_bucket_layouts
 
 shapes_st = st.lists(
     st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple), min_size=0, max_size=12
@@ -92,3 +92,20 @@ def test_rank_out_of_range() -> None:
     layout = compute_bucket_layout([(4,)], 2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         layout.shard_range(2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 64, 1024])
+def test_plan_bucket_layouts_on_a_meta_model(world: int) -> None:
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(PRESETS["150m"])
+    plans = plan_bucket_layouts(model, world, fsdp_unit_modules=["mf.models.gpt.Block"])
+    assert [name for name, _ in plans] == ["", *(f"blocks.{i}" for i in range(12))]
+    total = sum(layout.numel for _, layout in plans)
+    assert total == PRESETS["150m"].num_parameters()
+    per_rank = [sum(layout.shard_size for _, layout in plans)] * world
+    # Every rank holds total/world plus the alignment and tail padding of each bucket.
+    assert all(total / world <= n <= total / world * 1.01 + 16 * 13 for n in per_rank)
+    for _, layout in plans:
+        assert sum(layout.rank_numel(r) for r in {0, world // 2, world - 1}) <= layout.numel

@@ -17,6 +17,7 @@ from mf_fsdp.grad_norm import clip_grad_norm_, get_grad_norm
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
 from mf_fsdp.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.optimizer import fully_shard_optimizer
+from mf_fsdp.units import plan_bucket_layouts
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -36,4 +37,5 @@ __all__ = [
     "fully_shard_optimizer",
     "get_grad_norm",
     "normalize_strategy",
+    "plan_bucket_layouts",
 ]

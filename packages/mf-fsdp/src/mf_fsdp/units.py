@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["BucketSpec", "plan_buckets", "resolve_unit_classes"]
+from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
+
+__all__ = ["BucketSpec", "plan_bucket_layouts", "plan_buckets", "resolve_unit_classes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,4 +136,29 @@ def _split(
     return [
         BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group))
         for group in by_key.values()
+    ]
+
+
+def plan_bucket_layouts(
+    module: nn.Module,
+    world_size: int,
+    fsdp_unit_modules: Sequence[type[nn.Module] | str] | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+    disable_bucketing: bool = False,
+) -> list[tuple[str, BucketLayout]]:
+    """The engine's buckets for ``module`` at ``world_size`` ranks, without a process group.
+
+    Pure (shapes only, so a model on the meta device works): the same grouping and
+    layout ``MegatronFSDP`` builds, for simulations at any scale.
+
+    Returns:
+        ``(unit_name, layout)`` per bucket, root bucket(s) first (``unit_name == ""``).
+    """
+    classes = resolve_unit_classes(fsdp_unit_modules)
+    return [
+        (
+            spec.unit_name,
+            compute_bucket_layout([p.shape for p in spec.params], world_size, alignment),
+        )
+        for spec in plan_buckets(module, classes, disable_bucketing)
     ]
