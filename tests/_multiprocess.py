@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "cpu_mesh", "run_on_ranks"]
+__all__ = ["DEFAULT_TIMEOUT", "cpu_mesh", "run_on_ranks", "run_simulated_rank"]
 
 DEFAULT_TIMEOUT = 120.0
 # A collective that cannot complete (a peer died) fails after this long in the
@@ -74,20 +74,23 @@ def _child(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    init_file: str,
+    init_file: str | None,
     errors: Any,
     args: tuple[Any, ...],
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=_COLLECTIVE_TIMEOUT,
-        )
+        if init_file is None:
+            _init_fake_group(rank, world_size)
+        else:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=_COLLECTIVE_TIMEOUT,
+            )
         fn(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -130,6 +133,41 @@ def run_on_ranks(
         failures: dict[int, str] = {}
         timed_out = _wait(processes, time.monotonic() + timeout, errors, failures)
     _raise_on_failure(fn, processes, failures, timed_out, timeout)
+
+
+def run_simulated_rank(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    rank: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in one child that plays ``rank`` of ``world_size``.
+
+    The child's default group is torch's fake process group: collectives
+    return at once without moving data, so the engine's set-up, layouts and
+    memory can be simulated at cluster scale (world 1024) in one process.
+    Values that depend on communication are meaningless there.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"run_simulated_rank: rank must be in [0, {world_size}), got {rank}")
+    context = _context()
+    errors = context.SimpleQueue()
+    process = context.Process(
+        target=_child, args=(fn, rank, world_size, None, errors, args), name="simulated", daemon=True
+    )
+    process.start()
+    failures: dict[int, str] = {}
+    timed_out = _wait([process], time.monotonic() + timeout, errors, failures)
+    _raise_on_failure(fn, [process], failures, timed_out, timeout)
+
+
+def _init_fake_group(rank: int, world_size: int) -> None:
+    # Importing this module registers torch's "fake" backend (torch's own
+    # init_process_group imports it the same way for backend="fake").
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def _drain(errors: Any, failures: dict[int, str]) -> None:

@@ -171,8 +171,10 @@ class ParamGroup:
             # storage to zero, gathering resizes it back. Views of it (parameters' .data
             # and any view autograd saved in forward) therefore always see the current
             # gather; a pooled tensor would leave saved views pointing at another unit.
-            self._full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            # It starts released, so building the engine never holds every bucket at once.
+            self._full = torch.empty(layout.padded_numel, dtype=d.compute, device=dev)
             self._full_nbytes = self._full.untyped_storage().nbytes()
+            self._full.untyped_storage().resize_(0)
         else:
             self.model_full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
             main_numel = layout.padded_numel if level == 0 else shard
@@ -279,6 +281,9 @@ class ParamGroup:
     def point_params_at_buffer(self) -> None:
         """Make every parameter's ``.data`` a view of the whole-bucket weights (once)."""
         full = self.model_full if self.strategy.level < 3 else self._full
+        if self.strategy.level == 3 and self.model_full is None:
+            # Views need the bytes to exist; the caller releases them again with reshard().
+            self._full.untyped_storage().resize_(self._full_nbytes)
         for p, v in zip(self.params, self._views(full), strict=True):
             p.data = v
 
