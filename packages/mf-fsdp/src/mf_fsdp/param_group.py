@@ -38,6 +38,7 @@ from torch import nn
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import BucketLayout
+from mf_fsdp.tp_params import local_shape, local_value, set_local_data, wrap_grad
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ReduceSpec"]
 
@@ -137,10 +138,10 @@ class ParamGroup:
         self.rank = dist_index.shard_rank
         self.lo, self.hi = layout.shard_range(self.rank)
         self._slices = [
-            (s, s + n, p.shape)
+            (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
         ]
-        self._view_cache: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._gather: dist.Work | None = None
         self._pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         self.model_full: torch.Tensor | None = None
@@ -203,7 +204,7 @@ class ParamGroup:
     def copy_in(self, index: int, value: torch.Tensor) -> None:
         """Write parameter ``index``'s full value into this rank's buffers (init and load)."""
         start, end, _ = self._slices[index]
-        flat = value.detach().reshape(-1)
+        flat = local_value(value).reshape(-1)
         level = self.strategy.level
         if level < 3:
             assert self.model_full is not None  # internal invariant
@@ -230,14 +231,18 @@ class ParamGroup:
         """Parameter ``index``'s ``[start, end)`` in the bucket and its shape."""
         return self._slices[index]
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        hit = self._view_cache.get(id(buffer))
+    def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
+        # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
+        key = (id(buffer), as_grads)
+        hit = self._view_cache.get(key)
         if hit is not None and hit[0] is buffer:
             return hit[1]
         views = [buffer[s:e].view(shape) for s, e, shape in self._slices]
+        if as_grads:
+            views = [wrap_grad(p, v) for p, v in zip(self.params, views, strict=True)]
         if len(self._view_cache) > 8:
             self._view_cache.clear()
-        self._view_cache[id(buffer)] = (buffer, views)
+        self._view_cache[key] = (buffer, views)
         return views
 
     def local_main_piece(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -280,7 +285,7 @@ class ParamGroup:
         """Make every parameter's ``.data`` a view of the whole-bucket weights (once)."""
         full = self.model_full if self.strategy.level < 3 else self._full
         for p, v in zip(self.params, self._views(full), strict=True):
-            p.data = v
+            set_local_data(p, v)
 
     # ------------------------------------------------------------------ gradients
     def begin_accumulate(self, spec: ReduceSpec) -> None:
@@ -294,8 +299,7 @@ class ParamGroup:
                     self.layout.padded_numel, self.dtypes.compute, self.device
                 )
                 self.grad_local.zero_()
-                for p, v in zip(self.params, self._views(self.grad_local), strict=True):
-                    p.grad = v
+                self.attach_local_grads()
         else:
             if self._reduced_in_local:
                 self._rebase_reduced(spec)
@@ -306,7 +310,7 @@ class ParamGroup:
     def attach_local_grads(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""
         if self.grad_local is not None:
-            for p, v in zip(self.params, self._views(self.grad_local), strict=True):
+            for p, v in zip(self.params, self._views(self.grad_local, True), strict=True):
                 p.grad = v
 
     def _rebase_reduced(self, spec: ReduceSpec) -> None:
