@@ -23,6 +23,7 @@ per mesh dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -88,7 +89,7 @@ class TPBlock(nn.Module):
 
     def __init__(self, config: mf_tp.ModelParallelConfig, group: dist.ProcessGroup) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(H)
+        self.norm = _norm(config.sequence_parallel)
         self.fc1 = mf_tp.ColumnParallelLinear(
             H, FFN, config=config, init_method=nn.init.zeros_, tp_group=group
         )
@@ -108,19 +109,32 @@ class TPBlock(nn.Module):
 
 
 class TPLM(nn.Module):
-    """``TinyLM`` with a vocab-parallel embedding, LM head and cross entropy."""
+    """``TinyLM`` with a vocab-parallel embedding, LM head and cross entropy.
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    With ``sequence_parallel`` activations between the TP layers are ``[S/t, B, H]``
+    and the norms' parameters are marked ``sequence_parallel=True`` (their grads
+    cover this rank's rows only), as Megatron marks them.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
         config = mf_tp.ModelParallelConfig(
-            tensor_model_parallel_size=dist.get_world_size(group), use_cpu_initialization=True
+            tensor_model_parallel_size=dist.get_world_size(group),
+            sequence_parallel=sequence_parallel,
+            use_cpu_initialization=True,
         )
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.embed = mf_tp.VocabParallelEmbedding(
-            V, H, init_method=nn.init.zeros_, config=config, tp_group=group
+            V,
+            H,
+            init_method=nn.init.zeros_,
+            config=config,
+            reduce_scatter_embeddings=sequence_parallel,
+            tp_group=group,
         )
         self.blocks = nn.ModuleList(TPBlock(config, group) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(H)
+        self.norm = _norm(sequence_parallel)
         self.head = mf_tp.ColumnParallelLinear(
             H, V, config=config, init_method=nn.init.zeros_, bias=False, tp_group=group
         )
@@ -130,7 +144,16 @@ class TPLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits, _ = self.head(self.norm(x))
+        if self.sequence_parallel:
+            targets = targets.t()  # logits are [S, B, V/t]
         return mf_tp.vocab_parallel_cross_entropy(logits, targets, group=self.group).mean()
+
+
+def _norm(sequence_parallel: bool) -> nn.LayerNorm:
+    norm = nn.LayerNorm(H)
+    for param in norm.parameters():
+        param.sequence_parallel = sequence_parallel
+    return norm
 
 
 def reference_model() -> TinyLM:
@@ -138,9 +161,9 @@ def reference_model() -> TinyLM:
     return TinyLM()
 
 
-def mf_tp_model(tp_mesh) -> TPLM:
+def mf_tp_model(tp_mesh, sequence_parallel: bool = False) -> TPLM:
     """The mf-tp model holding this TP rank's shards of ``reference_model()``."""
-    model = TPLM(tp_mesh.get_group())
+    model = TPLM(tp_mesh.get_group(), sequence_parallel)
     full = dict(reference_model().named_parameters())
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -201,7 +224,7 @@ def reference_run(opt_name: str, micro: int, clip: float | None = None):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _train(model, opt, mesh, micro: int, clip: float | None = None):
+def _train(model, opt, mesh, micro: int, clip: float | None = None, no_sync: bool = True):
     """Train 10 steps; return the losses and the step-0 grad norms (2, inf)."""
     # Grad norm: one all-reduce per norm and mesh dim (ZeRO-0 grads are not dp-sharded).
     expected = 2 * (1 if model.strategy.level == 0 else 2)
@@ -210,7 +233,7 @@ def _train(model, opt, mesh, micro: int, clip: float | None = None):
     for step in range(STEPS):
         total = torch.zeros(())
         for m in range(micro):
-            quiet = m < micro - 1
+            quiet = no_sync and m < micro - 1
             with model.no_sync() if quiet else contextlib.nullcontext():
                 loss = model(*batch(step, dp_rank, m)) / micro
                 loss.backward()
@@ -251,33 +274,39 @@ def _check(model, mesh, result, ref, label: str) -> None:
         )
 
 
-def _parity(mesh, build, unit, strategies, optimizers, micros) -> None:
+def _parity(mesh, build, unit, strategies, optimizers, micros, clip=True, no_sync=True) -> None:
+    """Every (optimizer, micro, strategy) against one process; then a clipped SGD run."""
     for opt_name in optimizers:
         for micro in micros:
             ref = reference_run(opt_name, micro)
             for strategy in strategies:
-                module = build(mesh["tp"])
-                opt = make_optimizer(opt_name, module.parameters())
-                model, opt = mf_fsdp.fully_shard(
-                    module,
-                    opt,
-                    device_mesh=mesh,
-                    dp_shard_dim="dp",
-                    tp_dim="tp",
-                    fsdp_unit_modules=[unit],
-                    zero_dp_strategy=strategy,
-                )
-                label = f"{build.__name__} z{strategy} {opt_name} micro={micro}"
-                _check(model, mesh, _train(model, opt, mesh, micro), ref, label)
-    # Clipping every step (SGD exposes a wrong coefficient).
-    ref = reference_run("sgd", 1, clip=CLIP)
+                model, opt = _wrap(build, mesh, unit, opt_name, zero_dp_strategy=strategy)
+                label = f"{_name(build)} z{strategy} {opt_name} micro={micro} no_sync={no_sync}"
+                result = _train(model, opt, mesh, micro, no_sync=no_sync)
+                _check(model, mesh, result, ref, label)
+    if clip:  # SGD exposes a wrong clipping coefficient
+        ref = reference_run("sgd", 1, clip=CLIP)
+        model, opt = _wrap(build, mesh, unit, "sgd")
+        _check(model, mesh, _train(model, opt, mesh, 1, clip=CLIP), ref, f"{_name(build)} clip")
+        _check_tp_attributes(model, mesh)
+
+
+def _name(build) -> str:
+    return getattr(build, "__name__", "mf_tp_model(sequence_parallel=True)")
+
+
+def _wrap(build, mesh, unit, opt_name: str, **kwargs):
     module = build(mesh["tp"])
-    opt = make_optimizer("sgd", module.parameters())
-    model, opt = mf_fsdp.fully_shard(
-        module, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[unit]
+    opt = make_optimizer(opt_name, module.parameters())
+    return mf_fsdp.fully_shard(
+        module,
+        opt,
+        device_mesh=mesh,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[unit],
+        **kwargs,
     )
-    _check(model, mesh, _train(model, opt, mesh, 1, clip=CLIP), ref, f"{build.__name__} clip")
-    _check_tp_attributes(model, mesh)
 
 
 def _check_tp_attributes(model, mesh) -> None:
@@ -288,15 +317,22 @@ def _check_tp_attributes(model, mesh) -> None:
     )
     tp_rank = mesh.get_local_rank("tp")
     assert (fc1.tp_partition_dim, fc1.tp_size, fc1.tp_rank) == (0, TP, tp_rank)
-    assert fc1.tp_global_shape == (FFN, H) and tuple(fc1.orig_shape) == (FFN // TP, H)
-    assert fc2.tp_partition_dim == 1 and fc2.tp_global_shape == (H, FFN)
-    assert norm.tp_partition_dim == -1 and norm.tp_global_shape == (H,)
-    assert fc1.tp_mesh.size() == TP and fc1.tp_partition_stride == 1
+    assert fc1.tp_global_shape == (FFN, H)
+    assert tuple(fc1.orig_shape) == (FFN // TP, H)
+    assert fc2.tp_partition_dim == 1
+    assert fc2.tp_global_shape == (H, FFN)
+    assert norm.tp_partition_dim == -1
+    assert norm.tp_global_shape == (H,)
+    assert fc1.tp_mesh.size() == TP
+    assert fc1.tp_partition_stride == 1
 
 
 def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
     mesh = cpu_mesh((DP, TP), ("dp", "tp"))
     _parity(mesh, mf_tp_model, TPBlock, [0, 1, 2, 3], ["sgd", "adam"], micros)
+    # Sequence parallelism; without no_sync ZeRO-0/1 accumulate on top of reduced grads.
+    sequence_parallel = functools.partial(mf_tp_model, sequence_parallel=True)
+    _parity(mesh, sequence_parallel, TPBlock, [0, 1, 2, 3], ["sgd"], micros, False, False)
 
 
 def _rank_dtensor(rank: int, world: int) -> None:
@@ -313,7 +349,8 @@ def _rank_dtensor(rank: int, world: int) -> None:
         ).optimizer_named_parameters()
     )
     fc2_bias = opt_params["blocks.0.fc2.bias"]
-    assert not isinstance(fc2_bias, DTensor) and fc2_bias.tp_placements == (Replicate(),)
+    assert not isinstance(fc2_bias, DTensor)
+    assert fc2_bias.tp_placements == (Replicate(),)
 
 
 def _bad_input(mesh) -> None:
@@ -329,6 +366,10 @@ def _bad_input(mesh) -> None:
         wrap(dtensor_model(mesh["tp"]), tp_dim=None)
     with pytest.raises(ValueError, match=r"'embed.weight' .* lives on a mesh over ranks"):
         wrap(dtensor_model(mesh["dp"]))
+    marked = reference_model()
+    marked.norm.weight.sequence_parallel = True
+    with pytest.raises(ValueError, match=r"tp_dim=None but parameter 'norm.weight' is marked"):
+        wrap(marked, tp_dim=None)
     two_d = reference_model()
     two_d.head.weight = nn.Parameter(
         distribute_tensor(two_d.head.weight, mesh, [Shard(0), Shard(1)])

@@ -141,6 +141,13 @@ class ParamGroup:
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
         ]
+        # Sequence-parallel duplicated params: each TP rank's grad covers only its
+        # rows, so their local grads are summed over TP before the dp reduction.
+        self._sp_slices = [
+            (s, e)
+            for (s, e, _), p in zip(self._slices, params, strict=True)
+            if getattr(p, "sequence_parallel", False)
+        ]
         self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._gather: dist.Work | None = None
         self._pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
@@ -327,6 +334,10 @@ class ParamGroup:
             own.mul_(1.0 / (spec.factor * replicas))
             self.grad_local[: self.lo].zero_()
             self.grad_local[self.hi :].zero_()
+        if self._sp_slices:  # their reduced part is summed over TP again next time
+            tp_size = dist.get_world_size(self.dist_index.tp_group)
+            for start, end in self._sp_slices:
+                self.grad_local[start:end].div_(tp_size)
         self._reduced_in_local = False
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
@@ -342,6 +353,7 @@ class ParamGroup:
             src = local
         if spec.pre != 1.0:
             src.mul_(spec.pre)
+        self._sum_sequence_parallel_grads(src)
         index = self.dist_index
         if self.strategy.level == 0:
             work = dist.all_reduce(src, op=spec.op, group=index.get_dp_group(), async_op=async_op)
@@ -364,6 +376,17 @@ class ParamGroup:
             )
         self._pending = (work, src, out)
         self.has_unreduced = False
+
+    def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None:
+        """All-reduce the sequence-parallel params' local grads over TP (one collective)."""
+        if not self._sp_slices:
+            return
+        flat = torch.cat([src[s:e] for s, e in self._sp_slices])
+        dist.all_reduce(flat, group=self.dist_index.tp_group)
+        offset = 0
+        for start, end in self._sp_slices:
+            src[start:end].copy_(flat[offset : offset + end - start])
+            offset += end - start
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction and fold its result into the grad store."""

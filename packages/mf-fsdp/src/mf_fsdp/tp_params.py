@@ -85,7 +85,8 @@ def validate_tp_params(
     """Refuse DTensor parameters the engine cannot shard along dp only.
 
     Raises:
-        ValueError: for a DTensor parameter without a ``tp_dim``, with more than one
+        ValueError: for a sequence-parallel parameter without a ``tp_dim``, and for a
+            DTensor parameter without a ``tp_dim``, with more than one
             placement, with a placement other than ``Shard``/``Replicate``, on a mesh
             other than the tp sub-mesh, or on the meta device with
             ``init_model_with_meta_device``.
@@ -94,6 +95,11 @@ def validate_tp_params(
     if index.tp_dim is not None:
         tp_ranks = index.get_submesh(index.tp_dim).mesh.flatten().tolist()
     for name, param in named_params:
+        if getattr(param, "sequence_parallel", False) and tp_ranks is None:
+            raise ValueError(
+                f"tp_dim=None but parameter {name!r} is marked sequence_parallel=True (its "
+                "grads must be summed over the TP group); expected tp_dim naming that mesh dim"
+            )
         if not isinstance(param, DTensor):
             continue
         where = f"parameter {name!r} (DTensor, placements {tuple(param.placements)!r})"
