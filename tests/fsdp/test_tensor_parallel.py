@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -274,8 +274,11 @@ def _check(model, mesh, result, ref, label: str) -> None:
         )
 
 
-def _parity(mesh, build, unit, strategies, optimizers, micros, clip=True, no_sync=True) -> None:
-    """Every (optimizer, micro, strategy) against one process; then a clipped SGD run."""
+def _parity(mesh, build, unit, strategies, optimizers, micros, clip=3, no_sync=True) -> None:
+    """Every (optimizer, micro, strategy) against one process; then a clipped SGD run.
+
+    ``clip``: the strategy of the clipped run (None: no clipped run).
+    """
     for opt_name in optimizers:
         for micro in micros:
             ref = reference_run(opt_name, micro)
@@ -284,9 +287,9 @@ def _parity(mesh, build, unit, strategies, optimizers, micros, clip=True, no_syn
                 label = f"{_name(build)} z{strategy} {opt_name} micro={micro} no_sync={no_sync}"
                 result = _train(model, opt, mesh, micro, no_sync=no_sync)
                 _check(model, mesh, result, ref, label)
-    if clip:  # SGD exposes a wrong clipping coefficient
+    if clip is not None:  # SGD exposes a wrong clipping coefficient
         ref = reference_run("sgd", 1, clip=CLIP)
-        model, opt = _wrap(build, mesh, unit, "sgd")
+        model, opt = _wrap(build, mesh, unit, "sgd", zero_dp_strategy=clip)
         _check(model, mesh, _train(model, opt, mesh, 1, clip=CLIP), ref, f"{_name(build)} clip")
         _check_tp_attributes(model, mesh)
 
@@ -325,6 +328,11 @@ def _check_tp_attributes(model, mesh) -> None:
     assert norm.tp_global_shape == (H,)
     assert fc1.tp_mesh.size() == TP
     assert fc1.tp_partition_stride == 1
+    if isinstance(model.module.blocks[0].fc1.weight, DTensor):
+        assert fc1.tp_placements == (Shard(0),)
+        assert opt_params["blocks.0.fc2.bias"].tp_placements == (Replicate(),)
+        if model.strategy.level == 0:  # the contract: plain tensors under ZeRO-0
+            assert not isinstance(fc1, DTensor)
 
 
 def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
@@ -332,25 +340,14 @@ def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
     _parity(mesh, mf_tp_model, TPBlock, [0, 1, 2, 3], ["sgd", "adam"], micros)
     # Sequence parallelism; without no_sync ZeRO-0/1 accumulate on top of reduced grads.
     sequence_parallel = functools.partial(mf_tp_model, sequence_parallel=True)
-    _parity(mesh, sequence_parallel, TPBlock, [0, 1, 2, 3], ["sgd"], micros, False, False)
+    _parity(mesh, sequence_parallel, TPBlock, [0, 1, 2, 3], ["sgd"], micros, None, False)
 
 
 def _rank_dtensor(rank: int, world: int) -> None:
     mesh = cpu_mesh((DP, TP), ("dp", "tp"))
     _bad_input(mesh)
-    _parity(mesh, dtensor_model, Block, [3, 1], ["sgd", "adam"], [1, MICRO])
-    opt_params = dict(
-        mf_fsdp.fully_shard_model(
-            dtensor_model(mesh["tp"]),
-            device_mesh=mesh,
-            dp_shard_dim="dp",
-            tp_dim="tp",
-            zero_dp_strategy=0,
-        ).optimizer_named_parameters()
-    )
-    fc2_bias = opt_params["blocks.0.fc2.bias"]
-    assert not isinstance(fc2_bias, DTensor)
-    assert fc2_bias.tp_placements == (Replicate(),)
+    # The clipped run uses ZeRO-0: DTensor params get plain optimizer params there.
+    _parity(mesh, dtensor_model, Block, [3, 1], ["sgd", "adam"], [1, MICRO], clip=0)
 
 
 def _bad_input(mesh) -> None:
@@ -376,6 +373,16 @@ def _bad_input(mesh) -> None:
     )
     with pytest.raises(ValueError, match=r"'head.weight' .* expected one placement"):
         wrap(two_d)
+    partial = reference_model()
+    weight = partial.head.weight.detach()
+    partial.head.weight = nn.Parameter(DTensor.from_local(weight, mesh["tp"], [Partial()]))
+    with pytest.raises(ValueError, match=r"'head.weight' .* expected a Shard\(dim\) or Replicate"):
+        wrap(partial)
+    with torch.device("meta"):
+        meta = TinyLM()
+    parallelize_module(meta, mesh["tp"], {"head": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"init_model_with_meta_device: parameter 'head.weight'"):
+        wrap(meta, init_model_with_meta_device=True)
 
 
 @pytest.mark.multiprocess
