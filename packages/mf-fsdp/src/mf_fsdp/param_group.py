@@ -24,7 +24,9 @@ the first one.
 Reduction contract (see the README): after ``finish_reduce`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
 (mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
-division into the collective.
+division into the collective. Grads of parameters marked
+``sequence_parallel=True`` are first summed over the tp group (one
+all-reduce of their slices), since each TP rank's grad covers only its rows.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ parameter is, to the engine, just its local tensor:
 Gradients of TP-duplicated parameters (LayerNorm weights, a row-parallel
 bias, ``Replicate()`` DTensors) are equal on every TP rank when every TP rank
 sees the same data, so reducing over the dp group alone keeps them equal.
+Under sequence parallelism a duplicated parameter marked
+``sequence_parallel=True`` only sees its rank's rows; ``ParamGroup`` sums
+those grads over the tp group before the dp reduction.
 
 This module also writes the TP facts a checkpoint needs onto each optimizer
 parameter (``annotate_optimizer_param``). It must not communicate.
@@ -82,7 +85,7 @@ def wrap_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
 def validate_tp_params(
     named_params: Iterable[tuple[str, nn.Parameter]], index: FSDPDistributedIndex, meta_init: bool
 ) -> None:
-    """Refuse DTensor parameters the engine cannot shard along dp only.
+    """Refuse TP parameters the engine cannot shard along dp only.
 
     Raises:
         ValueError: for a sequence-parallel parameter without a ``tp_dim``, and for a
