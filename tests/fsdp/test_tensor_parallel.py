@@ -346,6 +346,18 @@ def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
 def _rank_dtensor(rank: int, world: int) -> None:
     mesh = cpu_mesh((DP, TP), ("dp", "tp"))
     _bad_input(mesh)
+    # Without FSDP: a DTensor TP model's own params (Shard, Replicate and plain grads).
+    reference, model = reference_model(), dtensor_model(mesh["tp"])
+    for module in (reference, model):
+        module(*batch(0, 0, 0)).backward()
+    for norm_type in (2.0, math.inf):
+        expected = torch.nn.utils.get_total_norm(
+            [p.grad for p in reference.parameters()], norm_type
+        )
+        with count_collectives() as counts:
+            norm = mf_fsdp.get_grad_norm(model.parameters(), norm_type)
+        torch.testing.assert_close(norm, expected, rtol=RTOL, atol=ATOL)
+        assert counts["all_reduce"] == 1
     # The clipped run uses ZeRO-0: DTensor params get plain optimizer params there.
     _parity(mesh, dtensor_model, Block, [3, 1], ["sgd", "adam"], [1, MICRO], clip=0)
 
