@@ -61,15 +61,20 @@ def local_shape(param: torch.Tensor) -> torch.Size:
 def set_local_data(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param``'s values (its local tensor, for a DTensor) a view of an engine buffer."""
     if isinstance(param, DTensor):
-        # FSDP2 swaps the local tensor the same way; the Parameter object (and
-        # its placements, mesh and global shape) stays what the module holds.
+        # The Parameter object (placements, mesh, global shape) stays what the module
+        # holds. ``.data`` updates the wrapper's dtype (bf16 compute buffers) but keeps
+        # the old local tensor, so the local tensor is swapped as well (as FSDP2 does).
+        param.data = wrap_grad(param, view)
         param._local_tensor = view
     else:
         param.data = view
 
 
 def wrap_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
-    """The tensor to assign to ``param.grad`` so that autograd accumulates into ``view``."""
+    """``view`` laid out like ``param``: a DTensor with its placements for a DTensor param.
+
+    Assigned to ``param.grad``, autograd accumulates straight into ``view``.
+    """
     if not isinstance(param, DTensor):
         return view
     return DTensor.from_local(
