@@ -338,6 +338,11 @@ def _check_tp_attributes(model, mesh) -> None:
 def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
     mesh = cpu_mesh((DP, TP), ("dp", "tp"))
     _parity(mesh, mf_tp_model, TPBlock, [0, 1, 2, 3], ["sgd", "adam"], micros)
+    if micros == [1]:  # an HSDP-shaped (dp_outer=1, dp, tp) mesh trains the same
+        hsdp = cpu_mesh((1, DP, TP), ("dp_outer", "dp", "tp"))
+        model, opt = _wrap(mf_tp_model, hsdp, TPBlock, "sgd", dp_outer_dim="dp_outer")
+        result = _train(model, opt, hsdp, 1)
+        _check(model, hsdp, result, reference_run("sgd", 1), "dp_outer x dp x tp")
     # Sequence parallelism; without no_sync ZeRO-0/1 accumulate on top of reduced grads.
     sequence_parallel = functools.partial(mf_tp_model, sequence_parallel=True)
     _parity(mesh, sequence_parallel, TPBlock, [0, 1, 2, 3], ["sgd"], micros, None, False)
