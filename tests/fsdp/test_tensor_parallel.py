@@ -17,7 +17,12 @@ on all TP ranks) at 1e-5 relative after 10 steps, with SGD (a wrong gradient
 scale shows at O(1)) and Adam, with 1 and 4 accumulated micro-batches.
 ``get_grad_norm`` / ``clip_grad_norm_`` are checked against
 ``torch.nn.utils`` on the reference (norm 2 and inf), with one all-reduce
-per mesh dim.
+per mesh dim. Also covered: sequence parallelism (norm weights marked
+``sequence_parallel``; ZeRO-0/1 accumulating on top of reduced grads), an
+HSDP-shaped (dp_outer=1, dp, tp) mesh, bf16 compute with DTensor TP, the TP
+facts on the optimizer parameters and the bad inputs the engine refuses.
+
+Per-rank CPU time (4 ranks): about 2.5 s, 6 s and 6 s for the three tests.
 """
 
 from __future__ import annotations
