@@ -151,7 +151,7 @@ def annotate_optimizer_param(
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         placement = param.placements[0]
-        dim = placement.dim if isinstance(placement, Shard) else -1
+        dim = placement.dim % param.dim() if isinstance(placement, Shard) else -1
         stride = 1
         global_shape = tuple(param.shape)
         opt.tp_placements = tuple(param.placements)  # type: ignore[attr-defined]
