@@ -54,6 +54,7 @@ _PRELOAD = [
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
     "torch.distributed.device_mesh",
+    "torch._dynamo",  # the first optimizer.step() imports it: seconds per child otherwise
     "tests._multiprocess",
     "mf_utils",
     "mf_rng",

@@ -69,6 +69,11 @@ class FSDPDistributedIndex:
                     f"FSDPDistributedIndex: {arg}={value!r} is not a dim of the mesh; "
                     f"expected one of {names!r}"
                 )
+        if tp_dim is not None and tp_dim in (dp_shard_dim, dp_outer_dim):
+            raise ValueError(
+                f"FSDPDistributedIndex: tp_dim={tp_dim!r} is also a data-parallel dim; "
+                "expected a separate mesh dim for tensor parallelism"
+            )
         if hsdp_outer_dp_shard:
             raise ValueError(
                 "FSDPDistributedIndex: hsdp_outer_dp_shard=True (fully sharded hybrid FSDP) "

@@ -1,8 +1,15 @@
-"""Gradient norm and clipping on sharded gradients, one all-reduce per mesh.
+"""Gradient norm and clipping on sharded gradients, one all-reduce per mesh dim.
 
-Local (possibly empty) shards contribute ``sum |g|^p`` (or ``max |g|``); the
-partial results of DTensor gradients are reduced over the mesh dims they are
-sharded on, once per distinct (mesh, placements), so the result equals
+Each gradient's local (possibly empty) piece contributes ``sum |g|^p`` (or
+``max |g|``) to the partial of its *signature*: the process groups its
+pieces are spread over. Those are the dims a DTensor gradient is ``Shard``-ed
+on (the engine's dp shards, torch DTensor TP) plus, for an optimizer
+parameter of a TP-partitioned parameter, its ``tp_mesh`` (see
+``mf_fsdp.tp_params``). The partials form one vector that is all-reduced
+once per distinct group. A partial whose signature lacks that group holds the
+same value on all of the group's ranks (a TP-duplicated parameter's grad is
+equal on every TP rank), so only the group's rank 0 keeps it for the sum: it
+is counted once, not group-size times. The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
 """
 
@@ -29,10 +36,25 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
     return list(parameters)
 
 
+def _signature(param: torch.Tensor, grad: torch.Tensor) -> list[dist.ProcessGroup]:
+    """The groups over which ``grad``'s pieces are spread (in a fixed order)."""
+    groups = []
+    if isinstance(grad, DTensor):
+        groups = [
+            grad.device_mesh.get_group(dim)
+            for dim, placement in enumerate(grad.placements)
+            if isinstance(placement, Shard)
+        ]
+    tp_mesh = getattr(param, "tp_mesh", None)
+    if tp_mesh is not None and getattr(param, "tp_partition_dim", -1) >= 0:
+        groups.append(tp_mesh.get_group())
+    return groups
+
+
 def get_grad_norm(
     parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Total ``norm_type``-norm of all gradients (sharded DTensor grads included).
+    """Total ``norm_type``-norm of all gradients (dp-sharded and TP-sharded grads included).
 
     Args:
         parameters: a ``MegatronFSDP`` (its pending reductions finish first) or tensors.
@@ -45,41 +67,30 @@ def get_grad_norm(
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
     is_inf = math.isinf(norm_type)
-    buckets: dict[tuple[object, ...], list[torch.Tensor]] = {}
-    meshes: dict[tuple[object, ...], DTensor | None] = {}
+    grads_by_key: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    groups: dict[int, dist.ProcessGroup] = {}
     for p in _params(parameters):
         if p.grad is None:
             continue
-        grad = p.grad
-        if isinstance(grad, DTensor):
-            key: tuple[object, ...] = (id(grad.device_mesh), tuple(grad.placements))
-            meshes.setdefault(key, grad)
-            grad = grad.to_local()
-        else:
-            key = ("plain", grad.device)
-            meshes.setdefault(key, None)
-        buckets.setdefault(key, []).append(grad)
-    total: torch.Tensor | None = None
-    for key, grads in buckets.items():
-        part = _local_part(grads, norm_type, is_inf)
-        sample = meshes[key]
-        if sample is not None:
-            for dim, placement in enumerate(sample.placements):
-                if isinstance(placement, Shard):
-                    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-                    dist.all_reduce(part, op=op, group=sample.device_mesh.get_group(dim))
-        total = (
-            part
-            if total is None
-            else (
-                torch.maximum(total, part.to(total.device))
-                if is_inf
-                else total + part.to(total.device)
-            )
-        )
-    if total is None:
+        signature = _signature(p, p.grad)
+        groups.update((id(g), g) for g in signature)
+        key = tuple(sorted({id(g) for g in signature}))
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads_by_key.setdefault(key, []).append(grad)
+    if not grads_by_key:
         return torch.tensor(0.0)
-    return total if is_inf else total.pow(1.0 / norm_type)
+    keys = list(grads_by_key)
+    device = grads_by_key[keys[0]][0].device
+    parts = torch.stack([_local_part(grads_by_key[k], norm_type, is_inf).to(device) for k in keys])
+    for gid, group in groups.items():
+        if is_inf:
+            dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=group)
+            continue
+        if dist.get_rank(group) != 0:
+            replicated = torch.tensor([gid not in k for k in keys], device=device)
+            parts.masked_fill_(replicated, 0.0)
+        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+    return parts.max() if is_inf else parts.sum().pow(1.0 / norm_type)
 
 
 def _local_part(grads: list[torch.Tensor], norm_type: float, is_inf: bool) -> torch.Tensor:

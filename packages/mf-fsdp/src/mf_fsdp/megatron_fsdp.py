@@ -44,6 +44,7 @@ from mf_fsdp.config import (
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, compute_bucket_layout
 from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ReduceSpec
+from mf_fsdp.tp_params import annotate_optimizer_param, local_shape, validate_tp_params
 from mf_fsdp.units import BucketSpec, plan_buckets, resolve_unit_classes
 from mf_utils import get_group_device
 
@@ -213,6 +214,7 @@ class MegatronFSDP(nn.Module):
             gradient_scaling_factor,
         )
         self._pool = BufferPool()
+        validate_tp_params(module.named_parameters(), dist_index, init_model_with_meta_device)
         specs = plan_buckets(module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing)
         self._build_units(specs, alignment, init_model_with_meta_device)
         self._build_optimizer_params()
@@ -239,7 +241,7 @@ class MegatronFSDP(nn.Module):
                 )
             if self.ddp_config.grad_reduce_in_fp32:
                 dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
-            layout = compute_bucket_layout([p.shape for p in spec.params], world, alignment)
+            layout = compute_bucket_layout([local_shape(p) for p in spec.params], world, alignment)
             group = ParamGroup(
                 list(spec.params),
                 list(spec.names),
@@ -284,15 +286,18 @@ class MegatronFSDP(nn.Module):
         for group in self.groups:
             for index, param in enumerate(group.params):
                 if level == 0:
-                    if not group.main_is_separate:
+                    # The model's own parameter, unless it is a DTensor (TP): then a
+                    # plain view of its local values, as the optimizer contract says.
+                    if not group.main_is_separate and not isinstance(param, DTensor):
                         setattr(param, OWNER_ATTR, weakref.ref(self))
+                        annotate_optimizer_param(param, param, self.dist_index)
                         self._opt_params[param] = param
                         continue
                     start, end, shape = group.param_range(index)
                     opt = nn.Parameter(group.main[start:end].view(shape), param.requires_grad)
                     grad = group.grad_store[start:end].view(shape) if group.requires_grad else None
                 else:
-                    numel = param.numel()
+                    numel = local_shape(param).numel()
                     local, offset = group.local_main_piece(index, group.main)
                     opt = nn.Parameter(
                         uneven_dtensor_from_local(
@@ -317,7 +322,8 @@ class MegatronFSDP(nn.Module):
                             validate=False,
                         )
                     opt.local_offset = offset  # type: ignore[attr-defined]
-                opt.orig_shape = param.shape  # type: ignore[attr-defined]
+                opt.orig_shape = local_shape(param)  # type: ignore[attr-defined]
+                annotate_optimizer_param(opt, param, self.dist_index)
                 setattr(param, MANAGED_ATTR, True)
                 setattr(param, OWNER_ATTR, weakref.ref(self))
                 self._opt_params[param] = opt

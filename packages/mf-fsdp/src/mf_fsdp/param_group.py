@@ -24,7 +24,9 @@ the first one.
 Reduction contract (see the README): after ``finish_reduce`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
 (mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
-division into the collective.
+division into the collective. Grads of parameters marked
+``sequence_parallel=True`` are first summed over the tp group (one
+all-reduce of their slices), since each TP rank's grad covers only its rows.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import BucketLayout
+from mf_fsdp.tp_params import local_shape, local_value, set_local_data, wrap_grad
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ReduceSpec"]
 
@@ -137,10 +140,17 @@ class ParamGroup:
         self.rank = dist_index.shard_rank
         self.lo, self.hi = layout.shard_range(self.rank)
         self._slices = [
-            (s, s + n, p.shape)
+            (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
         ]
-        self._view_cache: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # Sequence-parallel duplicated params: each TP rank's grad covers only its
+        # rows, so their local grads are summed over TP before the dp reduction.
+        self._sp_slices = [
+            (s, e)
+            for (s, e, _), p in zip(self._slices, params, strict=True)
+            if getattr(p, "sequence_parallel", False)
+        ]
+        self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._gather: dist.Work | None = None
         self._pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         self.model_full: torch.Tensor | None = None
@@ -205,7 +215,7 @@ class ParamGroup:
     def copy_in(self, index: int, value: torch.Tensor) -> None:
         """Write parameter ``index``'s full value into this rank's buffers (init and load)."""
         start, end, _ = self._slices[index]
-        flat = value.detach().reshape(-1)
+        flat = local_value(value).reshape(-1)
         level = self.strategy.level
         if level < 3:
             assert self.model_full is not None  # internal invariant
@@ -232,14 +242,18 @@ class ParamGroup:
         """Parameter ``index``'s ``[start, end)`` in the bucket and its shape."""
         return self._slices[index]
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        hit = self._view_cache.get(id(buffer))
+    def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
+        # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
+        key = (id(buffer), as_grads)
+        hit = self._view_cache.get(key)
         if hit is not None and hit[0] is buffer:
             return hit[1]
         views = [buffer[s:e].view(shape) for s, e, shape in self._slices]
+        if as_grads:
+            views = [wrap_grad(p, v) for p, v in zip(self.params, views, strict=True)]
         if len(self._view_cache) > 8:
             self._view_cache.clear()
-        self._view_cache[id(buffer)] = (buffer, views)
+        self._view_cache[key] = (buffer, views)
         return views
 
     def local_main_piece(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -285,7 +299,7 @@ class ParamGroup:
             # Views need the bytes to exist; the caller releases them again with reshard().
             self._full.untyped_storage().resize_(self._full_nbytes)
         for p, v in zip(self.params, self._views(full), strict=True):
-            p.data = v
+            set_local_data(p, v)
 
     # ------------------------------------------------------------------ gradients
     def begin_accumulate(self, spec: ReduceSpec) -> None:
@@ -299,8 +313,7 @@ class ParamGroup:
                     self.layout.padded_numel, self.dtypes.compute, self.device
                 )
                 self.grad_local.zero_()
-                for p, v in zip(self.params, self._views(self.grad_local), strict=True):
-                    p.grad = v
+                self.attach_local_grads()
         else:
             if self._reduced_in_local:
                 self._rebase_reduced(spec)
@@ -311,7 +324,7 @@ class ParamGroup:
     def attach_local_grads(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""
         if self.grad_local is not None:
-            for p, v in zip(self.params, self._views(self.grad_local), strict=True):
+            for p, v in zip(self.params, self._views(self.grad_local, True), strict=True):
                 p.grad = v
 
     def _rebase_reduced(self, spec: ReduceSpec) -> None:
@@ -328,6 +341,10 @@ class ParamGroup:
             own.mul_(1.0 / (spec.factor * replicas))
             self.grad_local[: self.lo].zero_()
             self.grad_local[self.hi :].zero_()
+        if self._sp_slices:  # their reduced part is summed over TP again next time
+            tp_size = dist.get_world_size(self.dist_index.tp_group)
+            for start, end in self._sp_slices:
+                self.grad_local[start:end].div_(tp_size)
         self._reduced_in_local = False
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
@@ -343,6 +360,7 @@ class ParamGroup:
             src = local
         if spec.pre != 1.0:
             src.mul_(spec.pre)
+        self._sum_sequence_parallel_grads(src)
         index = self.dist_index
         if self.strategy.level == 0:
             work = dist.all_reduce(src, op=spec.op, group=index.get_dp_group(), async_op=async_op)
@@ -365,6 +383,17 @@ class ParamGroup:
             )
         self._pending = (work, src, out)
         self.has_unreduced = False
+
+    def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None:
+        """All-reduce the sequence-parallel params' local grads over TP (one collective)."""
+        if not self._sp_slices:
+            return
+        flat = torch.cat([src[s:e] for s, e in self._sp_slices])
+        dist.all_reduce(flat, group=self.dist_index.tp_group)
+        offset = 0
+        for start, end in self._sp_slices:
+            src[start:end].copy_(flat[offset : offset + end - start])
+            offset += end - start
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction and fold its result into the grad store."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
+from mf_fsdp.tp_params import local_shape
 
 __all__ = ["BucketSpec", "plan_bucket_layouts", "plan_buckets", "resolve_unit_classes"]
 
@@ -158,7 +159,7 @@ def plan_bucket_layouts(
     return [
         (
             spec.unit_name,
-            compute_bucket_layout([p.shape for p in spec.params], world_size, alignment),
+            compute_bucket_layout([local_shape(p) for p in spec.params], world_size, alignment),
         )
         for spec in plan_buckets(module, classes, disable_bucketing)
     ]
