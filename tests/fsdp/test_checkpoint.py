@@ -27,11 +27,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import mf_fsdp
 from mf.models import GPT, GPTConfig
-from tests._multiprocess import run_on_ranks
+from mf_dtensor import get_chunk_metadata
+from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import CONFIG, batch, full_params, make_model, unit_classes
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -241,15 +243,30 @@ def _rank_sharded_to_full(rank: int, world: int, root: str) -> None:
     with torch.no_grad():
         plain_loss = plain(*_global_batch(3))
     torch.testing.assert_close(plain_loss, loss / world, **TOL)
+    # With preproc_state_dict_for_dcp_ckpt (default) model.state_dict() is DCP-ready as is.
+    dcp.save(model.state_dict(), checkpoint_id=str(Path(root) / "raw"))
+    copy, _ = _wrap("adam", 3, seed=4)
+    target = copy.state_dict()
+    dcp.load(target, checkpoint_id=str(Path(root) / "raw"))
+    copy.load_state_dict(target)
+    for name, value in full_params(copy).items():
+        assert torch.equal(value, sharded[name]), name
+    bare = mf_fsdp.fully_shard_model(make_model(), preproc_state_dict_for_dcp_ckpt=False)
+    assert all(get_chunk_metadata(v) is None for v in bare.state_dict().values())
     # A plain model's weights become a checkpoint any wrapped model loads.
     if rank == 0:
         mf_fsdp.full_state_dict_to_checkpoint(make_model(7).state_dict(), Path(root) / "plain")
     dist.barrier()
-    other, _ = _wrap("sgd", 1)
-    info = mf_fsdp.load_checkpoint(mf_fsdp.latest_checkpoint(Path(root) / "plain"), other)
-    assert info == {"step": 0}
-    for name, value in make_model(7).named_parameters():
-        assert torch.equal(full_params(other)[name], value), name
+    hsdp_mesh = cpu_mesh((1, world), ("dp_outer", "dp_shard"))  # 2-D dp mesh, one replica
+    hsdp = {"device_mesh": hsdp_mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
+    for strategy, mesh_kwargs in ((1, {}), (3, hsdp)):
+        module = make_model(8)
+        other = mf_fsdp.fully_shard_model(module, zero_dp_strategy=strategy, **mesh_kwargs)
+        info = mf_fsdp.load_checkpoint(mf_fsdp.latest_checkpoint(Path(root) / "plain"), other)
+        assert info == {"step": 0}
+        loaded = full_params(other)
+        for name, value in make_model(7).named_parameters():
+            assert torch.equal(loaded[name], value), name
 
 
 @pytest.mark.multiprocess
