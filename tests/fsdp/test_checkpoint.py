@@ -200,6 +200,15 @@ def _rank_wrong_model(rank: int, world: int, root: str) -> None:
         mf_fsdp.load_checkpoint(path, other)
     with pytest.raises(ValueError, match="was saved without optimizer state"):
         mf_fsdp.load_checkpoint(path, model, opt)
+    # Bad saves fail on every rank too (no rank left waiting).
+    with pytest.raises(TypeError, match="extra: expected JSON-serialisable values"):
+        mf_fsdp.save_checkpoint(root, model, step=1, extra={"t": torch.ones(1)})
+    blocker = Path(root) / "a_file"
+    if rank == 0:
+        blocker.write_text("not a folder")
+    dist.barrier()
+    with pytest.raises(RuntimeError, match="rank 0 could not create '.*a_file/.step_0000001"):
+        mf_fsdp.save_checkpoint(blocker, model, step=1)
     dist.barrier()
 
 

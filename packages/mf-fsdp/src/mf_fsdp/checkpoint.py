@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
 from mf_fsdp.state_dict import (
+    check_optimizer_binding,
     get_model_state_dict,
     get_optimizer_state_dict,
     persistent_buffers,
@@ -81,7 +82,7 @@ def _tensor_info(shape: torch.Size, dtype: torch.dtype, **tp: Any) -> dict[str, 
     return {"shape": list(shape), "dtype": _dtype_name(dtype), "tp_size": 1, **tp}
 
 
-def model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
+def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
     """FQN -> shape, dtype (and tp partitioning) of every tensor a checkpoint holds, plus ties."""
     tensors: dict[str, Any] = {}
     for entry in state_entries(model):
@@ -128,7 +129,7 @@ def _describe(info: Mapping[str, Any]) -> str:
     return f"{tuple(info['shape'])} {info['dtype']}{tp}"
 
 
-def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+def _read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The record of a complete checkpoint folder (no communication).
 
     Raises:
@@ -183,7 +184,9 @@ def _publish(partial: Path, final: Path, record: dict[str, Any]) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _record(step: int, extra: Mapping[str, Any] | None, fingerprint: dict[str, Any], **kw: Any):
+def _record(
+    step: int, extra: Mapping[str, Any] | None, fingerprint: dict[str, Any], **kw: Any
+) -> dict[str, Any]:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected an int >= 0, got {step!r}")
     record = {
@@ -199,6 +202,25 @@ def _record(step: int, extra: Mapping[str, Any] | None, fingerprint: dict[str, A
     except TypeError as error:
         raise TypeError(f"extra: expected JSON-serialisable values, got {extra!r}") from error
     return record
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _on_rank0(action: Callable[[], None], what: str) -> None:
+    """Run ``action`` on rank 0; every rank returns after it, or raises its error (collective)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    status = [error]
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(f"save_checkpoint: rank 0 could not {what}: {status[0]}")
 
 
 def save_checkpoint(
@@ -228,9 +250,10 @@ def save_checkpoint(
 
     Raises:
         TypeError / ValueError: for bad arguments (on every rank, before any I/O).
-        RuntimeError: if rank 0 could not publish the checkpoint (on every rank).
+        RuntimeError: on every rank, if rank 0 could not create the partial folder or
+            publish the checkpoint (the partial folder is then left as it is).
     """
-    record = _record(step, extra, model_fingerprint(model), has_optimizer=optimizer is not None)
+    record = _record(step, extra, _model_fingerprint(model), has_optimizer=optimizer is not None)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         optim = get_optimizer_state_dict(model, optimizer)
@@ -239,25 +262,9 @@ def save_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
     final = checkpoint_dir / _step_name(step)
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
+    _on_rank0(lambda: _fresh_dir(partial), f"create {str(partial)!r}")
     dcp.save(state, checkpoint_id=str(partial))
-    error = None
-    if rank == 0:
-        try:
-            _publish(partial, final, record)
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    status = [error]
-    dist.broadcast_object_list(status, src=0)
-    if status[0] is not None:
-        raise RuntimeError(
-            f"save_checkpoint: rank 0 could not publish {str(final)!r}: {status[0]}; the "
-            f"partial save stays in {str(partial)!r}"
-        )
+    _on_rank0(lambda: _publish(partial, final, record), f"publish {str(final)!r}")
     return final
 
 
@@ -307,7 +314,8 @@ def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> di
     return target
 
 
-def _unflatten_optimizer(model: MegatronFSDP, flat: Mapping[str, Any]) -> dict[str, Any]:
+def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``get_optimizer_state_dict`` structure from DCP's flattened optimizer keys."""
     prefix = "optimizer.state."
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
@@ -342,8 +350,8 @@ def load_checkpoint(
             differences), or has no optimizer state while ``optimizer`` is given.
     """
     path = Path(path)
-    record = read_record(path)
-    _compare(path, record, model_fingerprint(model))
+    record = _read_record(path)
+    _compare(path, record, _model_fingerprint(model))
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         if not record.get("has_optimizer"):
@@ -351,12 +359,12 @@ def load_checkpoint(
                 f"optimizer: checkpoint {str(path)!r} was saved without optimizer state; "
                 "pass optimizer=None"
             )
-        get_optimizer_state_dict(model, optimizer)  # checks the binding on every rank
+        check_optimizer_binding(model, optimizer)
         state.update(_optimizer_target(model, FileSystemReader(str(path)).read_metadata(), path))
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, _unflatten_optimizer(model, state))
+        set_optimizer_state_dict(model, optimizer, _unflatten_optimizer(state))
     return {**record["extra"], "step": record["step"]}
 
 
@@ -374,7 +382,7 @@ def checkpoint_to_full_state_dict(path: str | os.PathLike[str]) -> dict[str, tor
             uses a partition stride other than 1.
     """
     path = Path(path)
-    record = read_record(path)
+    record = _read_record(path)
     tensors = record["tensors"]
     model: dict[str, torch.Tensor] = {}
     for fqn, info in tensors.items():
@@ -480,8 +488,7 @@ def full_state_dict_to_checkpoint(
     record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, has_optimizer=False)
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    _fresh_dir(partial)
     with _single_process():
         dcp.save({"model": model}, checkpoint_id=str(partial), no_dist=True)
     final = checkpoint_dir / _step_name(step)

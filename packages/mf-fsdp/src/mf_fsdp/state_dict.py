@@ -287,7 +287,8 @@ def _entries_by_param(model: MegatronFSDP) -> dict[int, StateEntry]:
     return {id(e.opt): e for e in state_entries(model)}
 
 
-def _check_optimizer(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_binding(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` was bound to ``model`` by ``fully_shard_optimizer``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {optimizer!r}")
     if getattr(optimizer, "_mf_fsdp_model", None) is not model:
@@ -318,7 +319,7 @@ def get_optimizer_state_dict(
         TypeError / ValueError: if ``optimizer`` is not a torch optimizer bound to
             ``model`` by ``fully_shard_optimizer``.
     """
-    _check_optimizer(model, optimizer)
+    check_optimizer_binding(model, optimizer)
     by_param = _entries_by_param(model)
     state: dict[str, dict[str, Any]] = {}
     for param, values in optimizer.state.items():
@@ -348,7 +349,7 @@ def set_optimizer_state_dict(
         ValueError: if the param groups or their parameters differ, or a state
             entry names an unknown parameter or has the wrong size.
     """
-    _check_optimizer(model, optimizer)
+    check_optimizer_binding(model, optimizer)
     entries = {e.fqn: e for e in state_entries(model)}
     saved_groups = state_dict["param_groups"]
     current = group_fqns(model, optimizer)
