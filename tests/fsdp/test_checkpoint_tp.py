@@ -119,6 +119,11 @@ def _rank_tp(rank: int, world: int, root: str) -> None:
     with torch.no_grad():
         sharded_loss = other(x)
     torch.testing.assert_close(_plain_forward(full1, x), sharded_loss, rtol=1e-6, atol=1e-6)
+    # The tp-gathered full state dict also loads directly (each tp rank takes its slice).
+    _, third, _ = _wrap(mesh, 3, seed=7)
+    mf_fsdp.set_model_state_dict(third, full1)
+    for name, value in full_params(third).items():
+        assert torch.equal(value, saved[name]), name
     # Both continue identically (the optimizer state came back too).
     torch.testing.assert_close(_step(other, other_opt, dp_rank, 1), _step(model, opt, dp_rank, 1))
     expected = full_params(model)

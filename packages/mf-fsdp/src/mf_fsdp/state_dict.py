@@ -87,6 +87,15 @@ class StateEntry:
         return (self.numel,) if self.tp_size == 1 else (self.tp_size, self.numel)
 
     @property
+    def full_shape(self) -> torch.Size:
+        """The module-visible shape gathered over tp (``shape`` without tp partitioning)."""
+        if self.tp_size == 1 or self.partition_dim is None:
+            return self.shape
+        full = list(self.shape)
+        full[self.partition_dim] *= self.tp_size
+        return torch.Size(full)
+
+    @property
     def sharded(self) -> bool:
         """True when this rank holds only a slice (ZeRO-1/2/3)."""
         return isinstance(self.opt, DTensor)
@@ -129,7 +138,7 @@ class StateEntry:
             Shard(1) if isinstance(p, Shard) else Replicate() for p in placements
         ] or [Replicate()] * (self.tp_mesh.ndim - 1)
         return uneven_dtensor_from_local(
-            local.view(1, -1),
+            local.view(1, local.numel()),  # (1, -1) is ambiguous for an empty piece
             self.tp_mesh,
             [*dp_placements, Shard(0)],
             global_shape=self.canonical_shape,
@@ -152,15 +161,15 @@ class StateEntry:
                     f"this rank's {local_numel}; expected the layout of get_*_state_dict()"
                 )
             return local
-        full_numel = self.tp_size * self.numel
-        if value.numel() not in (self.numel, full_numel):
+        if value.numel() not in (self.numel, self.full_shape.numel()):
             raise ValueError(
                 f"state_dict[{name!r}]: {value.numel()} elements (shape {tuple(value.shape)}) do "
                 f"not match the parameter's {self.numel} (shape {tuple(self.shape)})"
             )
+        if value.numel() != self.numel:  # the tp-gathered full tensor: take this tp rank's slice
+            value = value.reshape(self.full_shape).chunk(self.tp_size, self.partition_dim)
+            value = value[self.tp_rank]
         flat = value.reshape(-1)
-        if value.numel() != self.numel:  # the (tp, numel) form of every tp rank
-            flat = flat[self.tp_rank * self.numel : (self.tp_rank + 1) * self.numel]
         if not self.sharded:
             return flat
         start = self.opt.local_offset  # type: ignore[attr-defined]
@@ -182,10 +191,9 @@ class StateEntry:
 
     def is_param_like(self, value: Any) -> bool:
         """True for an optimizer-state value shaped like the parameter (sharded with it)."""
-        if isinstance(value, DTensor):
-            return True
-        plain = isinstance(value, torch.Tensor) and not self.sharded
-        return plain and value.shape == self.opt.shape
+        if not isinstance(value, torch.Tensor) or value.shape != self.opt.shape:
+            return False
+        return isinstance(value, DTensor) or not self.sharded
 
 
 def state_entries(model: MegatronFSDP) -> list[StateEntry]:
@@ -382,7 +390,8 @@ def set_optimizer_state_dict(
 
 
 def _is_flat_param_value(entry: StateEntry, value: Any) -> bool:
-    """A plain tensor holding a whole parameter (canonical or module-shaped)."""
+    """A plain tensor holding a whole parameter (flat, module-shaped or tp-gathered)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
-    return tuple(value.shape) in (entry.canonical_shape, tuple(entry.shape))
+    full = entry.full_shape
+    return tuple(value.shape) in ((entry.numel,), entry.shape, (full.numel(),), full)
