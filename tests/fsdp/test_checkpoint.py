@@ -200,11 +200,14 @@ def _check_wrong_model_and_bad_saves(rank: int, root: Path) -> None:
     other, _ = _wrap("sgd", 3, config=deeper)
     with pytest.raises(ValueError, match=r"missing keys \['blocks.2.ln_1.weight'"):
         mf_fsdp.load_checkpoint(path, other)
-    with pytest.raises(ValueError, match="was saved without optimizer state"):
+    with pytest.raises(ValueError, match="holds the state of no optimizer, not of SGD"):
         mf_fsdp.load_checkpoint(path, model, opt)
+    adam_path = mf_fsdp.save_checkpoint(root, *_wrap("adam", 3), step=1)
+    with pytest.raises(ValueError, match="holds the state of Adam, not of SGD; pass the same"):
+        mf_fsdp.load_checkpoint(adam_path, model, opt)
     # Bad saves fail on every rank too (no rank left waiting).
     with pytest.raises(TypeError, match="extra: expected JSON-serialisable values"):
-        mf_fsdp.save_checkpoint(root, model, step=1, extra={"t": torch.ones(1)})
+        mf_fsdp.save_checkpoint(root, model, step=2, extra={"t": torch.ones(1)})
     blocker = root / "a_file"
     if rank == 0:
         blocker.write_text("not a folder")

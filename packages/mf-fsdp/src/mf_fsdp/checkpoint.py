@@ -253,7 +253,8 @@ def save_checkpoint(
         RuntimeError: on every rank, if rank 0 could not create the partial folder or
             publish the checkpoint (the partial folder is then left as it is).
     """
-    record = _record(step, extra, _model_fingerprint(model), has_optimizer=optimizer is not None)
+    optimizer_class = None if optimizer is None else type(optimizer).__name__
+    record = _record(step, extra, _model_fingerprint(model), optimizer=optimizer_class)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         optim = get_optimizer_state_dict(model, optimizer)
@@ -347,17 +348,19 @@ def load_checkpoint(
     Raises:
         ValueError: on every rank, before any collective, if ``path`` is absent or
             incomplete, was saved from a different model (listing the
-            differences), or has no optimizer state while ``optimizer`` is given.
+            differences), or holds no state of ``optimizer``'s class.
     """
     path = Path(path)
     record = _read_record(path)
     _compare(path, record, _model_fingerprint(model))
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        if not record.get("has_optimizer"):
+        saved_class = record["optimizer"]
+        if saved_class != type(optimizer).__name__:
             raise ValueError(
-                f"optimizer: checkpoint {str(path)!r} was saved without optimizer state; "
-                "pass optimizer=None"
+                f"optimizer: checkpoint {str(path)!r} holds the state of "
+                f"{saved_class or 'no optimizer'}, not of {type(optimizer).__name__}; pass the "
+                "same optimizer class, or optimizer=None to load the model only"
             )
         check_optimizer_binding(model, optimizer)
         state.update(_optimizer_target(model, FileSystemReader(str(path)).read_metadata(), path))
@@ -485,7 +488,7 @@ def full_state_dict_to_checkpoint(
         seen[key] = fqn
         tensors[fqn] = _tensor_info(value.shape, value.dtype)
         model[fqn] = value.detach().reshape(-1).contiguous()
-    record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, has_optimizer=False)
+    record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, optimizer=None)
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
     _fresh_dir(partial)
