@@ -126,6 +126,6 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
 
 
 def _has_checkpoint(ckpt_dir: str) -> bool:
-    from mf.train.checkpointing import latest_checkpoint
+    from mf_fsdp import latest_checkpoint
 
     return os.path.isdir(ckpt_dir) and latest_checkpoint(Path(ckpt_dir)) is not None

@@ -23,10 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mf.models import GPT, PRESETS, Block
-from mf.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import TrainOptions
 from mf.train.report import Reporter
+from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["train"]
 
@@ -165,7 +165,6 @@ def train(options: TrainOptions) -> dict[str, Any]:
     text, corpus_name = load_corpus(options.data)
     data = TextData.from_text(text, options.seq_len)
     model, optimizer = _build(options, mesh, device)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     info = {"model": options.model, "tp": options.tp, "zero": options.zero, "seed": options.seed}
     ckpt_dir = Path(options.ckpt_dir)
     start_step = 0
@@ -173,9 +172,8 @@ def train(options: TrainOptions) -> dict[str, Any]:
         path = latest_checkpoint(ckpt_dir)
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-        start_step = load_checkpoint(path, state, info)["step"]
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # Any --zero / world size may resume; another model is a clear error.
+        start_step = load_checkpoint(path, model, optimizer)["step"]
     reporter = Reporter(
         options, rank == 0, start_step, corpus_name, len(data.train), len(data.validation)
     )
@@ -220,8 +218,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
             or step == options.steps
             or interrupted
         ):
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            saved_path = save_checkpoint(ckpt_dir, step, state, {**info, "step": step})
+            saved_path = save_checkpoint(ckpt_dir, model, optimizer, step=step, extra=info)
             reporter.saved(saved_path)
         if interrupted:
             reporter.interrupted(step)

@@ -4,6 +4,15 @@ Start with ``fully_shard(model, optimizer, fsdp_unit_modules=[Block])``; see the
 README for the gradient-reduction contract and the strategies.
 """
 
+from mf_fsdp.checkpoint import (
+    RECORD_FILE,
+    checkpoint_to_full_state_dict,
+    full_state_dict_to_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_full_state_dict,
+)
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
@@ -17,10 +26,17 @@ from mf_fsdp.grad_norm import clip_grad_norm_, get_grad_norm
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
 from mf_fsdp.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.optimizer import fully_shard_optimizer
+from mf_fsdp.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from mf_fsdp.units import plan_bucket_layouts
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "RECORD_FILE",
     "BucketLayout",
     "BucketStats",
     "DistributedDataParallelConfig",
@@ -30,12 +46,22 @@ __all__ = [
     "RegisterFSDPBackwardFunction",
     "TrainingState",
     "ZeroDPStrategy",
+    "checkpoint_to_full_state_dict",
     "clip_grad_norm_",
     "compute_bucket_layout",
+    "full_state_dict_to_checkpoint",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
     "get_grad_norm",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "latest_checkpoint",
+    "load_checkpoint",
     "normalize_strategy",
     "plan_bucket_layouts",
+    "save_checkpoint",
+    "save_full_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
 ]

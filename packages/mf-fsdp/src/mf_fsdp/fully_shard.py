@@ -54,8 +54,8 @@ def fully_shard_model(
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (see ``fully_shard``).
 
-    ``preproc_state_dict_for_dcp_ckpt`` is accepted for the reference signature: the
-    state dict's DTensors already carry their chunk metadata (mf_dtensor).
+    ``preproc_state_dict_for_dcp_ckpt``: ``model.state_dict()`` attaches the DCP chunk
+    metadata of its uneven DTensors (the reference does it in a post-hook).
 
     Raises:
         RuntimeError: if torch.distributed is not initialised.
@@ -91,8 +91,7 @@ def fully_shard_model(
         overlap_param_gather=overlap_param_gather,
         average_in_collective=average_in_collective,
     )
-    del preproc_state_dict_for_dcp_ckpt
-    return MegatronFSDP(
+    model = MegatronFSDP(
         module,
         index,
         config,
@@ -106,6 +105,8 @@ def fully_shard_model(
         gradient_scaling_factor=gradient_scaling_factor,
         alignment=alignment,
     )
+    model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
+    return model
 
 
 def fully_shard(
@@ -155,7 +156,8 @@ def fully_shard(
         overlap_grad_reduce: reduce each unit's grads asynchronously during backward.
         overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
         sync_model_each_microbatch: wait for reductions at the end of each backward.
-        preproc_state_dict_for_dcp_ckpt: accepted for the reference signature.
+        preproc_state_dict_for_dcp_ckpt: ``model.state_dict()`` is ready for
+            ``dcp.save`` (its uneven DTensors carry their chunk metadata).
         average_in_collective: divide inside the collective (same result).
         disable_bucketing: one bucket for all parameters.
         calculate_per_token_loss: reduce grads by sum instead of mean.

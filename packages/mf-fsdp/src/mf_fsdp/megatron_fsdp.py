@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mf_dtensor import uneven_dtensor_from_local
+from mf_dtensor import attach_chunk_metadata, uneven_dtensor_from_local
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
@@ -700,13 +701,19 @@ class MegatronFSDP(nn.Module):
         return total
 
     # ------------------------------------------------------------------ state dict
+    preproc_state_dict_for_dcp_ckpt: bool = True  # attach DTensors' true DCP offsets
+
     def state_dict(  # type: ignore[override]
         self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any
     ) -> dict[str, Any]:
-        """Parameters as the optimizer's (sharded) tensors, keyed by the module's names."""
+        """Parameters as the optimizer's (sharded, DCP-ready) tensors, keyed by module names."""
         out: dict[str, Any] = {}
         for name, opt in self.optimizer_named_parameters():
-            out[prefix + name] = opt if keep_vars else opt.detach()
+            value = opt if keep_vars else opt.detach()
+            if self.preproc_state_dict_for_dcp_ckpt and isinstance(value, DTensor):
+                start = torch.Size([opt.local_offset])  # type: ignore[attr-defined]
+                attach_chunk_metadata(value, ChunkStorageMetadata(start, value.to_local().shape))
+            out[prefix + name] = value
         for name, buf in self.module.named_buffers():
             out[prefix + name] = buf if keep_vars else buf.detach()
         return out

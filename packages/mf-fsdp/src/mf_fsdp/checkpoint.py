@@ -1,0 +1,499 @@
+"""Crash-safe distributed checkpoints of a ``MegatronFSDP`` model and its optimizer.
+
+A checkpoint is a folder ``step_NNNNNNN`` holding a torch.distributed.checkpoint
+(DCP) save of ``{"model": ..., "optimizer": ...}`` in the canonical form of
+``mf_fsdp.state_dict`` (see [Note: canonical checkpoint form]), so it loads
+into any ZeRO strategy and any data-parallel world size, plus a record file
+``mf_checkpoint.json`` (step, the caller's ``extra``, and the model's
+fingerprint: FQN, shape and dtype of every tensor, and tied names).
+
+[Note: crash-safe save]
+Every rank writes into ``.step_NNNNNNN.partial``. Only after DCP finished on
+all ranks (its metadata is written last) does rank 0 write the record file
+(fsynced, then renamed into place) and rename the folder to ``step_NNNNNNN``,
+an atomic rename on one file system. A save killed at any point therefore
+leaves either the finished folder or a ``.partial`` folder without a record,
+which :func:`latest_checkpoint` ignores, :func:`load_checkpoint` refuses and
+the next save of that step replaces. Other checkpoints are never touched.
+
+Loading checks the record before any collective, on every rank alike, so a
+partial checkpoint or one of another model raises the same ``ValueError``
+everywhere and no rank is left waiting. The offline converters
+(:func:`checkpoint_to_full_state_dict`, :func:`full_state_dict_to_checkpoint`)
+need no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.state_dict import (
+    check_optimizer_binding,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    persistent_buffers,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    state_entries,
+)
+
+__all__ = [
+    "RECORD_FILE",
+    "checkpoint_to_full_state_dict",
+    "full_state_dict_to_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "save_full_state_dict",
+]
+
+RECORD_FILE = "mf_checkpoint.json"
+"""Written last into a checkpoint folder: its presence means the checkpoint is complete."""
+
+_FORMAT = "mf-fsdp-dcp"
+_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_info(shape: torch.Size, dtype: torch.dtype, **tp: Any) -> dict[str, Any]:
+    return {"shape": list(shape), "dtype": _dtype_name(dtype), "tp_size": 1, **tp}
+
+
+def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
+    """FQN -> shape, dtype (and tp partitioning) of every tensor a checkpoint holds, plus ties."""
+    tensors: dict[str, Any] = {}
+    for entry in state_entries(model):
+        tp: dict[str, Any] = {}
+        if entry.tp_size > 1:
+            param = model.module.get_parameter(entry.fqn)
+            tp = {
+                "tp_size": entry.tp_size,
+                "partition_dim": entry.partition_dim,
+                "partition_stride": getattr(param, "partition_stride", 1),
+            }
+        tensors[entry.fqn] = _tensor_info(entry.shape, entry.opt.dtype, **tp)
+    for fqn, buf in persistent_buffers(model.module):
+        tensors[fqn] = _tensor_info(buf.shape, buf.dtype)
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return {"tensors": tensors, "aliases": aliases}
+
+
+def _compare(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raise one ValueError listing every difference between two fingerprints' tensors."""
+    saved_t, current_t = saved["tensors"], current["tensors"]
+    missing = [k for k in current_t if k not in saved_t]
+    unexpected = [k for k in saved_t if k not in current_t]
+    differ = [
+        f"{k}: checkpoint {_describe(saved_t[k])} vs model {_describe(current_t[k])}"
+        for k in current_t
+        if k in saved_t and _describe(saved_t[k]) != _describe(current_t[k])
+    ]
+    if missing or unexpected or differ:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was saved from a different model: missing keys "
+            f"{missing!r}, unexpected keys {unexpected!r}, mismatched: {'; '.join(differ) or '-'}"
+        )
+
+
+def _describe(info: Mapping[str, Any]) -> str:
+    tp = f" tp={info['tp_size']}" if info["tp_size"] > 1 else ""
+    return f"{tuple(info['shape'])} {info['dtype']}{tp}"
+
+
+def _read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The record of a complete checkpoint folder (no communication).
+
+    Raises:
+        ValueError: if ``path`` is not a folder, or is an incomplete (partial) checkpoint.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"path: {str(path)!r} is not a checkpoint folder (it does not exist)")
+    record = path / RECORD_FILE
+    if not record.is_file():
+        raise ValueError(
+            f"path: {str(path)!r} is an incomplete checkpoint (no {RECORD_FILE}; a save was "
+            "interrupted); load a complete one, e.g. latest_checkpoint(checkpoint_dir)"
+        )
+    data = json.loads(record.read_text())
+    if data.get("format") != _FORMAT:
+        raise ValueError(f"path: {str(path)!r} is not an mf_fsdp checkpoint ({RECORD_FILE})")
+    return data
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Silence DCP's warning that ``no_dist=True`` means a single process: it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: Path, final: Path, record: dict[str, Any]) -> None:
+    """Write the record into ``partial``, rename it to ``final`` ([Note: crash-safe save])."""
+    tmp = partial / f"{RECORD_FILE}.tmp"
+    with open(tmp, "w") as out:
+        json.dump(record, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, partial / RECORD_FILE)
+    _fsync_dir(partial)
+    replaced = final.with_name(f".{final.name}.replaced")
+    if final.exists():  # a re-save of the same step: swap, then drop the old one
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _record(
+    step: int, extra: Mapping[str, Any] | None, fingerprint: dict[str, Any], **kw: Any
+) -> dict[str, Any]:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected an int >= 0, got {step!r}")
+    record = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": step,
+        "extra": dict(extra or {}),
+        **kw,
+        **fingerprint,
+    }
+    try:
+        json.dumps(record)
+    except TypeError as error:
+        raise TypeError(f"extra: expected JSON-serialisable values, got {extra!r}") from error
+    return record
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _on_rank0(action: Callable[[], None], what: str) -> None:
+    """Run ``action`` on rank 0; every rank returns after it, or raises its error (collective)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    status = [error]
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(f"save_checkpoint: rank 0 could not {what}: {status[0]}")
+
+
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: MegatronFSDP,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save ``model`` (and ``optimizer``) as ``checkpoint_dir/step_NNNNNNN``; collective.
+
+    Every rank calls it with the same arguments. The save is crash-safe (see
+    [Note: crash-safe save]); an existing checkpoint of the same step is
+    replaced only once the new one is complete.
+
+    Args:
+        checkpoint_dir: folder holding the checkpoints (created if needed; shared by
+            all ranks).
+        model: the wrapped model.
+        optimizer: its optimizer (bound by ``fully_shard_optimizer``), or None.
+        step: the training step, recorded and used in the folder name.
+        extra: JSON-serialisable values returned by :func:`load_checkpoint`.
+
+    Returns:
+        The path of the complete checkpoint.
+
+    Raises:
+        TypeError / ValueError: for bad arguments (on every rank, before any I/O).
+        RuntimeError: on every rank, if rank 0 could not create the partial folder or
+            publish the checkpoint (the partial folder is then left as it is).
+    """
+    optimizer_class = None if optimizer is None else type(optimizer).__name__
+    record = _record(step, extra, _model_fingerprint(model), optimizer=optimizer_class)
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        optim = get_optimizer_state_dict(model, optimizer)
+        # A tuple is stored by DCP as one object; a list of dicts would be split per key.
+        state["optimizer"] = {"state": optim["state"], "param_groups": tuple(optim["param_groups"])}
+    checkpoint_dir = Path(checkpoint_dir)
+    partial = checkpoint_dir / f".{_step_name(step)}.partial"
+    final = checkpoint_dir / _step_name(step)
+    _on_rank0(lambda: _fresh_dir(partial), f"create {str(partial)!r}")
+    dcp.save(state, checkpoint_id=str(partial))
+    _on_rank0(lambda: _publish(partial, final, record), f"publish {str(final)!r}")
+    return final
+
+
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step in ``checkpoint_dir``, or None.
+
+    Partial folders (interrupted saves) are ignored. No communication.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return None
+    complete = [
+        (int(match.group(1)), path)
+        for path in checkpoint_dir.iterdir()
+        if (match := _STEP_DIR.fullmatch(path.name)) and (path / RECORD_FILE).is_file()
+    ]
+    return max(complete, default=(None, None))[1]
+
+
+def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> dict[str, Any]:
+    """Empty canonical optimizer state built from the checkpoint's DCP metadata.
+
+    The keys are DCP's flattened names (``optimizer.state.<fqn>.<key>``), which
+    DCP maps to themselves on load; nothing is created by a synthetic step.
+    """
+    entries = {e.fqn: e for e in state_entries(model)}
+    target: dict[str, Any] = {}
+    prefix = "optimizer.state."
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith("optimizer."):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            target[key] = None  # a pickled object: DCP replaces the placeholder
+            continue
+        fqn = key[len(prefix) :].rpartition(".")[0] if key.startswith(prefix) else ""
+        entry = entries.get(fqn)
+        if entry is None:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: optimizer tensor {key!r} does not belong to a "
+                "parameter of this model"
+            )
+        dtype = item.properties.dtype
+        if tuple(item.size) == entry.canonical_shape:
+            target[key] = entry.empty_canonical(dtype)
+        else:
+            target[key] = torch.empty(tuple(item.size), dtype=dtype)
+    return target
+
+
+def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``get_optimizer_state_dict`` structure from DCP's flattened optimizer keys."""
+    prefix = "optimizer.state."
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            fqn, _, name = key[len(prefix) :].rpartition(".")
+            state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": list(flat["optimizer.param_groups"])}
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: MegatronFSDP,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Load a complete checkpoint into ``model`` (and ``optimizer``); collective.
+
+    Works across ZeRO strategies and data-parallel world sizes, and into a fresh
+    optimizer whose state is still empty (its state is built from the
+    checkpoint's metadata).
+
+    Args:
+        path: a checkpoint folder (e.g. from :func:`latest_checkpoint`).
+        model: the wrapped model; its weights are replaced and installed.
+        optimizer: its optimizer, whose state and options are replaced, or None.
+
+    Returns:
+        The ``extra`` values saved with the checkpoint, plus ``"step"``.
+
+    Raises:
+        ValueError: on every rank, before any collective, if ``path`` is absent or
+            incomplete, was saved from a different model (listing the
+            differences), or holds no state of ``optimizer``'s class.
+    """
+    path = Path(path)
+    record = _read_record(path)
+    _compare(path, record, _model_fingerprint(model))
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        saved_class = record["optimizer"]
+        if saved_class != type(optimizer).__name__:
+            raise ValueError(
+                f"optimizer: checkpoint {str(path)!r} holds the state of "
+                f"{saved_class or 'no optimizer'}, not of {type(optimizer).__name__}; pass the "
+                "same optimizer class, or optimizer=None to load the model only"
+            )
+        check_optimizer_binding(model, optimizer)
+        state.update(_optimizer_target(model, FileSystemReader(str(path)).read_metadata(), path))
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, _unflatten_optimizer(state))
+    return {**record["extra"], "step": record["step"]}
+
+
+def checkpoint_to_full_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint as one plain full state dict (offline).
+
+    Needs no process group and reads only the model's tensors. The result
+    (parameters in their module shapes, persistent buffers, tied names) loads
+    with ``unwrapped_model.load_state_dict``; write it with
+    :func:`save_full_state_dict`. Tensor-parallel parameters are concatenated
+    along their partition dim into the full (tp-gathered) tensor.
+
+    Raises:
+        ValueError: if ``path`` is not a complete checkpoint, or a tp parameter
+            uses a partition stride other than 1.
+    """
+    path = Path(path)
+    record = _read_record(path)
+    tensors = record["tensors"]
+    model: dict[str, torch.Tensor] = {}
+    for fqn, info in tensors.items():
+        numel = torch.Size(info["shape"]).numel()
+        shape = (numel,) if info["tp_size"] == 1 else (info["tp_size"], numel)
+        model[fqn] = torch.empty(shape, dtype=getattr(torch, info["dtype"]))
+    with _single_process():
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for fqn, info in tensors.items():
+        shape = info["shape"]
+        if info["tp_size"] == 1:
+            out[fqn] = model[fqn].view(shape)
+            continue
+        if info.get("partition_stride", 1) != 1:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: {fqn!r} has partition_stride="
+                f"{info['partition_stride']!r}; only 1 can be gathered into a full tensor"
+            )
+        pieces = model[fqn].view(info["tp_size"], *shape).unbind(0)
+        out[fqn] = torch.cat(pieces, dim=info["partition_dim"])
+    for alias, fqn in record["aliases"].items():
+        out[alias] = out[fqn]
+    return out
+
+
+def save_full_state_dict(
+    state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str]
+) -> Path:
+    """Write a full state dict with ``torch.save``, or as safetensors for a ``.safetensors`` file.
+
+    Safetensors needs the optional ``safetensors`` package (not a dependency of
+    mf-fsdp); tied entries are written as separate copies there.
+
+    Raises:
+        RuntimeError: for a ``.safetensors`` file when safetensors is not installed.
+    """
+    file = Path(file)
+    if file.suffix != ".safetensors":
+        torch.save(dict(state_dict), file)
+        return file
+    try:
+        from safetensors.torch import save_file
+    except ImportError as error:
+        raise RuntimeError(
+            f"file: {str(file)!r} asks for safetensors, which is not installed; "
+            "`pip install safetensors` or use a .pt file"
+        ) from error
+    save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, str(file))
+    return file
+
+
+def full_state_dict_to_checkpoint(
+    state_dict: Mapping[str, torch.Tensor],
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    step: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Turn a plain model state dict into a complete mf checkpoint (offline, no process group).
+
+    The checkpoint holds no optimizer state; :func:`load_checkpoint` loads it into
+    a wrapped model of any strategy and world size. Entries that share storage
+    (tied weights) are stored once and recorded as aliases, as a wrapped model
+    stores them. Call it on one process only.
+
+    Args:
+        state_dict: e.g. ``unwrapped_model.state_dict()`` or the result of
+            :func:`checkpoint_to_full_state_dict`.
+        checkpoint_dir: folder to create ``step_NNNNNNN`` in.
+        step: the step recorded (and in the folder name).
+        extra: JSON-serialisable values returned by :func:`load_checkpoint`.
+
+    Returns:
+        The path of the complete checkpoint.
+
+    Raises:
+        TypeError: if a value is not a tensor, or ``extra`` is not JSON-serialisable.
+    """
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    model: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for fqn, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state_dict[{fqn!r}]: expected a tensor, got {type(value).__name__}; drop "
+                "non-tensor entries (e.g. _extra_state) first"
+            )
+        key = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            value.shape,
+            value.stride(),
+            value.dtype,
+        )
+        if value.numel() and key in seen:
+            aliases[fqn] = seen[key]
+            continue
+        seen[key] = fqn
+        tensors[fqn] = _tensor_info(value.shape, value.dtype)
+        model[fqn] = value.detach().reshape(-1).contiguous()
+    record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, optimizer=None)
+    checkpoint_dir = Path(checkpoint_dir)
+    partial = checkpoint_dir / f".{_step_name(step)}.partial"
+    _fresh_dir(partial)
+    with _single_process():
+        dcp.save({"model": model}, checkpoint_id=str(partial), no_dist=True)
+    final = checkpoint_dir / _step_name(step)
+    _publish(partial, final, record)
+    return final
