@@ -9,6 +9,7 @@ from mf_fsdp.config import (
     MixedPrecisionPolicy,
     TrainingState,
     ZeroDPStrategy,
+    normalize_outer_strategy,
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
@@ -36,6 +37,7 @@ __all__ = [
     "fully_shard_model",
     "fully_shard_optimizer",
     "get_grad_norm",
+    "normalize_outer_strategy",
     "normalize_strategy",
     "plan_bucket_layouts",
 ]
