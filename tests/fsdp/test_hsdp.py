@@ -24,7 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 import mf_fsdp
-from mf_dtensor import preprocess_state_dict_for_uneven_dtensor
+from mf_dtensor import (
+    gather_uneven_dtensor_to_full_tensor,
+    get_chunk_metadata,
+    preprocess_state_dict_for_uneven_dtensor,
+)
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,
@@ -199,10 +203,16 @@ def _check(model, losses, ref, label: str, adam: bool) -> None:
 
 
 def _references(cases: list[Case]) -> dict[tuple[str, int, bool], Any]:
-    keys = {case.ref for case in cases}
-    return {
-        key: reference_run(key[0], WORLD, STEPS, micro=key[1], per_token=key[2]) for key in keys
-    }
+    """The single-process runs the cases need (one thread: the CPU is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {
+            key: reference_run(key[0], WORLD, STEPS, micro=key[1], per_token=key[2])
+            for key in {case.ref for case in cases}
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rank_parity(rank: int, world: int, cases: list[Case], refs: dict) -> None:
@@ -232,7 +242,7 @@ def _rank_layout_and_features(rank: int, world: int, ckpt_dir: str, ref: Any) ->
         mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hsdp_outer_dp_shard=True
     )
     assert index.get_logical_hybrid_fsdp_rank() == inner * 2 + outer
-    assert index.dp_mesh().get_coordinate() == [inner, outer]
+    assert tuple(index.dp_mesh().get_coordinate()) == (inner, outer)
     with pytest.raises(ValueError, match="hsdp_outer_dp_shard=True .* needs dp_outer_dim"):
         mf_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", hsdp_outer_dp_shard=True)
     config = mf_fsdp.DistributedDataParallelConfig(3, outer_dp_sharding_strategy="optim")
@@ -283,7 +293,13 @@ def _rank_layout_and_features(rank: int, world: int, ckpt_dir: str, ref: Any) ->
         return out
 
     saved = {k: v.to_local().clone() for k, v in state().items()}
-    dcp.save(preprocess_state_dict_for_uneven_dtensor(state()), checkpoint_id=ckpt_dir)
+    processed = preprocess_state_dict_for_uneven_dtensor(state())
+    for name, piece in model.optimizer_named_parameters():
+        offset = get_chunk_metadata(processed[f"exp_avg.{name}"]).local.offsets[0]
+        assert offset == piece.local_offset, f"exp_avg.{name}: offset {offset}"
+    full = gather_uneven_dtensor_to_full_tensor(processed["param.wte.weight"]).to_local()
+    torch.testing.assert_close(full, params["wte.weight"].reshape(-1), rtol=0, atol=0)
+    dcp.save(processed, checkpoint_id=ckpt_dir)
     with torch.no_grad():
         for value in state().values():
             value.to_local().zero_()

@@ -226,6 +226,8 @@ class ParamGroup:
 
     def own_sub_shard(self) -> torch.Tensor:
         """The part of ``model_shard`` this rank's optimizer owns (all of it unless hybrid)."""
+        if not self.hybrid:
+            return self.model_shard
         lo = self.sub_lo - self.lo
         return self.model_shard[lo : lo + self.main_layout.shard_size]
 
@@ -522,7 +524,7 @@ class ParamGroup:
         level = self.strategy.level
         if level == 3:
             own = self.own_sub_shard()
-            if self.main is not own:
+            if self.main_is_separate:
                 own.copy_(self.main)
             if not self.hybrid:
                 return None
