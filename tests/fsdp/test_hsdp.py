@@ -243,6 +243,11 @@ def _rank_layout_and_features(rank: int, world: int, ckpt_dir: str, ref: Any) ->
     )
     assert index.get_logical_hybrid_fsdp_rank() == inner * 2 + outer
     assert tuple(index.dp_mesh().get_coordinate()) == (inner, outer)
+    with_tp = cpu_mesh((2, 2, 1), ("dp_outer", "dp_shard", "tp"))  # a tp dim is optional
+    tp_index = mf_fsdp.FSDPDistributedIndex(
+        with_tp, "dp_shard", "dp_outer", "tp", hsdp_outer_dp_shard=True
+    )
+    assert tuple(tp_index.dp_mesh().get_coordinate()) == (inner, outer)
     with pytest.raises(ValueError, match="hsdp_outer_dp_shard=True .* needs dp_outer_dim"):
         mf_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", hsdp_outer_dp_shard=True)
     config = mf_fsdp.DistributedDataParallelConfig(3, outer_dp_sharding_strategy="optim")
