@@ -57,25 +57,27 @@ class Case:
     no_sync: bool = True
     auto_sync: bool = True
     kwargs: dict[str, Any] = field(default_factory=dict)
+    fp64: bool = False
 
     @property
-    def ref(self) -> tuple[str, int, bool]:
-        return self.opt, self.micro, bool(self.kwargs.get("calculate_per_token_loss"))
+    def ref(self) -> tuple[str, int, bool, bool]:
+        per_token = bool(self.kwargs.get("calculate_per_token_loss"))
+        return self.opt, self.micro, per_token, self.fp64
 
     def __str__(self) -> str:
         mode = "hfsdp" if self.outer else "hsdp"
         sync = "no_sync" if self.no_sync else "plain"
         return (
             f"{mode} z{self.inner} {self.opt} micro={self.micro} {sync} "
-            f"auto_sync={self.auto_sync} {self.kwargs}"
+            f"auto_sync={self.auto_sync} {self.kwargs}{' fp64' if self.fp64 else ''}"
         )
 
 
 # Every inner strategy under HSDP, SGD and Adam, micro 1 and 4 (accumulated inside
 # no_sync, or by plain backwards: ZeRO-2/3 then reduce inside dp_shard every
 # backward, ZeRO-0/1 with auto-sync too), auto-sync both ways; hybrid-sharded
-# likewise, plus its scaling options. Adam with plain accumulation is left to SGD:
-# it reorders a 16-term fp32 sum, which Adam amplifies past 1e-5 (1e-15 in fp64).
+# likewise, plus its scaling options. Adam with plain accumulation runs in fp64:
+# it reorders a 16-term sum, which Adam amplifies past 1e-5 in fp32.
 HSDP_CASES = [
     Case(0, 0, "sgd", 4, True, False),
     Case(0, 0, "sgd", 4, False, True),
@@ -97,6 +99,7 @@ HFSDP_CASES = [
     Case(3, 1, "adam", 4, True, True),
     Case(3, 1, "sgd", 1, True, False, {"average_in_collective": True}),
     Case(3, 1, "sgd", 4, False, False, {"calculate_per_token_loss": True}),
+    Case(3, 1, "adam", 4, False, True, fp64=True),
 ]
 
 
@@ -123,8 +126,21 @@ def count_on_group(group: dist.ProcessGroup) -> Iterator[dict[str, int]]:
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def _default_dtype(fp64: bool) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if fp64 else previous)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _build(mesh, case: Case, opt_name: str | None = None, **extra):
-    module = make_model()
+    with _default_dtype(case.fp64):
+        module = make_model()
+    if case.fp64:
+        extra["mixed_precision_policy"] = mf_fsdp.MixedPrecisionPolicy(main_params_dtype=None)
     opt = make_optimizer(opt_name or case.opt, module.parameters())
     return mf_fsdp.fully_shard(
         module,
@@ -172,7 +188,7 @@ def _train(model, opt, rank: int, case: Case) -> list[float]:
 def _check(model, losses, ref, label: str, adam: bool) -> None:
     """Losses and final parameters against the reference, to 1e-5 relative.
 
-    SGD: element-wise. Adam: per tensor, ``|p - ref| / |ref|`` (Frobenius), because
+    SGD and fp64: element-wise. fp32 Adam: per tensor, ``|p - ref| / |ref|``, because
     Adam divides by the gradient's own size, so elements with near-zero gradients
     turn the summation-order rounding of 4 ranks into visible, loss-neutral
     differences. The key bias is left out for Adam: its true gradient is exactly
@@ -202,15 +218,16 @@ def _check(model, losses, ref, label: str, adam: bool) -> None:
         assert error <= RTOL, f"{label} {name}: relative error {error:.2e} > {RTOL}"
 
 
-def _references(cases: list[Case]) -> dict[tuple[str, int, bool], Any]:
+def _references(cases: list[Case]) -> dict[tuple[str, int, bool, bool], Any]:
     """The single-process runs the cases need (one thread: the CPU is shared)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {
-            key: reference_run(key[0], WORLD, STEPS, micro=key[1], per_token=key[2])
-            for key in {case.ref for case in cases}
-        }
+        refs = {}
+        for key in {case.ref for case in cases}:
+            with _default_dtype(key[3]):
+                refs[key] = reference_run(key[0], WORLD, STEPS, micro=key[1], per_token=key[2])
+        return refs
     finally:
         torch.set_num_threads(threads)
 
@@ -220,7 +237,8 @@ def _rank_parity(rank: int, world: int, cases: list[Case], refs: dict) -> None:
     for case in cases:
         model, opt = _build(mesh, case)
         losses = _train(model, opt, rank, case)
-        _check(model, losses, refs[case.ref], str(case), case.opt == "adam")
+        adam = case.opt == "adam" and not case.fp64
+        _check(model, losses, refs[case.ref], str(case), adam)
 
 
 @pytest.mark.multiprocess
