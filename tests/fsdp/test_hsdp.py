@@ -306,6 +306,24 @@ def _rank_layout_and_features(rank: int, world: int, ckpt_dir: str, ref: Any) ->
     ]
     assert footprints[0]["main_params"] <= 0.51 * footprints[1]["main_params"]
 
+    # Separate (fp32) main weights under bf16 compute: hybrid-sharded trains exactly like
+    # replicated ZeRO-3 (the same bf16 grads, sums of two, the same fp32 updates).
+    runs = []
+    for case in (hybrid, Case(3, 0)):
+        bf16_model, bf16_opt = _build(mesh, case, "sgd", mixed_precision_policy=bf16)
+        for step in range(3):
+            bf16_model(*batch(step, rank)).backward()
+            bf16_opt.step()
+            bf16_opt.zero_grad()
+        runs.append(full_params(bf16_model))
+    for name, value in runs[1].items():
+        torch.testing.assert_close(runs[0][name], value, rtol=0, atol=0, msg=f"bf16 {name}")
+
+    # load_state_dict of full tensors lands every piece at its logical-rank offset.
+    model.load_state_dict({name: torch.full_like(v, 0.25) for name, v in params.items()})
+    assert all(bool((v == 0.25).all()) for v in full_params(model).values())
+    model.load_state_dict(params)
+
     # DCP round trip of the optimizer parameters and Adam's state (created by torch,
     # so its offsets come from the mesh's Shard order, which is the logical order).
     def state() -> dict[str, Any]:
