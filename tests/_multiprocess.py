@@ -155,7 +155,10 @@ def run_simulated_rank(
     context = _context()
     errors = context.SimpleQueue()
     process = context.Process(
-        target=_child, args=(fn, rank, world_size, None, errors, args), name="simulated", daemon=True
+        target=_child,
+        args=(fn, rank, world_size, None, errors, args),
+        name="simulated",
+        daemon=True,
     )
     process.start()
     failures: dict[int, str] = {}

@@ -36,11 +36,15 @@ def test_unknown_strategy_names_value_and_choices(value) -> None:
         normalize_strategy(value)
 
 
-def test_ddp_config_normalises_and_rejects_outer_sharding() -> None:
+def test_ddp_config_normalises_and_checks_outer_sharding() -> None:
     config = DistributedDataParallelConfig(data_parallel_sharding_strategy=1)
     assert config.data_parallel_sharding_strategy is ZeroDPStrategy.OPTIM
-    with pytest.raises(ValueError, match="outer_dp_sharding_strategy: 'optim'"):
+    hybrid = DistributedDataParallelConfig(3, outer_dp_sharding_strategy=1)
+    assert hybrid.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
+    with pytest.raises(ValueError, match="outer_dp_sharding_strategy: 'optim' .* got 'no_shard'"):
         DistributedDataParallelConfig(outer_dp_sharding_strategy="optim")
+    with pytest.raises(ValueError, match="outer_dp_sharding_strategy: 3 is not supported"):
+        DistributedDataParallelConfig(3, outer_dp_sharding_strategy=3)
     with pytest.raises(ValueError, match="data_parallel_sharding_strategy: unknown strategy 7"):
         DistributedDataParallelConfig(data_parallel_sharding_strategy=7)
 

@@ -18,6 +18,7 @@ from mf_fsdp.config import (
     MixedPrecisionPolicy,
     TrainingState,
     ZeroDPStrategy,
+    normalize_outer_strategy,
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
@@ -58,6 +59,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
+    "normalize_outer_strategy",
     "normalize_strategy",
     "plan_bucket_layouts",
     "save_checkpoint",

@@ -17,6 +17,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "TrainingState",
     "ZeroDPStrategy",
+    "normalize_outer_strategy",
     "normalize_strategy",
 ]
 
@@ -73,6 +74,30 @@ def normalize_strategy(value: object, name: str = "zero_dp_strategy") -> ZeroDPS
         return ZeroDPStrategy(value)
     choices = ", ".join(f"{i} / {s.value!r}" for i, s in enumerate(_LEVELS))
     raise ValueError(f"{name}: unknown strategy {value!r}; expected one of {choices}")
+
+
+_OUTER_CHOICES = (ZeroDPStrategy.NO_SHARD, ZeroDPStrategy.OPTIM)
+
+
+def normalize_outer_strategy(
+    value: object, name: str = "outer_dp_sharding_strategy"
+) -> ZeroDPStrategy:
+    """Turn an outer (``dp_outer``) strategy into ``NO_SHARD`` (HSDP) or ``OPTIM`` (HFSDP).
+
+    Accepts what the reference accepts: 0 / ``"no_shard"`` (replicate across
+    dp_outer) and 1 / ``"optim"`` (optimizer state, main weights and gradient
+    store also sharded across dp_outer), or the enum members.
+
+    Raises:
+        ValueError: naming ``name``, the value and the two accepted choices.
+    """
+    strategy = normalize_strategy(value, name)
+    if strategy not in _OUTER_CHOICES:
+        raise ValueError(
+            f"{name}: {value!r} is not supported across dp_outer; expected 0 / 'no_shard' "
+            "(replicate, HSDP) or 1 / 'optim' (hybrid-sharded HSDP)"
+        )
+    return strategy
 
 
 class TrainingState(enum.Enum):
@@ -140,8 +165,10 @@ class DistributedDataParallelConfig:
     Attributes:
         data_parallel_sharding_strategy: ZeRO strategy (0..3 or its name); the
             reference's default, ``no_shard`` (``fully_shard`` defaults to 3).
-        outer_dp_sharding_strategy: strategy across ``dp_outer`` (only 0 / no_shard:
-            replicate and all-reduce there).
+        outer_dp_sharding_strategy: strategy across ``dp_outer``: 0 / ``no_shard``
+            replicates there (HSDP); 1 / ``optim`` also shards main weights,
+            gradient store and optimizer state across it (hybrid-sharded HSDP,
+            which needs ``data_parallel_sharding_strategy`` 3).
         overlap_grad_reduce: reduce a unit's grads asynchronously as soon as its
             backward ends (else synchronously at that point).
         overlap_param_gather: prefetch the next unit's all-gather (ZeRO-3).
@@ -158,14 +185,15 @@ class DistributedDataParallelConfig:
     grad_reduce_in_fp32: bool = False
 
     def __post_init__(self) -> None:
-        """Normalise the strategies and reject the outer sharding this engine lacks."""
-        self.data_parallel_sharding_strategy = normalize_strategy(
+        """Normalise the strategies; outer sharding needs inner ZeRO-3 (as in the reference)."""
+        inner = normalize_strategy(
             self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy"
         )
-        outer = normalize_strategy(self.outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
-        if outer is not ZeroDPStrategy.NO_SHARD:
+        outer = normalize_outer_strategy(self.outer_dp_sharding_strategy)
+        if outer is ZeroDPStrategy.OPTIM and inner is not ZeroDPStrategy.OPTIM_GRADS_PARAMS:
             raise ValueError(
-                f"outer_dp_sharding_strategy: {outer.value!r} (fully sharded hybrid FSDP) is not "
-                "supported yet; expected 0 / 'no_shard' (replicate across dp_outer)"
+                f"outer_dp_sharding_strategy: 'optim' (hybrid-sharded HSDP) needs "
+                f"data_parallel_sharding_strategy 3 / 'optim_grads_params', got {inner.value!r}"
             )
+        self.data_parallel_sharding_strategy = inner
         self.outer_dp_sharding_strategy = outer

@@ -2,8 +2,15 @@
 
 Mesh facts (groups, sizes, ranks) are looked up once here and never recomputed
 at call sites. The index accepts a ``dp_shard`` dim (required when the mesh has
-more than one dim), an optional ``dp_outer`` dim (replication across it, HSDP)
+more than one dim), an optional ``dp_outer`` dim (replication across it, HSDP,
+or with ``hsdp_outer_dp_shard`` sharding across it too, hybrid-sharded HSDP)
 and an optional ``tp`` dim; a mesh without a tp dim is fine.
+
+Hybrid-sharded layout: a bucket is cut into ``dp_outer x dp_shard`` sub-shards;
+the rank at (outer ``o``, shard ``i``) owns sub-shard ``i * outer_size + o``
+(its *logical hybrid rank*), so the ``outer_size`` sub-shards of inner shard
+``i`` are contiguous and form exactly the ``dp_shard`` shard that ZeRO-3
+gathers and reduce-scatters inside ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mf_fsdp.config import ZeroDPStrategy
 from mf_utils import get_mesh_names
 
 __all__ = ["FSDPDistributedIndex"]
@@ -29,7 +37,8 @@ class FSDPDistributedIndex:
         tp_dim: name of the tensor-parallel dim, or None.
         hybrid_fsdp_group: the flattened (dp_outer x dp_shard) group; built from the
             mesh when None and ``dp_outer_dim`` is set.
-        hsdp_outer_dp_shard: shard across dp_outer too (fully sharded hybrid FSDP).
+        hsdp_outer_dp_shard: shard main weights, gradient store and optimizer state
+            across dp_outer too (hybrid-sharded HSDP); needs ``dp_outer_dim``.
         expt_device_mesh: mesh for expert-parallel parameters, or None.
 
     Raises:
@@ -74,10 +83,10 @@ class FSDPDistributedIndex:
                 f"FSDPDistributedIndex: tp_dim={tp_dim!r} is also a data-parallel dim; "
                 "expected a separate mesh dim for tensor parallelism"
             )
-        if hsdp_outer_dp_shard:
+        if hsdp_outer_dp_shard and dp_outer_dim is None:
             raise ValueError(
-                "FSDPDistributedIndex: hsdp_outer_dp_shard=True (fully sharded hybrid FSDP) "
-                "is not supported yet; expected False"
+                "FSDPDistributedIndex: hsdp_outer_dp_shard=True (hybrid-sharded HSDP) needs "
+                "dp_outer_dim, got None; expected the name of the outer data-parallel dim"
             )
         self.device_mesh = device_mesh
         self.dp_shard_dim = dp_shard_dim
@@ -91,9 +100,40 @@ class FSDPDistributedIndex:
         if dp_outer_dim is not None and hybrid_fsdp_group is None:
             hybrid_fsdp_group = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten().get_group()
         self.hybrid_fsdp_group = hybrid_fsdp_group
+        self._logical_mesh = self._build_logical_mesh() if hsdp_outer_dp_shard else None
         self.expt_fsdp_group = (
             expt_device_mesh.get_group(dp_shard_dim) if expt_device_mesh is not None else None
         )
+
+    def _build_logical_mesh(self) -> DeviceMesh:
+        # The root mesh with dp_shard and dp_outer swapped, sliced to (dp_shard, dp_outer):
+        # its row-major order is the logical hybrid rank, so DTensor's Shard order over
+        # [Shard(0), Shard(0)] is the hybrid layout (new groups, built once, collective).
+        mesh = self.device_mesh
+        names = list(get_mesh_names(mesh))
+        a, b = names.index(self.dp_outer_dim), names.index(self.dp_shard_dim)
+        order = list(range(mesh.ndim))
+        order[a], order[b] = b, a
+        swapped = DeviceMesh(
+            mesh.device_type,
+            mesh.mesh.permute(order),
+            mesh_dim_names=tuple(names[i] for i in order),
+        )
+        return swapped[(self.dp_shard_dim, self.dp_outer_dim)]
+
+    def check_outer_strategy(self, outer: ZeroDPStrategy) -> None:
+        """Check that the ddp config's outer strategy matches ``hsdp_outer_dp_shard``.
+
+        Raises:
+            ValueError: naming both when ``outer`` shards and the index does not, or
+                the other way round.
+        """
+        wanted = outer is ZeroDPStrategy.OPTIM
+        if wanted != self.hsdp_outer_dp_shard:
+            raise ValueError(
+                f"ddp_config: outer_dp_sharding_strategy={outer.value!r} needs a dist_index with "
+                f"hsdp_outer_dp_shard={wanted}, got {self.hsdp_outer_dp_shard!r}"
+            )
 
     def _group(self, dim: str | None) -> dist.ProcessGroup:
         if dim is None or self.device_mesh.ndim == 1:
@@ -186,12 +226,32 @@ class FSDPDistributedIndex:
         return dist.get_rank(self.fsdp_group)
 
     @property
+    def outer_size(self) -> int:
+        """Number of ranks in the ``dp_outer`` group (1 without one)."""
+        group = self.outer_fsdp_group
+        return 1 if group is None else dist.get_world_size(group)
+
+    @property
+    def outer_rank(self) -> int:
+        """This rank's index in the ``dp_outer`` group (0 without one)."""
+        group = self.outer_fsdp_group
+        return 0 if group is None else dist.get_rank(group)
+
+    @property
     def dp_size(self) -> int:
         """Number of data-parallel ranks (dp_outer x dp_shard)."""
         return dist.get_world_size(self.get_dp_group())
 
     def dp_mesh(self) -> DeviceMesh:
-        """Mesh the optimizer's DTensors live on: (dp_outer, dp_shard) or (dp_shard,)."""
+        """Mesh the optimizer's DTensors live on.
+
+        (dp_shard,) without dp_outer; (dp_outer, dp_shard) under HSDP (replicas
+        across dp_outer); (dp_shard, dp_outer) under hybrid-sharded HSDP, whose
+        row-major order is the logical hybrid rank, so ``[Shard(0), Shard(0)]``
+        in DTensor's Shard order describes the hybrid layout exactly.
+        """
+        if self._logical_mesh is not None:
+            return self._logical_mesh
         if self.dp_outer_dim is None:
             return self.get_submesh(self.dp_shard_dim) if self.dp_shard_dim else self.device_mesh
         return self.get_submesh((self.dp_outer_dim, self.dp_shard_dim))

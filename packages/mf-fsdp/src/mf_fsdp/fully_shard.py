@@ -61,8 +61,19 @@ def fully_shard_model(
         RuntimeError: if torch.distributed is not initialised.
         TypeError / ValueError: for bad arguments (see ``MegatronFSDP``).
     """
-    strategy = normalize_strategy(zero_dp_strategy)
-    outer = normalize_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=normalize_strategy(zero_dp_strategy),
+        outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        average_in_collective=average_in_collective,
+    )
+    hybrid = config.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
+    if hybrid and dp_outer_dim is None:
+        raise ValueError(
+            "outer_dp_sharding_strategy: 'optim' (hybrid-sharded HSDP) shards across dp_outer "
+            "but dp_outer_dim is None; expected the name of the outer dim of device_mesh"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard_model: torch.distributed is not initialised; call "
@@ -82,14 +93,11 @@ def fully_shard_model(
             f"but the world has {dist.get_world_size()}; expected a mesh over every rank"
         )
     index = FSDPDistributedIndex(
-        device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim
-    )
-    config = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy,
-        outer_dp_sharding_strategy=outer,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        average_in_collective=average_in_collective,
+        device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
+        tp_dim=tp_dim,
+        hsdp_outer_dp_shard=hybrid,
     )
     model = MegatronFSDP(
         module,
@@ -149,7 +157,9 @@ def fully_shard(
         fsdp_unit_modules: classes or dotted class paths gathered/released as units.
         zero_dp_strategy: 0..3 or "no_shard" / "optim" / "optim_grads" /
             "optim_grads_params".
-        outer_dp_sharding_strategy: across dp_outer; only 0 / "no_shard".
+        outer_dp_sharding_strategy: across dp_outer: 0 / "no_shard" replicates (HSDP);
+            1 / "optim" also shards main weights, grads and optimizer state there
+            (hybrid-sharded HSDP; needs ``dp_outer_dim`` and ``zero_dp_strategy`` 3).
         device: buffer device (default: the group's device).
         init_model_with_meta_device: materialise meta parameters unit by unit.
         mixed_precision_policy: dtypes (compute, main, grads, communication).

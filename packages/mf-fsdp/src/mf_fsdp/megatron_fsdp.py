@@ -165,7 +165,8 @@ class MegatronFSDP(nn.Module):
     Raises:
         TypeError: if ``module`` or ``dist_index`` has the wrong type.
         ValueError: for a model without parameters, unknown unit classes, meta init
-            with ``no_shard``, or a main-grad dtype that differs from the main dtype.
+            with ``no_shard``, a main-grad dtype that differs from the main dtype, or an
+            outer strategy that does not match ``dist_index.hsdp_outer_dp_shard``.
     """
 
     def __init__(
@@ -195,6 +196,7 @@ class MegatronFSDP(nn.Module):
         self.dist_index = dist_index
         self.ddp_config = ddp_config or DistributedDataParallelConfig()
         self.strategy: ZeroDPStrategy = self.ddp_config.data_parallel_sharding_strategy  # type: ignore[assignment]
+        dist_index.check_outer_strategy(self.ddp_config.outer_dp_sharding_strategy)  # type: ignore[arg-type]
         if init_model_with_meta_device and self.strategy is ZeroDPStrategy.NO_SHARD:
             raise ValueError(
                 "init_model_with_meta_device=True needs a sharded strategy; got "
@@ -230,7 +232,8 @@ class MegatronFSDP(nn.Module):
         self._root = _Unit(None, "", [])
         self._units: list[_Unit] = []
         self.groups: list[ParamGroup] = []
-        world = self.dist_index.shard_size
+        index = self.dist_index
+        world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
         outer_op = dist.ReduceOp.AVG if self._spec.op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
         for spec in specs:
             dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
@@ -283,7 +286,9 @@ class MegatronFSDP(nn.Module):
         self._grad_pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         level = self.strategy.level
         mesh = self.dist_index.dp_mesh()
-        placements = [Shard(0)] if self.dist_index.dp_outer_dim is None else [Replicate(), Shard(0)]
+        placements = [Shard(0)] * mesh.ndim
+        if self.dist_index.dp_outer_dim and not self.dist_index.hsdp_outer_dp_shard:
+            placements = [Replicate(), Shard(0)]
         for group in self.groups:
             for index, param in enumerate(group.params):
                 if level == 0:
@@ -488,7 +493,9 @@ class MegatronFSDP(nn.Module):
         self._callback_queued = False
         self.microbatch_count += 1
         if self.model_auto_sync and self._reduce_now():
-            self.synchronize_gradient_reduce()
+            # The dp_outer stage runs once per step: here only on the last micro-batch.
+            for group in self.groups:
+                (group.reduce_outer if self.is_last_microbatch else group.finish_reduce)()
             self.attach_grad_to_optimizer_state()
 
     # ------------------------------------------------------------------ sync control
@@ -533,9 +540,12 @@ class MegatronFSDP(nn.Module):
             group.start_reduce(self._spec, async_op=self.ddp_config.overlap_grad_reduce)
 
     def synchronize_gradient_reduce(self) -> None:
-        """Wait for every launched reduction and fold results into the grad stores."""
+        """Wait for every launched reduction and fold results into the grad stores.
+
+        Also runs the deferred dp_outer stage of the reduction (HSDP; once per step).
+        """
         for group in self.groups:
-            group.finish_reduce()
+            group.reduce_outer()
 
     def finish_grad_sync(self) -> None:
         """Reduce everything still local, wait, and attach grads for the optimizer.
@@ -619,10 +629,12 @@ class MegatronFSDP(nn.Module):
                 if pg is None:
                     continue
                 tensors = [group.model_shard]
-                if group.main_is_separate:
+                if group.main_is_separate and not group.hybrid:
                     tensors.append(group.main)
                 for tensor in tensors:
                     dist.broadcast(tensor, src=dist.get_global_rank(pg, 0), group=pg)
+                if group.main_is_separate and group.hybrid:  # sub-shards have no replicas
+                    group.main.copy_(group.own_sub_shard())
                 continue
             assert group.model_full is not None  # internal invariant
             pg = index.get_dp_group()

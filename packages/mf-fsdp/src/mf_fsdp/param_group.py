@@ -21,16 +21,27 @@ storage is resized to zero. Temporary whole-bucket tensors come from a shared
 ``BufferPool`` and go back to it, so a training step allocates nothing after
 the first one.
 
-Reduction contract (see the README): after ``finish_reduce`` the store holds
+Reduction contract (see the README): after ``reduce_outer`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
 (mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
 division into the collective. Grads of parameters marked
 ``sequence_parallel=True`` are first summed over the tp group (one
 all-reduce of their slices), since each TP rank's grad covers only its rows.
+
+Under HSDP the reduction has two stages: inside ``dp_shard`` (``start_reduce`` /
+``finish_reduce``, as often as the engine asks) and across ``dp_outer``
+(``reduce_outer``, once per optimizer step). Replicated HSDP keeps the
+inner-reduced shard in the store and all-reduces it across dp_outer;
+hybrid-sharded HSDP (``hsdp_outer_dp_shard``, ZeRO-3 only) accumulates the
+inner-reduced shard in a pooled ``pending`` buffer and reduce-scatters it across
+dp_outer into a store of ``1 / (outer x inner)`` of the bucket; after the
+optimizer step the updated sub-shards are all-gathered across dp_outer back
+into the inner weight shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +120,8 @@ class ParamGroup:
         params: the parameters, in bucket order (their current values initialise it;
             meta parameters are left for ``materialize``).
         names: their fully qualified names.
-        layout: the bucket layout over the shard group.
+        layout: the bucket layout over the shard group (over the whole dp group,
+            ``outer x inner`` shards, under hybrid-sharded HSDP).
         strategy: the ZeRO strategy.
         dtypes: the group's dtypes.
         dist_index: groups and meshes.
@@ -130,7 +142,6 @@ class ParamGroup:
     ) -> None:
         self.params = params
         self.names = names
-        self.layout = layout
         self.strategy = strategy
         self.dtypes = dtypes
         self.dist_index = dist_index
@@ -138,7 +149,22 @@ class ParamGroup:
         self.pool = pool
         self.requires_grad = params[0].requires_grad
         self.rank = dist_index.shard_rank
+        self.outer = dist_index.outer_fsdp_group
+        self.hybrid = dist_index.hsdp_outer_dp_shard
+        # ``main_layout`` shards what the optimizer owns (main weights, grad store);
+        # ``layout`` shards the weights over dp_shard. They differ only when hybrid:
+        # inner shard i is the outer_size contiguous sub-shards of logical ranks i*M..
+        self.main_layout = layout
+        self.main_rank = self.rank
+        if self.hybrid:
+            outer = dist_index.outer_size
+            layout = dataclasses.replace(
+                layout, world_size=layout.world_size // outer, shard_size=layout.shard_size * outer
+            )
+            self.main_rank = dist_index.get_logical_hybrid_fsdp_rank()
+        self.layout = layout
         self.lo, self.hi = layout.shard_range(self.rank)
+        self.sub_lo, _ = self.main_layout.shard_range(self.main_rank)
         self._slices = [
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
@@ -158,6 +184,9 @@ class ParamGroup:
         self.has_unreduced = False
         self._reduced_in_local = False
         self._store_fresh = True
+        # The store holds inner-reduced grads whose dp_outer reduction is still due.
+        self._outer_due = False
+        self.pending_inner: torch.Tensor | None = None
         self._allocate()
 
     # ------------------------------------------------------------------ buffers
@@ -173,9 +202,9 @@ class ParamGroup:
         if level == 3:
             self.model_shard = torch.zeros(shard, dtype=d.compute, device=dev)
             self.main = (
-                self.model_shard
+                self.own_sub_shard()
                 if d.main == d.compute
-                else torch.zeros(shard, dtype=d.main, device=dev)
+                else torch.zeros(self.main_layout.shard_size, dtype=d.main, device=dev)
             )
             # One full-bucket tensor for the group's lifetime: releasing it resizes its
             # storage to zero, gathering resizes it back. Views of it (parameters' .data
@@ -204,8 +233,15 @@ class ParamGroup:
                     self.grad_local if level == 0 else self.grad_local[self.lo : self.hi]
                 )
         if self.grad_store is None:
-            store_numel = layout.padded_numel if level == 0 else shard
+            store_numel = layout.padded_numel if level == 0 else self.main_layout.shard_size
             self.grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
+
+    def own_sub_shard(self) -> torch.Tensor:
+        """The part of ``model_shard`` this rank's optimizer owns (all of it unless hybrid)."""
+        if not self.hybrid:
+            return self.model_shard
+        lo = self.sub_lo - self.lo
+        return self.model_shard[lo : lo + self.main_layout.shard_size]
 
     @property
     def main_is_separate(self) -> bool:
@@ -225,13 +261,11 @@ class ParamGroup:
                 self.main[start:end].copy_(flat)
             return
         b, e = self.layout.local_piece(index, self.rank)
-        if b == e:
-            return
-        lo = start + b - self.lo
-        if level == 3:
-            self.model_shard[lo : lo + e - b].copy_(flat[b:e])
-        if self.main_is_separate:
-            self.main[lo : lo + e - b].copy_(flat[b:e])
+        if level == 3 and b < e:
+            self.model_shard[start + b - self.lo : start + e - self.lo].copy_(flat[b:e])
+        b, e = self.main_layout.local_piece(index, self.main_rank)
+        if self.main_is_separate and b < e:
+            self.main[start + b - self.sub_lo : start + e - self.sub_lo].copy_(flat[b:e])
 
     def own_weights(self) -> torch.Tensor:
         """This rank's shard region of the full compute weights (ZeRO-0/1/2)."""
@@ -259,8 +293,8 @@ class ParamGroup:
     def local_main_piece(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's piece of parameter ``index`` in a shard-sized buffer, and its offset."""
         start = self._slices[index][0]
-        b, e = self.layout.local_piece(index, self.rank)
-        lo = max(start + b - self.lo, 0) if b < e else 0
+        b, e = self.main_layout.local_piece(index, self.main_rank)
+        lo = max(start + b - self.sub_lo, 0) if b < e else 0
         return buffer[lo : lo + e - b], b
 
     # ------------------------------------------------------------------ ZeRO-3 gather
@@ -332,13 +366,11 @@ class ParamGroup:
         # about to be added on top: rescale so that the next reduction maps the
         # reduced part to itself (see the README, "accumulating after a reduction").
         assert self.grad_local is not None  # internal invariant
+        gain = self._inner_gain(spec) * (1.0 if self._outer_due else self._outer_gain())
         if self.strategy.level == 0:
-            self.grad_local.mul_(1.0 / (spec.factor * self.dist_index.dp_size))
+            self.grad_local.mul_(1.0 / gain)
         else:
-            outer = self.dist_index.outer_fsdp_group
-            replicas = dist.get_world_size(outer) if outer is not None else 1
-            own = self.grad_local[self.lo : self.hi]
-            own.mul_(1.0 / (spec.factor * replicas))
+            self.grad_local[self.lo : self.hi].mul_(1.0 / gain)
             self.grad_local[: self.lo].zero_()
             self.grad_local[self.hi :].zero_()
         if self._sp_slices:  # their reduced part is summed over TP again next time
@@ -346,6 +378,19 @@ class ParamGroup:
             for start, end in self._sp_slices:
                 self.grad_local[start:end].div_(tp_size)
         self._reduced_in_local = False
+
+    def _inner_gain(self, spec: ReduceSpec) -> float:
+        # What the dp_shard reduction multiplies a reduced value by: ZeRO-0 holds it on
+        # every rank (all-reduce), ZeRO-1 only on its owner (reduce-scatter, others zero).
+        summed = spec.op == dist.ReduceOp.SUM
+        if self.strategy.level == 0:
+            return spec.pre * (self.dist_index.shard_size if summed else 1)
+        return spec.pre / (1 if summed else self.dist_index.shard_size)
+
+    def _outer_gain(self) -> float:
+        # What the dp_outer all-reduce multiplies a value equal on every replica by.
+        summed = self._outer_op == dist.ReduceOp.SUM
+        return float(self.dist_index.outer_size) if summed else 1.0
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
@@ -363,15 +408,15 @@ class ParamGroup:
         self._sum_sequence_parallel_grads(src)
         index = self.dist_index
         if self.strategy.level == 0:
-            work = dist.all_reduce(src, op=spec.op, group=index.get_dp_group(), async_op=async_op)
+            work = dist.all_reduce(src, op=spec.op, group=index.fsdp_group, async_op=async_op)
             out = src
         else:
             direct = (
                 self.strategy.level >= 2
                 and self._store_fresh
+                and not self.hybrid
                 and self.grad_store is not None
                 and self.grad_store.dtype == src.dtype
-                and index.outer_fsdp_group is None
             )
             out = (
                 self.grad_store
@@ -396,38 +441,77 @@ class ParamGroup:
             offset += end - start
 
     def finish_reduce(self) -> None:
-        """Wait for the pending reduction and fold its result into the grad store."""
+        """Wait for the pending dp_shard reduction and fold its result into the grad store.
+
+        Under HSDP the result still lacks the dp_outer reduction (``reduce_outer``).
+        """
         if self._pending is None:
             return
         work, src, out = self._pending
         self._pending = None
         if work is not None:
             work.wait()
-        outer = self.dist_index.outer_fsdp_group
-        if outer is not None and self.strategy.level > 0:
-            dist.all_reduce(out, op=self._outer_op, group=outer)
         store, local = self.grad_store, self.grad_local
         assert store is not None  # internal invariant
         assert local is not None
         level = self.strategy.level
-        if level <= 1 and self._store_aliases_local:
+        if self.hybrid:
+            if self.pending_inner is None:
+                self.pending_inner = out  # the pooled result is kept until reduce_outer
+            else:
+                self.pending_inner.add_(out)
+        elif level <= 1 and self._store_aliases_local:
             if out is not local:  # ZeRO-1: the reduced shard arrived in a temporary
                 store.copy_(out)
             self._reduced_in_local = True
         else:
+            if not self._store_fresh and not self._outer_due and self.outer is not None:
+                store.mul_(1.0 / self._outer_gain())  # final grads rejoin the outer sum once
             if out is not store:
                 store.add_(out)
             self._store_fresh = False
-            if level <= 1:
-                local.zero_()
-            else:
-                for p in self.params:
-                    p.grad = None
-                self.pool.give(local)
-                self.grad_local = None
-        temporaries = {id(t): t for t in (src, out) if t is not local and t is not store}
+        if level >= 2:
+            for p in self.params:
+                p.grad = None
+            self.pool.give(local)
+            self.grad_local = None
+        elif not self._store_aliases_local:
+            local.zero_()
+        self._outer_due = self.outer is not None and not self.hybrid
+        keep = (local, store, self.pending_inner)
+        temporaries = {id(t): t for t in (src, out) if all(t is not k for k in keep)}
         for tensor in temporaries.values():
             self.pool.give(tensor)
+
+    def reduce_outer(self) -> None:
+        """Finish the dp_shard reduction, then run the dp_outer one (once per step).
+
+        Replicated HSDP all-reduces the store across dp_outer; hybrid-sharded HSDP
+        reduce-scatters the accumulated inner shard into this rank's sub-shard of the
+        store. A no-op without dp_outer or when nothing new was reduced.
+        """
+        self.finish_reduce()
+        if self.outer is None:
+            return
+        if not self.hybrid:
+            if self._outer_due:
+                assert self.grad_store is not None  # internal invariant
+                dist.all_reduce(self.grad_store, op=self._outer_op, group=self.outer)
+                self._outer_due = False
+            return
+        pending, store = self.pending_inner, self.grad_store
+        if pending is None:
+            return
+        assert store is not None  # internal invariant
+        direct = self._store_fresh and store.dtype == pending.dtype
+        sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
+        dist.reduce_scatter_tensor(sub, pending, op=self._outer_op, group=self.outer)
+        if sub is not store:
+            store.add_(sub)
+            self.pool.give(sub)
+        self.pool.give(pending)
+        self.pending_inner = None
+        self._store_fresh = False
 
     def set_outer_op(self, op: dist.ReduceOp.RedOpType) -> None:
         """Record the reduce op used across dp_outer replicas."""
@@ -440,6 +524,9 @@ class ParamGroup:
         self.finish_reduce()
         assert self.grad_store is not None  # internal invariant
         self.grad_store.zero_()
+        if self.pending_inner is not None:
+            self.pool.give(self.pending_inner)
+            self.pending_inner = None
         if self.strategy.level <= 1:
             assert self.grad_local is not None  # internal invariant
             self.grad_local.zero_()
@@ -452,11 +539,13 @@ class ParamGroup:
         self.has_unreduced = False
         self._reduced_in_local = False
         self._store_fresh = True
+        self._outer_due = False
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the reduced and any unreduced local grads by ``factor``."""
-        if self.grad_store is not None:
-            self.grad_store.mul_(factor)
+        for reduced in (self.grad_store, self.pending_inner):
+            if reduced is not None:
+                reduced.mul_(factor)
         if self.grad_local is not None and not self._store_aliases_local:
             self.grad_local.mul_(factor)
         elif self.grad_local is not None and self.strategy.level == 1:
@@ -468,9 +557,15 @@ class ParamGroup:
         """Copy updated main weights into the compute weights (all-gather for ZeRO-1/2)."""
         level = self.strategy.level
         if level == 3:
-            if self.main is not self.model_shard:
-                self.model_shard.copy_(self.main)
-            return None
+            own = self.own_sub_shard()
+            if self.main_is_separate:
+                own.copy_(self.main)
+            if not self.hybrid:
+                return None
+            # In-place all-gather across dp_outer: the sub-shards rebuild the inner shard.
+            return dist.all_gather_into_tensor(
+                self.model_shard, own, group=self.outer, async_op=async_op
+            )
         assert self.model_full is not None  # internal invariant
         if level == 0:
             if self.main is not self.model_full:
