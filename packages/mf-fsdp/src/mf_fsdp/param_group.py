@@ -494,10 +494,11 @@ class ParamGroup:
         if self.outer is None:
             return
         if not self.hybrid:
-            if self._outer_due:
+            # A dp_outer of one replica has nothing to reduce.
+            if self._outer_due and self.dist_index.outer_size > 1:
                 assert self.grad_store is not None  # internal invariant
                 dist.all_reduce(self.grad_store, op=self._outer_op, group=self.outer)
-                self._outer_due = False
+            self._outer_due = False
             return
         pending, store = self.pending_inner, self.grad_store
         if pending is None:
