@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.tp_params import local_value
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
 
@@ -75,7 +76,7 @@ def get_grad_norm(
         signature = _signature(p, p.grad)
         groups.update((id(g), g) for g in signature)
         key = tuple(sorted({id(g) for g in signature}))
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = local_value(p.grad)
         grads_by_key.setdefault(key, []).append(grad)
     if not grads_by_key:
         return torch.tensor(0.0)
@@ -120,7 +121,7 @@ def clip_grad_norm_(
     grads = []
     for p in params:
         if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g = local_value(p.grad)
             if g.numel():
                 grads.append(g)
     if grads:

@@ -6,17 +6,50 @@ owned shard, or the full parameter for ``no_shard``), keeping groups and
 options. A step pre-hook finishes every pending gradient reduction (so no
 strategy steps on unreduced grads), a step post-hook installs the updated
 weights into the model buffers, and ``zero_grad`` also zeroes the engine's
-buffers. (An optimizer that still holds the wrapped model's original
-parameters is rejected at step time by a hook that ``MegatronFSDP`` installs.)
+buffers.
+
+An optimizer that still holds the wrapped model's original parameters is
+rejected at step time by a global step pre-hook
+(``install_unwrapped_optimizer_guard``, installed by ``MegatronFSDP``).
+This module never builds the optimizer parameters (``optimizer_params.py``
+does) and imports the engine for type hints only.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optimizer_params import MANAGED_ATTR, owner_of
 
-__all__ = ["fully_shard_optimizer"]
+if TYPE_CHECKING:
+    from mf_fsdp.megatron_fsdp import MegatronFSDP
+
+__all__ = ["fully_shard_optimizer", "install_unwrapped_optimizer_guard"]
+
+_GUARD_INSTALLED = False
+
+
+def install_unwrapped_optimizer_guard() -> None:
+    """Register (once per process) the step pre-hook that rejects unwrapped optimizers."""
+    global _GUARD_INSTALLED
+    if not _GUARD_INSTALLED:
+        register_optimizer_step_pre_hook(_reject_unwrapped)
+        _GUARD_INSTALLED = True
+
+
+def _reject_unwrapped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if params and getattr(params[0], MANAGED_ATTR, False):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): this optimizer holds the original parameters "
+                "of a model wrapped by mf_fsdp, whose values and grads live in the engine's "
+                "buffers; stepping it would silently train nothing. Pass it through "
+                "mf_fsdp.fully_shard_optimizer(optimizer) (or fully_shard(model, optimizer))."
+            )
 
 
 def fully_shard_optimizer(
@@ -70,7 +103,7 @@ def fully_shard_optimizer(
 def _find_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            model = MegatronFSDP.owner_of(param)
+            model = owner_of(param)
             if model is not None:
                 return model
     raise ValueError(

@@ -1,0 +1,267 @@
+"""Per-unit hooks and the TrainingState machine that drive gathers, releases and reductions.
+
+Hooks (per unit, registered once):
+
+- forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next
+  unit in last iteration's forward order, and thread the unit's inputs
+  through ``RegisterFSDPBackwardFunction`` so its backward end is observable;
+- forward post-hook: release the bucket (ZeRO-3) and hook the outputs' grads
+  (pre-backward: gather again, prefetch the previous unit, get the grad buffer);
+- post-backward (the identity function's backward): reduce the unit's grads
+  now (overlapped with the rest of backward) and release its bucket;
+- a callback queued on the autograd engine at the first pre-backward finishes
+  the root and any unit whose post-backward did not fire, then hands over to
+  the engine's end-of-backward step (micro-batch count, auto-sync).
+
+A forward seen while a unit is already in backward is activation
+recomputation: the gathered weights are reused, nothing is released, so
+recompute and backward share one gather.
+
+This module owns only the per-iteration order and states; it does not build
+buckets, decide *whether* to reduce (the engine's ``reduce_now`` policy does),
+or touch the optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
+from mf_fsdp.param_group import ParamGroup, ReduceSpec
+
+__all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks"]
+
+
+class RegisterFSDPBackwardFunction(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs the unit's post-backward.
+
+    =========  ==========================  ===========================
+    pass       tensors                     effect
+    =========  ==========================  ===========================
+    forward    ``*inputs`` -> same tensors  none (no copy, no comm)
+    backward   ``*grads`` -> same grads     calls ``post_backward()``
+    =========  ==========================  ===========================
+    """
+
+    @staticmethod
+    def forward(ctx: Any, post_backward: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        """Remember the callback; return the inputs unchanged."""
+        ctx.post_backward = post_backward
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        """Run the callback (the unit's backward is complete), pass grads through."""
+        ctx.post_backward()
+        return (None, *grads)
+
+
+class Unit:
+    """One FSDP unit (or the root) and its per-iteration state."""
+
+    __slots__ = ("forwarded", "groups", "module", "name", "state")
+
+    def __init__(self, module: nn.Module | None, name: str, groups: list[ParamGroup]) -> None:
+        self.module = module
+        self.name = name
+        self.groups = groups
+        self.state = TrainingState.IDLE
+        self.forwarded = False
+
+
+class UnitHooks:
+    """The hooks of every unit and the root, and the state they share across one iteration.
+
+    Args:
+        root: the root unit (parameters outside every unit); driven by ``forward``.
+        units: the FSDP units; a forward pre-hook and post-hook is registered on each.
+        groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
+        strategy: the engine's ZeRO strategy.
+        ddp_config: overlap options (read at each use, so later edits take effect).
+        spec: how gradients are scaled and reduced.
+        reduce_now: the engine's policy: reduce at this backward's end (else accumulate).
+        on_backward_end: run once per backward, after every unit is back to IDLE.
+    """
+
+    def __init__(
+        self,
+        root: Unit,
+        units: list[Unit],
+        groups: list[ParamGroup],
+        strategy: ZeroDPStrategy,
+        ddp_config: DistributedDataParallelConfig,
+        spec: ReduceSpec,
+        reduce_now: Callable[[], bool],
+        on_backward_end: Callable[[], None],
+    ) -> None:
+        self._root = root
+        self._units = units
+        self._groups = groups
+        self._strategy = strategy
+        self._ddp_config = ddp_config
+        self._spec = spec
+        self._reduce_now = reduce_now
+        self._on_backward_end = on_backward_end
+        self._callback_queued = False
+        self._fwd_order: list[Unit] = []
+        self._prev_order: list[Unit] = []
+        self._handles: list[RemovableHandle] = []
+        for unit in units:
+            assert unit.module is not None  # internal invariant
+            self._handles.append(
+                unit.module.register_forward_pre_hook(
+                    functools.partial(self._unit_pre_forward, unit), with_kwargs=True
+                )
+            )
+            self._handles.append(
+                unit.module.register_forward_hook(functools.partial(self._unit_post_forward, unit))
+            )
+
+    @property
+    def _prefetching(self) -> bool:
+        return self._strategy.shards_params and self._ddp_config.overlap_param_gather
+
+    # ------------------------------------------------------------------ forward
+    def root_pre_forward(self) -> None:
+        """Start an iteration: gather the root bucket(s), prefetch the first unit."""
+        self._fwd_order = []
+        self._root.state = TrainingState.FORWARD
+        self._root.forwarded = True
+        for group in self._root.groups:
+            group.unshard(async_op=False)
+            group.wait_unshard()
+        if self._prefetching and self._prev_order:
+            for group in self._prev_order[0].groups:
+                group.unshard(async_op=True)
+
+    def root_post_forward(self, out: Any) -> Any:
+        """Hook the root's pre-backward on ``out`` (or release the root without grad)."""
+        self._prev_order = self._fwd_order
+        tensors = _grad_tensors(out)
+        if torch.is_grad_enabled() and tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, self._root_pre_backward, mode="any"
+            )
+        else:
+            for group in self._root.groups:
+                group.reshard()
+            self._root.state = TrainingState.IDLE
+        return out
+
+    def _unit_pre_forward(
+        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            self._gather(unit, async_op=False)  # recomputation: reuse or regather
+            return None
+        unit.state = TrainingState.FORWARD
+        unit.forwarded = True
+        self._fwd_order.append(unit)
+        if self._strategy.shards_params:
+            self._gather(unit, async_op=False)
+            if self._prefetching:
+                self._prefetch(unit, self._prev_order, +1)
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return None
+        wrapped = RegisterFSDPBackwardFunction.apply(
+            functools.partial(self._unit_post_backward, unit), *(flat[i] for i in slots)
+        )
+        for i, t in zip(slots, wrapped, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _unit_post_forward(
+        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        for group in unit.groups:
+            group.reshard()
+        tensors = _grad_tensors(output)
+        if torch.is_grad_enabled() and tensors and self._strategy.shards_grads:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._unit_pre_backward, unit), mode="any"
+            )
+
+    def _gather(self, unit: Unit, async_op: bool) -> None:
+        for group in unit.groups:
+            group.unshard(async_op=async_op)
+        for group in unit.groups:
+            group.wait_unshard()
+
+    def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
+        try:
+            position = order.index(unit) + step
+        except ValueError:
+            return
+        if 0 <= position < len(order):
+            for group in order[position].groups:
+                group.unshard(async_op=True)
+
+    # ------------------------------------------------------------------ backward
+    def _ensure_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._root_post_backward)
+
+    def _root_pre_backward(self, grad: torch.Tensor | None) -> None:
+        self._ensure_callback()
+        self._root.state = TrainingState.PRE_BACKWARD
+        self._gather(self._root, async_op=False)
+        accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
+        for group in accumulate:
+            group.begin_accumulate(self._spec)
+        if self._prefetching and self._fwd_order:
+            for group in self._fwd_order[-1].groups:
+                group.unshard(async_op=True)
+
+    def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
+        self._ensure_callback()
+        unit.state = TrainingState.PRE_BACKWARD
+        if self._strategy.shards_params:
+            self._gather(unit, async_op=False)
+            if self._prefetching:
+                self._prefetch(unit, self._fwd_order, -1)
+        for group in unit.groups:
+            group.begin_accumulate(self._spec)
+
+    def _unit_post_backward(self, unit: Unit) -> None:
+        if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
+            return
+        unit.state = TrainingState.POST_BACKWARD
+        if self._reduce_now():
+            overlap = self._ddp_config.overlap_grad_reduce
+            for group in unit.groups:
+                group.start_reduce(self._spec, async_op=overlap)
+                if not overlap:
+                    group.finish_reduce()
+        for group in unit.groups:
+            group.reshard()
+
+    def _root_post_backward(self) -> None:
+        for unit in reversed(self._fwd_order):
+            self._unit_post_backward(unit)
+        self._root.forwarded = True
+        self._unit_post_backward(self._root)
+        for unit in (self._root, *self._units):
+            unit.state = TrainingState.IDLE
+            unit.forwarded = False
+        self._callback_queued = False
+        self._on_backward_end()
+
+
+def _grad_tensors(out: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
