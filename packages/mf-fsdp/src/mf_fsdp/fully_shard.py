@@ -7,7 +7,9 @@ mesh over the whole world when none is given), wrap the model in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,9 @@ from mf_fsdp.optimizer import fully_shard_optimizer
 from mf_utils import get_group_device
 
 __all__ = ["fully_shard", "fully_shard_model"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def fully_shard_model(
@@ -52,10 +57,36 @@ def fully_shard_model(
     gradient_scaling_factor: float | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> MegatronFSDP:
-    """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (see ``fully_shard``).
+    """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
-    ``preproc_state_dict_for_dcp_ckpt``: ``model.state_dict()`` attaches the DCP chunk
-    metadata of its uneven DTensors (the reference does it in a post-hook).
+    Args:
+        module: the model (on the meta device with ``init_model_with_meta_device``).
+        device_mesh: mesh over all ranks; None builds a 1-D ``("dp_shard",)`` mesh.
+        dp_shard_dim: the dim parameters are sharded over (optional for a 1-D mesh).
+        dp_outer_dim: the dim of replicas (HSDP), or None.
+        tp_dim: the tensor-parallel dim, or None.
+        fsdp_unit_modules: classes or dotted class paths gathered/released as units.
+        zero_dp_strategy: 0..3 or "no_shard" / "optim" / "optim_grads" /
+            "optim_grads_params".
+        outer_dp_sharding_strategy: across dp_outer: 0 / "no_shard" replicates (HSDP);
+            1 / "optim" also shards main weights, grads and optimizer state there
+            (hybrid-sharded HSDP; needs ``dp_outer_dim`` and ``zero_dp_strategy`` 3).
+        device: buffer device (default: the group's device).
+        init_model_with_meta_device: materialise meta parameters unit by unit.
+        mixed_precision_policy: dtypes (compute, main, grads, communication).
+        overlap_grad_reduce: reduce each unit's grads asynchronously during backward.
+        overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
+        sync_model_each_microbatch: wait for reductions at the end of each backward.
+        preproc_state_dict_for_dcp_ckpt: ``model.state_dict()`` is ready for
+            ``dcp.save`` (its uneven DTensors carry their chunk metadata).
+        average_in_collective: divide inside the collective (same result).
+        disable_bucketing: one bucket for all parameters.
+        calculate_per_token_loss: reduce grads by sum instead of mean.
+        gradient_scaling_factor: extra factor on every reduced gradient.
+        alignment: per-tensor alignment inside a bucket, in elements.
+
+    Returns:
+        The ``MegatronFSDP`` wrapping ``module``.
 
     Raises:
         RuntimeError: if torch.distributed is not initialised.
@@ -117,29 +148,33 @@ def fully_shard_model(
     return model
 
 
+def _adds_optimizer(
+    shard_model: Callable[Concatenate[nn.Module, _P], MegatronFSDP],
+) -> Callable[[Callable[..., _R]], Callable[Concatenate[nn.Module, torch.optim.Optimizer, _P], _R]]:
+    """Declare a ``(module, optimizer, *args, **kwargs)`` function as ``shard_model`` + optimizer.
+
+    The function's ``__signature__`` becomes ``shard_model``'s with an ``optimizer``
+    parameter after the first, and type checkers see the same, so the long argument
+    list is written once.
+    """
+    params = list(inspect.signature(shard_model).parameters.values())
+    optimizer = inspect.Parameter(
+        "optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer"
+    )
+
+    def declare(
+        fn: Callable[..., _R],
+    ) -> Callable[Concatenate[nn.Module, torch.optim.Optimizer, _P], _R]:
+        own = inspect.signature(fn)
+        fn.__signature__ = own.replace(parameters=[params[0], optimizer, *params[1:]])  # type: ignore[attr-defined]
+        return fn
+
+    return declare
+
+
+@_adds_optimizer(fully_shard_model)
 def fully_shard(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device_mesh: DeviceMesh | None = None,
-    dp_shard_dim: str | None = None,
-    dp_outer_dim: str | None = None,
-    tp_dim: str | None = None,
-    fsdp_unit_modules: Sequence[type[nn.Module] | str] | None = None,
-    zero_dp_strategy: ZeroDPStrategy | int | str = 3,
-    outer_dp_sharding_strategy: ZeroDPStrategy | int | str = 0,
-    device: torch.device | None = None,
-    init_model_with_meta_device: bool = False,
-    mixed_precision_policy: MixedPrecisionPolicy | None = None,
-    overlap_grad_reduce: bool = True,
-    overlap_param_gather: bool = True,
-    sync_model_each_microbatch: bool = True,
-    preproc_state_dict_for_dcp_ckpt: bool = True,
-    average_in_collective: bool = False,
-    disable_bucketing: bool = False,
-    calculate_per_token_loss: bool = False,
-    *,
-    gradient_scaling_factor: float | None = None,
-    alignment: int = DEFAULT_ALIGNMENT,
+    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
     """Shard ``module`` and rebind ``optimizer`` so the plain training loop just works.
 
@@ -147,56 +182,18 @@ def fully_shard(
     trains with data parallelism: ``optimizer.step()`` first finishes any pending
     gradient reduction, steps on this rank's shard, then installs the new weights.
 
+    Its signature is ``fully_shard_model``'s with ``optimizer`` after ``module``
+    (``inspect.signature`` shows it in full); every other argument goes to
+    ``fully_shard_model`` unchanged.
+
     Args:
         module: the model (on the meta device with ``init_model_with_meta_device``).
         optimizer: a torch optimizer built on ``module``'s parameters, not stepped yet.
-        device_mesh: mesh over all ranks; None builds a 1-D ``("dp_shard",)`` mesh.
-        dp_shard_dim: the dim parameters are sharded over (optional for a 1-D mesh).
-        dp_outer_dim: the dim of replicas (HSDP), or None.
-        tp_dim: the tensor-parallel dim, or None.
-        fsdp_unit_modules: classes or dotted class paths gathered/released as units.
-        zero_dp_strategy: 0..3 or "no_shard" / "optim" / "optim_grads" /
-            "optim_grads_params".
-        outer_dp_sharding_strategy: across dp_outer: 0 / "no_shard" replicates (HSDP);
-            1 / "optim" also shards main weights, grads and optimizer state there
-            (hybrid-sharded HSDP; needs ``dp_outer_dim`` and ``zero_dp_strategy`` 3).
-        device: buffer device (default: the group's device).
-        init_model_with_meta_device: materialise meta parameters unit by unit.
-        mixed_precision_policy: dtypes (compute, main, grads, communication).
-        overlap_grad_reduce: reduce each unit's grads asynchronously during backward.
-        overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
-        sync_model_each_microbatch: wait for reductions at the end of each backward.
-        preproc_state_dict_for_dcp_ckpt: ``model.state_dict()`` is ready for
-            ``dcp.save`` (its uneven DTensors carry their chunk metadata).
-        average_in_collective: divide inside the collective (same result).
-        disable_bucketing: one bucket for all parameters.
-        calculate_per_token_loss: reduce grads by sum instead of mean.
-        gradient_scaling_factor: extra factor on every reduced gradient.
-        alignment: per-tensor alignment inside a bucket, in elements.
+        *args: ``fully_shard_model``'s arguments after ``module`` (``device_mesh``, ...).
+        **kwargs: the same by name.
 
     Returns:
         ``(model, optimizer)``: the ``MegatronFSDP`` and the same optimizer, rebound.
     """
-    model = fully_shard_model(
-        module,
-        device_mesh,
-        dp_shard_dim,
-        dp_outer_dim,
-        tp_dim,
-        fsdp_unit_modules,
-        zero_dp_strategy,
-        outer_dp_sharding_strategy,
-        device,
-        init_model_with_meta_device,
-        mixed_precision_policy,
-        overlap_grad_reduce,
-        overlap_param_gather,
-        sync_model_each_microbatch,
-        preproc_state_dict_for_dcp_ckpt,
-        average_in_collective,
-        disable_bucketing,
-        calculate_per_token_loss,
-        gradient_scaling_factor=gradient_scaling_factor,
-        alignment=alignment,
-    )
+    model = fully_shard_model(module, *args, **kwargs)
     return model, fully_shard_optimizer(optimizer, model)
