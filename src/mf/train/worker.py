@@ -100,7 +100,7 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         fsdp_unit_modules=[Block],
         zero_dp_strategy=options.zero,
         mixed_precision_policy=MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, compute_dtype=compute
+            main_params_dtype=torch.float32, param_dtype=compute
         ),
     )
     return model, optimizer
