@@ -27,6 +27,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+from mf.models.gpt import GPTConfig
 from mf_tp import (
     ColumnParallelLinear,
     ModelParallelConfig,
@@ -36,9 +39,6 @@ from mf_tp import (
     vocab_parallel_cross_entropy,
 )
 from mf_utils import get_mcore_tensor_parallel_partition_dim, is_mcore_tensor_model_parallel
-from torch import nn
-
-from mf.models.gpt import GPTConfig
 
 __all__ = ["GPTTensorParallel", "TensorParallelBlock"]
 
@@ -170,7 +170,7 @@ class GPTTensorParallel(nn.Module):
         nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Return full logits [B, S, V], or the mean cross-entropy loss when ``targets`` are given."""
+        """Return full logits [B, S, V], or the mean cross-entropy loss given ``targets``."""
         seq = tokens.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(
@@ -214,7 +214,6 @@ class GPTTensorParallel(nn.Module):
                     f"the full tensor gives {tuple(full.shape)}"
                 )
             param.copy_(full)
-
 
 
 def _normal(std: float):

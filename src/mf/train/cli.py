@@ -1,24 +1,36 @@
 r"""``mf-train``: check the options, start the ranks with torch's elastic launcher, report.
 
-User mistakes (bad sizes, a missing data file, a seq-len the corpus cannot
-fill, --resume with nothing to resume) are found before any worker starts
-and printed as one line with exit code 2. For several machines, run the
-worker module under torchrun instead::
+User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
+data file, a seq-len the corpus cannot fill, --resume with nothing to
+resume) are found here, before any worker starts, and printed as one line
+with exit code 2. Ctrl-C reaches every rank: each finishes its step, saves a
+checkpoint and exits; the launcher then names the checkpoint (exit code 130).
+
+For several machines, run the worker module under torchrun on each node
+(``--nproc`` is then torchrun's world size)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29500 -m mf.train.worker --nproc 16 --tp 2
+        --rdzv-endpoint HOST:29500 -m mf.train.worker --tp 2
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, parse_options
 
-__all__ = ["main"]
+__all__ = ["main", "print_summary", "user_error"]
+
+
+def user_error(error: Exception) -> None:
+    """Print a user's mistake as the one line ``mf-train: error: ...`` on stderr."""
+    print(f"mf-train: error: {error}", file=sys.stderr, flush=True)
 
 
 def _check_data(options: TrainOptions) -> None:
@@ -26,7 +38,7 @@ def _check_data(options: TrainOptions) -> None:
     TextData.from_text(text, options.seq_len)
 
 
-def _launch(options: TrainOptions) -> dict:
+def _launch(options: TrainOptions) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from mf.train.worker import train
@@ -42,20 +54,32 @@ def _launch(options: TrainOptions) -> dict:
         monitor_interval=0.2,
         start_method="spawn",
     )
+    # The agent's own INFO/WARNING lines (worker groups, signals) are not for users.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     return elastic_launch(config, train)(options)[0]
 
 
-def _print_summary(summary: dict) -> None:
-    print(f"final train loss      {summary['final_train_loss']:.4f}")
+def print_summary(summary: dict[str, Any]) -> None:
+    """Print what rank 0's ``train`` returned: losses, speed, sample and where files went."""
+    print(f"final train loss       {summary['final_train_loss']:.4f}")
     if summary["final_validation_loss"] is not None:
-        print(f"final validation loss {summary['final_validation_loss']:.4f}")
+        print(f"final validation loss  {summary['final_validation_loss']:.4f}")
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s"
-    print(f"time                  {summary['seconds']:.1f} s ({rate})")
-    print(f"checkpoint            {summary['checkpoint']}")
-    print(f"metrics               {summary['metrics']}")
-    print(f"loss curve            {summary['loss_curve']}")
+    print(f"training time          {summary['seconds']:.1f} s ({rate})")
+    print(f"checkpoint             {summary['checkpoint']}")
+    print(f"metrics                {summary['metrics']}")
+    print(f"loss curve             {summary['loss_curve']}")
     if summary.get("sample"):
-        print("sample:\n" + summary["sample"])
+        print("sample (temperature 0.8):\n" + summary["sample"])
+
+
+def _interrupted(options: TrainOptions) -> int:
+    from mf.train.checkpointing import latest_checkpoint
+
+    path = latest_checkpoint(Path(options.ckpt_dir))
+    where = f"checkpoint {path}" if path else f"no checkpoint in {options.ckpt_dir}"
+    print(f"mf-train: interrupted; {where} (continue with --resume)", file=sys.stderr)
+    return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,21 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = parse_options(argv)
         _check_data(options)
     except ValueError as error:
-        print(f"mf-train: error: {error}", file=sys.stderr)
+        user_error(error)
         return 2
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         summary = _launch(options)
-    except SignalException:
-        print("mf-train: interrupted; the last checkpoint is complete", file=sys.stderr)
-        return 130
+    except (SignalException, KeyboardInterrupt):
+        return _interrupted(options)
     except ChildFailedError as error:
         failure = next(iter(error.failures.values()))
-        print(f"mf-train: error: a worker failed: {failure.message}", file=sys.stderr)
+        user_error(f"a worker failed: {failure.message}")
         return 1
-    _print_summary(summary)
+    print_summary(summary)
     return 0
 
 

@@ -11,6 +11,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
+
+import torch
 
 from mf.models import PRESETS
 from mf.train.data import VOCAB_SIZE
@@ -55,8 +58,15 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are ValueErrors (one line), not usage text and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mf-train",
         description="Train a small GPT with mf (ZeRO-3 on 2 local processes by default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -98,6 +108,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
+    if not options.lr > 0:
+        raise ValueError(f"--lr must be a positive number, got {options.lr}")
+    if options.sample_tokens < 0:
+        raise ValueError(f"--sample-tokens must be 0 or more, got {options.sample_tokens}")
     if options.save_every < 0:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
     if options.nproc % options.tp != 0:
@@ -114,6 +128,16 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if preset.vocab_size < VOCAB_SIZE:
         raise ValueError(
             f"--model {options.model!r} has {preset.vocab_size} tokens; bytes need 256"
+        )
+    if preset.n_heads % options.tp != 0:
+        raise ValueError(
+            f"--tp {options.tp} does not divide the {preset.n_heads} attention heads of the "
+            f"{options.model!r} model"
+        )
+    if options.device == "cuda" and torch.cuda.device_count() < options.nproc:
+        raise ValueError(
+            f"--device cuda: {options.nproc} processes (--nproc) need as many GPUs, "
+            f"this machine has {torch.cuda.device_count()}"
         )
     if options.seq_len > preset.seq_len:
         raise ValueError(
