@@ -67,3 +67,51 @@ def test_train_and_resume_continue_exactly_zero0(tmp_path: Path) -> None:
 @pytest.mark.xfail(reason="needs mf_fsdp.save_checkpoint from issue-ckpt", strict=False)
 def test_train_and_resume_continue_exactly_zero3(tmp_path: Path) -> None:
     run_on_ranks(_rank_train_then_resume, 2, str(tmp_path), "3", timeout=100)
+
+
+def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float) -> None:
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        if proc.poll() is not None:
+            pytest.fail(f"mf-train exited early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            pytest.fail("mf-train did not finish a step in time")
+        time.sleep(0.2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C reaches the launcher and the ranks (one process group, as in a terminal)."""
+    command = [sys.executable, "-m", "mf.train.cli", *_TINY, "--steps", "100000"]
+    command += ["--save-every", "0", "--ckpt-dir", str(tmp_path / "ckpt")]
+    command += ["--out-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _wait_for_first_step(proc, tmp_path / "out" / "metrics.jsonl", time.monotonic() + 100)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    saved = sorted((tmp_path / "ckpt").glob("step_*"))
+    assert len(saved) == 1
+    assert (saved[0] / "COMPLETE").is_file()
+    assert f"mf-train: interrupted; checkpoint {saved[0]} (continue with --resume)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_worker_module_runs_under_torchrun(tmp_path: Path) -> None:
+    """The multi-node entry (README): ``torchrun ... -m mf.train.worker <options>``, here 1 node."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
+    command += ["--rdzv-endpoint", "127.0.0.1:0", "-m", "mf.train.worker", *_TINY]
+    command += ["--steps", "2", "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "final train loss" in done.stdout
+    assert (tmp_path / "ckpt" / "step_0000002" / "COMPLETE").is_file()
