@@ -98,10 +98,12 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 
     torch.manual_seed(options.seed)  # the same full weights on every rank
     config = PRESETS[options.model]
-    if options.tp > 1:
-        module, unit = GPTTensorParallel(config, mesh["tp"].get_group()), TensorParallelBlock
-    else:
-        module, unit = GPT(config), Block
+    module, unit = GPT(config), Block
+    if options.tp > 1:  # the same weights, split: --tp does not change the initial model
+        full_weights = module.state_dict()
+        module = GPTTensorParallel(config, mesh["tp"].get_group())
+        module.load_full_weights(full_weights)
+        unit = TensorParallelBlock
     module.to(device)
     optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, weight_decay=0.1)
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
