@@ -69,6 +69,23 @@ def test_train_and_resume_continue_exactly_zero3(tmp_path: Path) -> None:
     run_on_ranks(_rank_train_then_resume, 2, str(tmp_path), "3", timeout=100)
 
 
+def _rank_train(rank: int, world_size: int, argv: list[str]) -> None:
+    train(parse_options(argv))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
+    """``--tp 2``: the TP GPT starts from the plain GPT's weights and follows its losses."""
+    common = [*_TINY, "--steps", "4", "--save-every", "0", "--sample-tokens", "0"]
+    common += ["--ckpt-dir", str(tmp_path / "ckpt")]
+    run_on_ranks(_rank_train, 2, [*common, "--tp", "2", "--out-dir", str(tmp_path / "tp")])
+    run_on_ranks(_rank_train, 1, [*common, "--nproc", "1", "--out-dir", str(tmp_path / "one")])
+    tp, one = _metrics(tmp_path / "tp"), _metrics(tmp_path / "one")
+    assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in one], abs=2e-5)
+    assert tp[-1]["validation_loss"] == pytest.approx(one[-1]["validation_loss"], abs=2e-5)
+
+
 def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float) -> None:
     while not (metrics.is_file() and metrics.read_text().strip()):
         if proc.poll() is not None:

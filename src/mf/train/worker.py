@@ -105,7 +105,9 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         module.load_full_weights(full_weights)
         unit = TensorParallelBlock
     module.to(device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(
+        module.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1
+    )
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
     return fully_shard(
         module,
