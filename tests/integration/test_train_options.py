@@ -66,6 +66,15 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         assert "Traceback" not in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+def test_cuda_without_gpus(capsys) -> None:
+    assert parse_options([]).nproc == 2  # one per GPU on CUDA, else 2
+    assert main(["--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "mf-train: error: --device cuda: torch sees no CUDA device on this machine\n"
+    )
+
+
 def test_seq_len_longer_than_either_split(tmp_path, capsys) -> None:
     text = tmp_path / "text.txt"
     text.write_text("x" * 400)  # 360 train and 40 validation tokens

@@ -25,7 +25,7 @@ from typing import Any
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, parse_options
 
-__all__ = ["main", "print_summary", "user_error"]
+__all__ = ["check_data", "main", "print_summary", "user_error"]
 
 
 def user_error(error: Exception) -> None:
@@ -33,9 +33,20 @@ def user_error(error: Exception) -> None:
     print(f"mf-train: error: {error}", file=sys.stderr, flush=True)
 
 
-def _check_data(options: TrainOptions) -> None:
+def check_data(options: TrainOptions) -> None:
+    """Raise a one-line ValueError if the corpus is missing, empty or too short for --seq-len."""
     text, _ = load_corpus(options.data)
     TextData.from_text(text, options.seq_len)
+
+
+def _check_local_gpus(options: TrainOptions) -> None:
+    import torch
+
+    if options.use_cuda and torch.cuda.device_count() < options.nproc:
+        raise ValueError(
+            f"--nproc {options.nproc}: one process per GPU, and this machine has "
+            f"{torch.cuda.device_count()}"
+        )
 
 
 def _launch(options: TrainOptions) -> dict[str, Any]:
@@ -86,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mf-train``; returns the process exit code."""
     try:
         options = parse_options(argv)
-        _check_data(options)
+        _check_local_gpus(options)
+        check_data(options)
     except ValueError as error:
         user_error(error)
         return 2

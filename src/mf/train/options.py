@@ -7,6 +7,7 @@ launcher, and reported as one line, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ class TrainOptions:
     out_dir: str
 
     @property
+    def use_cuda(self) -> bool:
+        """Whether the ranks run on CUDA GPUs with NCCL (else on the CPU with gloo)."""
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks (dp_outer x dp_shard)."""
         return self.nproc // self.tp
@@ -72,7 +78,12 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--nproc", type=int, default=2, help="processes on this machine")
+    add(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes on this machine (default: one per GPU on CUDA, else 2)",
+    )
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO strategy")
     add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
@@ -104,6 +115,9 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     """
     args = _build_parser().parse_args(argv)
     options = TrainOptions(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    if options.nproc is None:
+        gpus = torch.cuda.device_count() if options.use_cuda else 0
+        options = dataclasses.replace(options, nproc=gpus or 2)
     for name in ("nproc", "tp", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
@@ -134,11 +148,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--tp {options.tp} does not divide the {preset.n_heads} attention heads of the "
             f"{options.model!r} model"
         )
-    if options.device == "cuda" and torch.cuda.device_count() < options.nproc:
-        raise ValueError(
-            f"--device cuda: {options.nproc} processes (--nproc) need as many GPUs, "
-            f"this machine has {torch.cuda.device_count()}"
-        )
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine")
     if options.seq_len > preset.seq_len:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "

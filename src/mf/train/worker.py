@@ -27,7 +27,7 @@ from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import TrainOptions
 from mf.train.report import Reporter
 
-__all__ = ["train"]
+__all__ = ["main", "train"]
 
 
 class _StopFlag:
@@ -61,8 +61,7 @@ class _StopFlag:
 
 def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
     """Pick the device, join the process group (if the caller has not) and build the mesh."""
-    use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    if options.use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
@@ -70,7 +69,7 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if options.use_cuda else "gloo")
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
@@ -105,9 +104,7 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         module.load_full_weights(full_weights)
         unit = TensorParallelBlock
     module.to(device)
-    optimizer = torch.optim.AdamW(
-        module.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1
-    )
+    optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, weight_decay=0.1)
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
     return fully_shard(
         module,
@@ -313,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
     (or the one-line error) the ``mf-train`` launcher would.
     """
-    from mf.train.cli import print_summary, user_error
+    from mf.train.cli import check_data, print_summary, user_error
     from mf.train.options import parse_options
 
     args = sys.argv[1:] if argv is None else argv
@@ -321,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     world = os.environ.get("WORLD_SIZE", "1")
     try:
         options = parse_options(["--nproc", world, *args])
+        check_data(options)
     except ValueError as error:
         if os.environ.get("RANK", "0") == "0":
             user_error(error)
