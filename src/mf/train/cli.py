@@ -49,10 +49,15 @@ def _check_local_gpus(options: TrainOptions) -> None:
         )
 
 
-def _launch(options: TrainOptions) -> dict[str, Any]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch(options: TrainOptions, argv: Sequence[str]) -> None:
+    """Run ``python -m mf.train.worker <argv>`` on ``--nproc`` local processes.
 
-    from mf.train.worker import train
+    The ranks are commands, as under torchrun, not functions: rank 0 prints
+    the summary itself, and a rank that saved its checkpoint after Ctrl-C
+    exits at once instead of waiting for the interrupted launcher to collect
+    a return value.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1,
@@ -63,11 +68,13 @@ def _launch(options: TrainOptions) -> dict[str, Any]:
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method="spawn",
     )
-    # The agent's own INFO/WARNING lines (worker groups, signals) are not for users.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    return elastic_launch(config, train)(options)[0]
+    # The agent's own INFO/WARNING lines (worker groups, signals) are not for users; its
+    # modules set their loggers' levels themselves, so each one is quieted.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -88,13 +95,14 @@ def _interrupted(options: TrainOptions) -> int:
     from mf.train.checkpointing import latest_checkpoint
 
     path = latest_checkpoint(Path(options.ckpt_dir))
-    where = f"checkpoint {path}" if path else f"no checkpoint in {options.ckpt_dir}"
-    print(f"mf-train: interrupted; {where} (continue with --resume)", file=sys.stderr)
+    where = f"checkpoint {path} (continue with --resume)" if path else "no checkpoint saved"
+    print(f"mf-train: interrupted; {where}", file=sys.stderr)
     return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mf-train``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options = parse_options(argv)
         _check_local_gpus(options)
@@ -106,14 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        summary = _launch(options)
+        _launch(options, ["--nproc", str(options.nproc), *argv])
     except (SignalException, KeyboardInterrupt):
         return _interrupted(options)
     except ChildFailedError as error:
         failure = next(iter(error.failures.values()))
         user_error(f"a worker failed: {failure.message}")
         return 1
-    print_summary(summary)
     return 0
 
 
