@@ -1,4 +1,4 @@
-r"""``mf-train``: check the options, start the ranks with torch's elastic launcher, report.
+r"""``mf-train``: check the options, then start the ranks with torch's elastic launcher.
 
 User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
 data file, a seq-len the corpus cannot fill, --resume with nothing to
@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, parse_options
 
@@ -40,8 +42,6 @@ def check_data(options: TrainOptions) -> None:
 
 
 def _check_local_gpus(options: TrainOptions) -> None:
-    import torch
-
     if options.use_cuda and torch.cuda.device_count() < options.nproc:
         raise ValueError(
             f"--nproc {options.nproc}: one process per GPU, and this machine has "
