@@ -35,3 +35,5 @@ def test_cli_lists_packages(capsys) -> None:
     for name in mf.MEMBERS:
         assert name in out
     assert "get_global_memory_buffer" in out
+    assert "uv run mf-train" in out
+    assert "uv run mf-bench" in out

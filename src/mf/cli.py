@@ -1,7 +1,7 @@
-"""Command-line entry point of the meta-package.
+"""``mf``: what is installed and which commands to run.
 
-Until the training job lands, ``mf`` lists the installed packages, what each
-one offers, and how to run the tests.
+The jobs have their own commands: ``mf-train`` trains a small GPT (the first
+run a new user starts), ``mf-bench`` compares mf's engine with PyTorch's.
 """
 
 from __future__ import annotations
@@ -11,10 +11,16 @@ import importlib
 
 from mf import MEMBERS, versions
 
+_COMMANDS = (
+    ("uv run mf-train", "train a small GPT with ZeRO-3 on 2 local processes (--help: options)"),
+    ("uv run mf-bench", "mf's FSDP engine side by side with PyTorch DDP and FSDP2"),
+    ("uv run pytest -n auto --dist loadgroup", "the tests"),
+)
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the installed mf packages and their public names."""
-    parser = argparse.ArgumentParser(prog="mf", description=__doc__)
+    """Print the installed mf packages, their public names and the commands to run."""
+    parser = argparse.ArgumentParser(prog="mf", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     installed = versions()
     print(f"mf {installed['mf']}")
@@ -22,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(name.replace("-", "_"))
         exported = ", ".join(module.__all__) or "(not implemented yet)"
         print(f"  {name} {installed[name]}: {exported}")
-    print("Run the tests with: uv run pytest -n auto --dist loadgroup")
+    print("Commands:")
+    width = max(len(command) for command, _ in _COMMANDS)
+    for command, what in _COMMANDS:
+        print(f"  {command:<{width}}  {what}")
     return 0
 
 

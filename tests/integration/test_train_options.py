@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mf.train.cli import main
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import parse_options
+from mf.train.worker import main as worker_main
 
 
 def test_defaults_are_valid() -> None:
@@ -24,6 +27,13 @@ def test_defaults_are_valid() -> None:
         (["--seq-len", "100000"], "--seq-len 100000 exceeds the 'small' model's 256 positions"),
         (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
         (["--resume", "--ckpt-dir", "/nonexistent/mf"], "--resume: no complete checkpoint"),
+        (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+        (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+        (["--zero", "4"], "argument --zero: invalid choice: 4"),
+        (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
+        (["--sample-tokens", "-1"], "--sample-tokens must be 0 or more, got -1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_option_errors(argv: list[str], message: str) -> None:
@@ -44,6 +54,10 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         (["--data", str(binary)], "is not UTF-8 text"),
         (["--data", str(short)], "--seq-len 128 is too long for the corpus"),
         (["--tp", "3"], "--tp 3 does not divide"),
+        (["--nproc", "4", "--dp-outer", "3"], "--dp-outer 3 does not divide"),
+        (["--model", "huge"], "invalid choice: 'huge'"),
+        (["--steps", "-5"], "--steps must be at least 1, got -5"),
+        (["--resume", "--ckpt-dir", str(tmp_path / "none")], "--resume: no complete checkpoint"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
@@ -52,6 +66,57 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         assert message in err
         assert err.count("\n") == 1
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--model", "tiny", "--seq-len", "32"],
+            "was saved with --model small, this run has --model tiny",
+        ),
+        (["--nproc", "4", "--tp", "2"], "was saved with --tp 1, this run has --tp 2"),
+    ],
+)
+def test_resume_refuses_another_model_or_tp(tmp_path, argv: list[str], message: str) -> None:
+    from mf_fsdp import RECORD_FILE
+
+    saved = tmp_path / "step_0000005"
+    saved.mkdir()
+    (saved / RECORD_FILE).write_text(json.dumps({"step": 5, "extra": {"model": "small", "tp": 1}}))
+    common = ["--resume", "--ckpt-dir", str(tmp_path)]
+    assert parse_options([*common, "--zero", "1", "--nproc", "4"]).resume  # ZeRO/world may change
+    with pytest.raises(ValueError, match=message):
+        parse_options([*common, *argv])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+def test_cuda_without_gpus(capsys) -> None:
+    assert parse_options([]).nproc == 2  # one per GPU on CUDA, else 2
+    assert main(["--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "mf-train: error: --device cuda: torch sees no CUDA device on this machine\n"
+    )
+
+
+def test_seq_len_longer_than_either_split(tmp_path, capsys) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("x" * 400)  # 360 train and 40 validation tokens
+    TextData.from_text(text.read_text(), 39)  # fits
+    with pytest.raises(ValueError, match="validation split of 40; use --seq-len below 40"):
+        TextData.from_text(text.read_text(), 40)
+    assert main(["--model", "tiny", "--data", str(text), "--seq-len", "64"]) == 2
+    assert "--seq-len 64 is too long for the corpus" in capsys.readouterr().err
+
+
+def test_worker_entry_reports_user_errors_in_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert worker_main(["--", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "mf-train: error: --tp 3 does not divide the 2 processes (--nproc); " + (
+        "choose a tensor-parallel size that divides it\n"
+    )
 
 
 def test_builtin_corpus_and_byte_tokens() -> None:

@@ -7,10 +7,15 @@ launcher, and reported as one line, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
+
+import torch
 
 from mf.models import PRESETS
 from mf.train.data import VOCAB_SIZE
@@ -45,6 +50,11 @@ class TrainOptions:
     out_dir: str
 
     @property
+    def use_cuda(self) -> bool:
+        """Whether the ranks run on CUDA GPUs with NCCL (else on the CPU with gloo)."""
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks (dp_outer x dp_shard)."""
         return self.nproc // self.tp
@@ -55,31 +65,43 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are ValueErrors (one line), not usage text and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mf-train",
         description="Train a small GPT with mf (ZeRO-3 on 2 local processes by default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--nproc", type=int, default=2, help="processes on this machine")
+    add(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes on this machine (default: one per GPU on CUDA, else 2)",
+    )
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO strategy")
     add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
     add("--model", choices=sorted(PRESETS), default="small", help="model preset")
-    add("--steps", type=int, default=300, help="optimizer steps")
-    add("--micro-batch", type=int, default=8, help="sequences per rank per micro-batch")
+    add("--steps", type=int, default=600, help="optimizer steps")
+    add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--seq-len", type=int, default=128, help="tokens per sequence")
-    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine decay)")
+    add("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine decay)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute precision")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
-    add("--save-every", type=int, default=100, help="save every N steps (0: only at the end)")
+    add("--save-every", type=int, default=200, help="save every N steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add("--seed", type=int, default=0)
-    add("--eval-every", type=int, default=50, help="validation every N steps")
+    add("--eval-every", type=int, default=100, help="validation every N steps")
     add("--eval-batches", type=int, default=4, help="batches per validation")
     add("--sample-tokens", type=int, default=200, help="length of the final text sample")
     add("--out-dir", default="runs/mf-train", help="metrics, loss curve and sample")
@@ -94,10 +116,17 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     """
     args = _build_parser().parse_args(argv)
     options = TrainOptions(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    if options.nproc is None:
+        gpus = torch.cuda.device_count() if options.use_cuda else 0
+        options = dataclasses.replace(options, nproc=gpus or 2)
     for name in ("nproc", "tp", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
+    if not options.lr > 0:
+        raise ValueError(f"--lr must be a positive number, got {options.lr}")
+    if options.sample_tokens < 0:
+        raise ValueError(f"--sample-tokens must be 0 or more, got {options.sample_tokens}")
     if options.save_every < 0:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
     if options.nproc % options.tp != 0:
@@ -115,17 +144,38 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError(
             f"--model {options.model!r} has {preset.vocab_size} tokens; bytes need 256"
         )
+    if preset.n_heads % options.tp != 0:
+        raise ValueError(
+            f"--tp {options.tp} does not divide the {preset.n_heads} attention heads of the "
+            f"{options.model!r} model"
+        )
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine")
     if options.seq_len > preset.seq_len:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "
             f"{preset.seq_len} positions"
         )
-    if options.resume and not _has_checkpoint(options.ckpt_dir):
-        raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
+    if options.resume:
+        _check_resumable(options)
     return options
 
 
-def _has_checkpoint(ckpt_dir: str) -> bool:
-    from mf_fsdp import latest_checkpoint
+def _check_resumable(options: TrainOptions) -> None:
+    """Refuse --resume without a checkpoint, or one saved for another model or TP size.
 
-    return os.path.isdir(ckpt_dir) and latest_checkpoint(Path(ckpt_dir)) is not None
+    ``--zero``, ``--nproc`` and ``--dp-outer`` may change (checkpoints reshard over
+    data parallelism); the model and the TP layout may not.
+    """
+    from mf_fsdp import RECORD_FILE, latest_checkpoint
+
+    path = latest_checkpoint(Path(options.ckpt_dir)) if os.path.isdir(options.ckpt_dir) else None
+    if path is None:
+        raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
+    saved = json.loads((path / RECORD_FILE).read_text()).get("extra", {})
+    for name in ("model", "tp"):
+        if name in saved and saved[name] != getattr(options, name):
+            raise ValueError(
+                f"--resume: {str(path)!r} was saved with --{name} {saved[name]}, this run has "
+                f"--{name} {getattr(options, name)}; expected the same --{name}"
+            )

@@ -41,6 +41,7 @@ class Reporter:
         corpus: str,
         train_tokens: int,
         validation_tokens: int,
+        parameters: int,
     ) -> None:
         self.options = options
         self.active = active
@@ -52,27 +53,27 @@ class Reporter:
         if not active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if start_step == 0:
-            self.metrics_path.write_text("")
-        else:
-            self.history = (
-                [
-                    json.loads(line)
-                    for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step
-                ]
-                if self.metrics_path.is_file()
-                else []
-            )
+        self.history = self._earlier_records(start_step)
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         from tqdm import tqdm
 
         print(
-            f"mf-train: {options.model} GPT, {options.nproc} processes (tp={options.tp}, "
+            f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
+            f"{options.nproc} processes (tp={options.tp}, "
             f"dp_outer={options.dp_outer}, ZeRO-{options.zero}, {options.precision}), "
             f"corpus {corpus}: {train_tokens:,} train / {validation_tokens:,} validation tokens",
             flush=True,
         )
+        if start_step:
+            print(f"mf-train: resumed from {options.ckpt_dir} at step {start_step}", flush=True)
         self.bar = tqdm(total=options.steps, initial=start_step, desc="train", unit="step")
+
+    def _earlier_records(self, start_step: int) -> list[dict[str, Any]]:
+        """The metrics of the steps a resumed run keeps (up to ``start_step``)."""
+        if start_step == 0 or not self.metrics_path.is_file():
+            return []
+        records = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line)
+        return [record for record in records if record["step"] <= start_step]
 
     def step(
         self,

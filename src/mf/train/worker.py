@@ -8,7 +8,6 @@ steps in lockstep; rank 0 alone prints, writes metrics and draws plots.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -22,48 +21,58 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mf.models import GPT, PRESETS, Block
+from mf.models import GPT, PRESETS, Block, GPTTensorParallel, TensorParallelBlock
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import TrainOptions
 from mf.train.report import Reporter
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["train"]
+__all__ = ["main", "train"]
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM; ranks agree on it with one all-reduce per step."""
+    """Set by SIGINT/SIGTERM; ranks agree on it with one all-reduce per step.
+
+    A context manager: the previous signal handlers come back on exit.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
 
     def agreed(self, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it each step)."""
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
 def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
-    use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    """Pick the device, join the process group (if the caller has not) and build the mesh."""
+    if options.use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(
-            max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        )
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if options.use_cuda else "gloo")
     world = dist.get_world_size()
     if world != options.nproc:
-        options_world = options.nproc
-        raise ValueError(f"--nproc says {options_world} processes but the launcher started {world}")
+        raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
     dp_shard = world // options.tp // options.dp_outer
     mesh = init_device_mesh(
         device.type,
@@ -83,27 +92,56 @@ def _dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
+    """The GPT of the preset (tensor-parallel when --tp > 1), sharded by mf-fsdp, and AdamW."""
     from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch.manual_seed(options.seed)
+    torch.manual_seed(options.seed)  # the same full weights on every rank
     config = PRESETS[options.model]
-    model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.1)
+    module, unit = GPT(config), Block
+    if options.tp > 1:  # the same weights, split: --tp does not change the initial model
+        full_weights = module.state_dict()
+        module = GPTTensorParallel(config, mesh["tp"].get_group())
+        module.load_full_weights(full_weights)
+        unit = TensorParallelBlock
+    module.to(device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, weight_decay=0.1)
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
-    model, optimizer = fully_shard(
-        model,
+    return fully_shard(
+        module,
         optimizer,
         device_mesh=mesh,
         dp_shard_dim="dp",
         dp_outer_dim="dp_outer",
         tp_dim="tp",
-        fsdp_unit_modules=[Block],
+        fsdp_unit_modules=[unit],
         zero_dp_strategy=options.zero,
         mixed_precision_policy=MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, compute_dtype=compute
+            main_params_dtype=torch.float32, param_dtype=compute
         ),
     )
-    return model, optimizer
+
+
+# --- checkpoints: the only place that saves or loads training state ---------------------------
+
+
+def _save(ckpt_dir: Path, step: int, model, optimizer, info: dict[str, Any]) -> Path:
+    """Save model and optimizer state as the checkpoint of ``step`` (every rank calls this)."""
+    return save_checkpoint(ckpt_dir, model, optimizer, step=step, extra=info)
+
+
+def _resume(ckpt_dir: Path, model, optimizer, info: dict[str, Any]) -> int:
+    """Load the newest complete checkpoint in ``ckpt_dir``; return the step it was saved at.
+
+    Any ``--zero`` or world size may resume (the checkpoint reshards); the optimizer
+    state is built from the checkpoint, never by a synthetic step.
+    """
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
+    return load_checkpoint(path, model, optimizer)["step"]
+
+
+# -----------------------------------------------------------------------------------------------
 
 
 def _learning_rate(options: TrainOptions, step: int) -> float:
@@ -157,87 +195,117 @@ def _sample(model, prompt: str, options: TrainOptions, device: torch.device) -> 
     return decode(tokens[0].cpu())
 
 
-@record
-def train(options: TrainOptions) -> dict[str, Any]:
-    """Run the whole job on this rank; rank 0 returns the summary the launcher prints."""
-    device, mesh = _setup(options)
-    rank = dist.get_rank()
+def _train_step(
+    model, optimizer, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
+) -> float:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss over ranks."""
+    dp_rank, dp_size = _dp_coordinates(mesh)
+    for group in optimizer.param_groups:
+        group["lr"] = _learning_rate(options, step)
+    losses = []
+    for micro in range(options.grad_accum):
+        inputs, targets = data.batch(
+            "train",
+            step * options.grad_accum + micro,
+            options.seed,
+            dp_rank,
+            dp_size,
+            options.micro_batch,
+            options.seq_len,
+        )
+        last = micro == options.grad_accum - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = model(inputs.to(device), targets.to(device)) / options.grad_accum
+            loss.backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    optimizer.zero_grad()
+    return _mean_over(torch.stack(losses).sum(), mesh)
+
+
+def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[str, Any]:
     text, corpus_name = load_corpus(options.data)
     data = TextData.from_text(text, options.seq_len)
     model, optimizer = _build(options, mesh, device)
     info = {"model": options.model, "tp": options.tp, "zero": options.zero, "seed": options.seed}
     ckpt_dir = Path(options.ckpt_dir)
-    start_step = 0
-    if options.resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-        # Any --zero / world size may resume; another model is a clear error.
-        start_step = load_checkpoint(path, model, optimizer)["step"]
+    start_step = _resume(ckpt_dir, model, optimizer, info) if options.resume else 0
     reporter = Reporter(
-        options, rank == 0, start_step, corpus_name, len(data.train), len(data.validation)
+        options,
+        dist.get_rank() == 0,
+        start_step,
+        corpus_name,
+        len(data.train),
+        len(data.validation),
+        PRESETS[options.model].num_parameters(),
     )
-    dp_rank, dp_size = _dp_coordinates(mesh)
-    stop = _StopFlag()
-    tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum * dp_size
+    tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum
+    tokens_per_step *= _dp_coordinates(mesh)[1]
     saved_path: Path | None = None
     step = start_step
-    while step < options.steps:
-        started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(options, step)
-        losses = []
-        for micro in range(options.grad_accum):
-            inputs, targets = data.batch(
-                "train",
-                step * options.grad_accum + micro,
-                options.seed,
-                dp_rank,
-                dp_size,
-                options.micro_batch,
-                options.seq_len,
-            )
-            last = micro == options.grad_accum - 1
-            context = contextlib.nullcontext() if last else model.no_sync()
-            with context:
-                loss = model(inputs.to(device), targets.to(device)) / options.grad_accum
-                loss.backward()
-            losses.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        train_loss = _mean_over(torch.stack(losses).sum(), mesh)
-        elapsed = time.perf_counter() - started
-        validation = None
-        if step % options.eval_every == 0 or step == options.steps:
-            validation = _validate(model, data, options, mesh, device)
-        reporter.step(step, train_loss, validation, tokens_per_step / elapsed, device)
-        interrupted = stop.agreed(device)
-        if (
-            (options.save_every and step % options.save_every == 0)
-            or step == options.steps
-            or interrupted
-        ):
-            saved_path = save_checkpoint(ckpt_dir, model, optimizer, step=step, extra=info)
-            reporter.saved(saved_path)
-        if interrupted:
-            reporter.interrupted(step)
-            break
-    sample = _sample(model, "The ", options, device) if step == options.steps else None
-    summary = reporter.finish(sample, saved_path)
-    dist.destroy_process_group()
-    return summary
+    with _StopFlag() as stop:
+        while step < options.steps:
+            started = time.perf_counter()
+            train_loss = _train_step(model, optimizer, data, options, step, mesh, device)
+            step += 1
+            elapsed = time.perf_counter() - started
+            validation = None
+            if step % options.eval_every == 0 or step == options.steps:
+                validation = _validate(model, data, options, mesh, device)
+            reporter.step(step, train_loss, validation, tokens_per_step / elapsed, device)
+            interrupted = stop.agreed(device)
+            periodic = options.save_every and step % options.save_every == 0
+            if periodic or step == options.steps or interrupted:
+                saved_path = _save(ckpt_dir, step, model, optimizer, info)
+                reporter.saved(saved_path)
+            if interrupted:
+                reporter.interrupted(step)
+                break
+    finished = step == options.steps and options.sample_tokens > 0
+    sample = _sample(model, "The ", options, device) if finished else None
+    return reporter.finish(sample, saved_path)
 
 
-def main() -> None:
-    """Entry point under ``torchrun -m mf.train.worker -- <mf-train options>``."""
+@record
+def train(options: TrainOptions) -> dict[str, Any]:
+    """Run the whole job on this rank; rank 0 returns the summary the launcher prints.
+
+    Joins the default process group from the launcher's environment unless the
+    caller already did (and then leaves it to the caller).
+    """
+    owns_group = not dist.is_initialized()
+    device, mesh = _setup(options)
+    try:
+        return _run(options, device, mesh)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank under ``torchrun ... -m mf.train.worker <mf-train options>``.
+
+    ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
+    (or the one-line error) the ``mf-train`` launcher would.
+    """
+    from mf.train.cli import check_data, print_summary, user_error
     from mf.train.options import parse_options
 
-    options = parse_options(sys.argv[1:])
+    args = sys.argv[1:] if argv is None else argv
+    args = args[1:] if args[:1] == ["--"] else args
+    world = os.environ.get("WORLD_SIZE", "1")
+    try:
+        options = parse_options(["--nproc", world, *args])
+        check_data(options)
+    except ValueError as error:
+        if os.environ.get("RANK", "0") == "0":
+            user_error(error)
+        return 2
     summary = train(options)
     if summary:
-        print(json.dumps(summary, indent=1))
+        print_summary(summary)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
