@@ -141,7 +141,18 @@ def test_dtensor_tp_checkpoint(tmp_path: Path) -> None:
 def _rank_mf_tp_hybrid(rank: int, world: int, root: str) -> None:
     mesh = cpu_mesh((2, 1, tp.TP), ("dp_outer", "dp", "tp"))
     kwargs = {"dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": "optim"}
-    _tp_resume(Path(root), tp.mf_tp_model, tp.TPBlock, mesh, "adam", (3,), "mf-tp hfsdp", **kwargs)
+    path = _tp_resume(
+        Path(root), tp.mf_tp_model, tp.TPBlock, mesh, "adam", (3,), "mf-tp hfsdp", **kwargs
+    )
+    # Into another dp layout with the same tp size: each rank gets its tp slice back.
+    flat = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
+    other, other_opt = tp._wrap(tp.mf_tp_model, flat, tp.TPBlock, "adam", zero_dp_strategy=1)
+    _scramble(other)
+    mf_fsdp.load_checkpoint(path, other, other_opt)
+    full = mf_fsdp.checkpoint_to_full_state_dict(path)
+    loaded = full_params(other)
+    for name, param in other.module.named_parameters():
+        assert torch.equal(loaded[name], tp._tp_slice(full[name], param, flat["tp"])), name
 
 
 @pytest.mark.multiprocess
