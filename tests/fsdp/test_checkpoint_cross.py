@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
@@ -120,6 +122,11 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def _rank_tp(rank: int, world: int, root: str) -> None:
     mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
+    # Uneven tp slices (3 rows over 2 tp ranks) cannot take the (tp, numel) form.
+    uneven = parallelize_module(nn.Linear(tp.H, 3), mesh["tp"], ColwiseParallel())
+    uneven = mf_fsdp.fully_shard_model(uneven, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
+    with pytest.raises(ValueError, match=r"'weight' \(global shape \(3, 16\)\) is split unevenly"):
+        mf_fsdp.get_model_state_dict(uneven)
     for opt_name in ("sgd", "adam"):
         where = Path(root) / opt_name
         path = _tp_resume(where, tp.dtensor_model, tp.Block, mesh, opt_name, (3, 1), opt_name)

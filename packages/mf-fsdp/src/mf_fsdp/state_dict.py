@@ -202,6 +202,8 @@ def state_entries(model: MegatronFSDP) -> list[StateEntry]:
 
     Raises:
         TypeError: if ``model`` is not a ``MegatronFSDP``.
+        ValueError: for a tp-partitioned parameter whose tp slices differ in size (a
+            ``Shard`` DTensor of an indivisible dim): the checkpoint form needs equal rows.
     """
     if not isinstance(model, MegatronFSDP):
         raise TypeError(f"model: expected a MegatronFSDP, got {type(model).__name__}")
@@ -214,6 +216,13 @@ def state_entries(model: MegatronFSDP) -> list[StateEntry]:
         if tp_size == 1 or dim < 0:  # not tp-partitioned: equal on every tp rank
             entries.append(StateEntry(fqn, opt, shape))
             continue
+        global_shape = tuple(getattr(opt, "tp_global_shape", ()))
+        if global_shape and global_shape[dim] % tp_size:
+            raise ValueError(
+                f"model: parameter {fqn!r} (global shape {global_shape!r}) is split unevenly "
+                f"over {tp_size} tp ranks along dim {dim}; checkpoints expect a dim divisible "
+                "by the tp size"
+            )
         tp_mesh = tp_mesh or model.dist_index.dp_tp_mesh()
         entries.append(
             StateEntry(
