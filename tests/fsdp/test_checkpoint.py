@@ -97,7 +97,8 @@ def _check(result, expected, label: str) -> None:
 
 
 def _resume(path: Path, opt_name: str, strategy: int, rank: int, world: int, **kwargs):
-    model, opt = _wrap(opt_name, strategy, seed=1, **kwargs)  # other weights: the load must replace them
+    # Other weights (seed 1): the load must replace them.
+    model, opt = _wrap(opt_name, strategy, seed=1, **kwargs)
     assert not opt.state
     info = mf_fsdp.load_checkpoint(path, model, opt)
     assert info == {"step": SAVE_AT, "opt": opt_name}

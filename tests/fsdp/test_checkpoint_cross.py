@@ -104,14 +104,17 @@ def _tp_resume(root: Path, build, unit, mesh, opt_name: str, strategies, label: 
         resumed, _ = tp._train(other, other_opt, mesh, 1, steps=range(SAVE_AT, SAVE_AT + MORE))
         where = f"{label} z3 -> z{strategy}"
         torch.testing.assert_close(
-            torch.tensor(resumed), torch.tensor(losses), **TOL, msg=lambda m: f"{where} loss {m}"
+            torch.tensor(resumed),
+            torch.tensor(losses),
+            **TOL,
+            msg=lambda m, w=where: f"{w} loss {m}",
         )
         for name, value in full_params(other).items():
             torch.testing.assert_close(
                 _local(value),
                 _local(expected[name]),
                 **TOL,
-                msg=lambda m, n=name: f"{where} {n}: {m}",
+                msg=lambda m, n=name, w=where: f"{w} {n}: {m}",
             )
     return mf_fsdp.save_checkpoint(root, model, opt, step=SAVE_AT + MORE)
 

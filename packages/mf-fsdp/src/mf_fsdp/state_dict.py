@@ -12,10 +12,10 @@ sees does not:
 - ZeRO-0: a plain tensor holding the full flat value (replicated; DCP writes
   one copy);
 - a tensor-parallel partitioned parameter (mf_utils attribute protocol or a
-  ``Shard`` DTensor parameter, on a tp dim of size > 1): a leading tp dim, global shape ``(tp, numel_local)``,
-  so the tp ranks' different values land in different rows and never
-  overwrite each other (resharding works across data-parallel sizes and
-  strategies, not across tp sizes).
+  ``Shard`` DTensor parameter, on a tp dim of size > 1): a leading tp dim,
+  global shape ``(tp, numel_local)``, so the tp ranks' different values land
+  in different rows and never overwrite each other (resharding works across
+  data-parallel sizes, layouts and strategies, not across tp sizes).
 
 Persistent buffers are flat plain tensors. Optimizer state tensors shaped like
 their parameter (Adam ``exp_avg``/``exp_avg_sq``, SGD ``momentum_buffer``)
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
