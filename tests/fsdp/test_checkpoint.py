@@ -59,13 +59,15 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
 
 
-def _wrap(opt_name: str, strategy: int, seed: int = 0, config: GPTConfig = CONFIG):
+def _wrap(opt_name: str, strategy: int, seed: int = 0, config: GPTConfig = CONFIG, **kwargs):
+    """``fully_shard`` of a tiny GPT; ``kwargs`` (e.g. a device mesh) go to ``fully_shard``."""
     module = make_model(seed, config)
     return mf_fsdp.fully_shard(
         module,
         _optimizer(opt_name, module.parameters()),
         fsdp_unit_modules=unit_classes(),
         zero_dp_strategy=strategy,
+        **kwargs,
     )
 
 
@@ -94,8 +96,9 @@ def _check(result, expected, label: str) -> None:
         )
 
 
-def _resume(path: Path, opt_name: str, strategy: int, rank: int, world: int):
-    model, opt = _wrap(opt_name, strategy, seed=1)  # other weights: the load must replace them
+def _resume(path: Path, opt_name: str, strategy: int, rank: int, world: int, **kwargs):
+    # Other weights (seed 1): the load must replace them.
+    model, opt = _wrap(opt_name, strategy, seed=1, **kwargs)
     assert not opt.state
     info = mf_fsdp.load_checkpoint(path, model, opt)
     assert info == {"step": SAVE_AT, "opt": opt_name}

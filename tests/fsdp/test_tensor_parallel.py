@@ -229,13 +229,23 @@ def reference_run(opt_name: str, micro: int, clip: float | None = None):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _train(model, opt, mesh, micro: int, clip: float | None = None, no_sync: bool = True):
-    """Train 10 steps; return the losses and the step-0 grad norms (2, inf)."""
-    # Grad norm: one all-reduce per norm and mesh dim (ZeRO-0 grads are not dp-sharded).
-    expected = 2 * (1 if model.strategy.level == 0 else 2)
+def _train(
+    model,
+    opt,
+    mesh,
+    micro: int,
+    clip: float | None = None,
+    no_sync: bool = True,
+    steps: range = range(STEPS),
+):
+    """Train ``steps``; return the losses and the step-0 grad norms (2, inf; [] without step 0)."""
+    # Grad norm: one all-reduce per norm and group the grads are sharded over (tp; dp
+    # unless ZeRO-0; dp_outer too under hybrid-sharded HSDP).
+    hybrid = model.ddp_config.outer_dp_sharding_strategy is mf_fsdp.ZeroDPStrategy.OPTIM
+    expected = 2 * (1 if model.strategy.level == 0 else 2 + hybrid)
     dp_rank = mesh.get_local_rank("dp")
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in steps:
         total = torch.zeros(())
         for m in range(micro):
             quiet = no_sync and m < micro - 1

@@ -88,11 +88,10 @@ def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
     for entry in state_entries(model):
         tp: dict[str, Any] = {}
         if entry.tp_size > 1:
-            param = model.module.get_parameter(entry.fqn)
             tp = {
                 "tp_size": entry.tp_size,
                 "partition_dim": entry.partition_dim,
-                "partition_stride": getattr(param, "partition_stride", 1),
+                "partition_stride": getattr(entry.opt, "tp_partition_stride", 1),
             }
         tensors[entry.fqn] = _tensor_info(entry.shape, entry.opt.dtype, **tp)
     for fqn, buf in persistent_buffers(model.module):

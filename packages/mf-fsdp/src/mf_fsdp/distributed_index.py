@@ -100,13 +100,18 @@ class FSDPDistributedIndex:
         if dp_outer_dim is not None and hybrid_fsdp_group is None:
             hybrid_fsdp_group = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten().get_group()
         self.hybrid_fsdp_group = hybrid_fsdp_group
-        self._logical_mesh = self._build_logical_mesh() if hsdp_outer_dp_shard else None
+        self._swapped_mesh = self._build_swapped_mesh() if hsdp_outer_dp_shard else None
+        self._logical_mesh = (
+            None
+            if self._swapped_mesh is None
+            else self._swapped_mesh[(self.dp_shard_dim, self.dp_outer_dim)]
+        )
         self.expt_fsdp_group = (
             expt_device_mesh.get_group(dp_shard_dim) if expt_device_mesh is not None else None
         )
 
-    def _build_logical_mesh(self) -> DeviceMesh:
-        # The root mesh with dp_shard and dp_outer swapped, sliced to (dp_shard, dp_outer):
+    def _build_swapped_mesh(self) -> DeviceMesh:
+        # The root mesh with dp_shard and dp_outer swapped; sliced to (dp_shard, dp_outer)
         # its row-major order is the logical hybrid rank, so DTensor's Shard order over
         # [Shard(0), Shard(0)] is the hybrid layout (new groups, built once, collective).
         mesh = self.device_mesh
@@ -114,12 +119,11 @@ class FSDPDistributedIndex:
         a, b = names.index(self.dp_outer_dim), names.index(self.dp_shard_dim)
         order = list(range(mesh.ndim))
         order[a], order[b] = b, a
-        swapped = DeviceMesh(
+        return DeviceMesh(
             mesh.device_type,
             mesh.mesh.permute(order),
             mesh_dim_names=tuple(names[i] for i in order),
         )
-        return swapped[(self.dp_shard_dim, self.dp_outer_dim)]
 
     def check_outer_strategy(self, outer: ZeroDPStrategy) -> None:
         """Check that the ddp config's outer strategy matches ``hsdp_outer_dp_shard``.
@@ -255,3 +259,17 @@ class FSDPDistributedIndex:
         if self.dp_outer_dim is None:
             return self.get_submesh(self.dp_shard_dim) if self.dp_shard_dim else self.device_mesh
         return self.get_submesh((self.dp_outer_dim, self.dp_shard_dim))
+
+    def dp_tp_mesh(self) -> DeviceMesh:
+        """The data-parallel dims of :meth:`dp_mesh`, in its order, plus the tp dim last.
+
+        The mesh of a checkpoint's tensor-parallel DTensors (no communication).
+
+        Raises:
+            ValueError: when the index has no tp dim.
+        """
+        if self.tp_dim is None:
+            raise ValueError("FSDPDistributedIndex.dp_tp_mesh: needs a tp_dim, got None")
+        root = self._swapped_mesh if self._swapped_mesh is not None else self.device_mesh
+        dp_dims = tuple(self.dp_mesh().mesh_dim_names or ())
+        return root[(*dp_dims, self.tp_dim)]

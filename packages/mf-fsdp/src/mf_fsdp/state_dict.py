@@ -11,11 +11,11 @@ sees does not:
   offset) attached, so DCP writes and reads the true offsets;
 - ZeRO-0: a plain tensor holding the full flat value (replicated; DCP writes
   one copy);
-- a tensor-parallel partitioned parameter (mf_utils attribute protocol, on a
-  tp dim of size > 1): a leading tp dim, global shape ``(tp, numel_local)``,
-  so the tp ranks' different values land in different rows and never
-  overwrite each other (resharding works across data-parallel sizes and
-  strategies, not across tp sizes).
+- a tensor-parallel partitioned parameter (mf_utils attribute protocol or a
+  ``Shard`` DTensor parameter, on a tp dim of size > 1): a leading tp dim,
+  global shape ``(tp, numel_local)``, so the tp ranks' different values land
+  in different rows and never overwrite each other (resharding works across
+  data-parallel sizes, layouts and strategies, not across tp sizes).
 
 Persistent buffers are flat plain tensors. Optimizer state tensors shaped like
 their parameter (Adam ``exp_avg``/``exp_avg_sq``, SGD ``momentum_buffer``)
@@ -26,7 +26,9 @@ every strategy and world size, DCP reshards on load.
 This module only builds and applies state dicts (no file I/O); see
 ``mf_fsdp.checkpoint`` for saving and loading. It reads the engine only
 through its public contract: ``optimizer_named_parameters()``, each
-parameter's ``orig_shape`` and, when sharded, ``local_offset``.
+parameter's ``orig_shape``, its TP facts (``tp_size``, ``tp_rank``,
+``tp_partition_dim``, see ``mf_fsdp.tp_params.annotate_optimizer_param``) and,
+when sharded, ``local_offset``; and the index's ``dp_tp_mesh()``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,7 +45,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor import uneven_dtensor_from_local
 from mf_fsdp.megatron_fsdp import MegatronFSDP
-from mf_utils import is_mcore_tensor_model_parallel
 
 __all__ = [
     "get_model_state_dict",
@@ -201,28 +201,37 @@ def state_entries(model: MegatronFSDP) -> list[StateEntry]:
 
     Raises:
         TypeError: if ``model`` is not a ``MegatronFSDP``.
+        ValueError: for a tp-partitioned parameter whose tp slices differ in size (a
+            ``Shard`` DTensor of an indivisible dim): the checkpoint form needs equal rows.
     """
     if not isinstance(model, MegatronFSDP):
         raise TypeError(f"model: expected a MegatronFSDP, got {type(model).__name__}")
-    index = model.dist_index
-    tp_size = 1 if index.tp_group is None else dist.get_world_size(index.tp_group)
     entries = []
+    tp_mesh = None
     for fqn, opt in model.optimizer_named_parameters():
         shape = torch.Size(getattr(opt, "orig_shape", opt.shape))
-        module_param = model.module.get_parameter(fqn)
-        if tp_size == 1 or not is_mcore_tensor_model_parallel(module_param):
+        # TP facts from the engine (mf-tp attribute protocol and DTensor params alike).
+        tp_size, dim = getattr(opt, "tp_size", 1), getattr(opt, "tp_partition_dim", -1)
+        if tp_size == 1 or dim < 0:  # not tp-partitioned: equal on every tp rank
             entries.append(StateEntry(fqn, opt, shape))
             continue
-        dp_dims = tuple(model.dist_index.dp_mesh().mesh_dim_names or ())
+        global_shape = tuple(getattr(opt, "tp_global_shape", ()))
+        if global_shape and global_shape[dim] % tp_size:
+            raise ValueError(
+                f"model: parameter {fqn!r} (global shape {global_shape!r}) is split unevenly "
+                f"over {tp_size} tp ranks along dim {dim}; checkpoints expect a dim divisible "
+                "by the tp size"
+            )
+        tp_mesh = tp_mesh or model.dist_index.dp_tp_mesh()
         entries.append(
             StateEntry(
                 fqn,
                 opt,
                 shape,
-                tp_rank=dist.get_rank(index.tp_group),
+                tp_rank=opt.tp_rank,  # type: ignore[attr-defined]
                 tp_size=tp_size,
-                tp_mesh=index.get_submesh((*dp_dims, index.tp_dim)),
-                partition_dim=getattr(module_param, "partition_dim", None),
+                tp_mesh=tp_mesh,
+                partition_dim=dim,
             )
         )
     return entries
