@@ -108,9 +108,32 @@ def _rank_memory(rank: int, world: int) -> None:
         assert held["main_params"] == 0  # fp32 model + fp32 main: one copy of the weights
 
 
+def _rank_grad_buffers_are_bounded(rank: int, world: int) -> None:
+    # Eight equal blocks: if every unit's whole-bucket grad buffer lived until the end of
+    # backward, the pool would end up holding all eight.
+    config = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=8, n_heads=4)
+    torch.manual_seed(0)
+    module = GPT(config)
+    block_bytes = sum(p.numel() for p in module.blocks[0].parameters()) * 4
+    opt = make_optimizer("sgd", module.parameters())
+    model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    pooled = model.memory_footprint()["pool"]
+    assert 0 < pooled <= 4 * block_bytes * 1.01, (pooled, block_bytes)
+
+
+def _rank_memory_and_buffers(rank: int, world: int) -> None:
+    _rank_memory(rank, world)
+    _rank_grad_buffers_are_bounded(rank, world)
+
+
 @pytest.mark.multiprocess
 def test_memory_per_rank() -> None:
-    run_on_ranks(_rank_memory, 2, timeout=120)
+    run_on_ranks(_rank_memory_and_buffers, 2, timeout=120)
 
 
 def _storage_bytes(module: nn.Module) -> int:

@@ -39,6 +39,9 @@ from mf_fsdp.param_group import ParamGroup, ReduceSpec
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks"]
 
+_REDUCTIONS_IN_FLIGHT = 1
+"""Units whose gradient reduction may still run when the next unit's backward ends."""
+
 
 class RegisterFSDPBackwardFunction(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs the unit's post-backward.
@@ -113,6 +116,7 @@ class UnitHooks:
         self._callback_queued = False
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
+        self._reducing: list[Unit] = []
         self._handles: list[RemovableHandle] = []
         for unit in units:
             assert unit.module is not None  # internal invariant
@@ -247,6 +251,13 @@ class UnitHooks:
                 group.start_reduce(self._spec, async_op=overlap)
                 if not overlap:
                     group.finish_reduce()
+            self._reducing.append(unit)
+            # The previous unit's reduction had this unit's backward to finish in: wait
+            # for it now, so its whole-bucket grad buffer goes back to the pool for the
+            # next unit instead of every unit's buffer living until the end of backward.
+            while len(self._reducing) > _REDUCTIONS_IN_FLIGHT:
+                for group in self._reducing.pop(0).groups:
+                    group.finish_reduce()
         for group in unit.groups:
             group.reshard()
 
@@ -259,6 +270,7 @@ class UnitHooks:
             unit.state = TrainingState.IDLE
             unit.forwarded = False
         self._callback_queued = False
+        self._reducing = []
         self._on_backward_end()
 
 
