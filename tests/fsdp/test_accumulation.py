@@ -29,23 +29,27 @@ from tests.fsdp._helpers import (
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, MICRO = 3, 4
-_COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[dict[str, int]]:
-    """Count calls of the collectives the engine uses (patched on torch.distributed)."""
-    counts = dict.fromkeys(_COUNTED, 0)
-    originals = {name: getattr(dist, name) for name in _COUNTED}
+def count_collectives(group: dist.ProcessGroup | None = None) -> Iterator[dict[str, int]]:
+    """Count calls of the collectives the engine uses (patched on torch.distributed).
+
+    With ``group``, only the calls passed exactly that group count.
+    """
+    counts = dict.fromkeys(COUNTED, 0)
+    originals = {name: getattr(dist, name) for name in COUNTED}
 
     def wrap(name):
         def counted(*args, **kwargs):
-            counts[name] += 1
+            if group is None or kwargs.get("group") is group:
+                counts[name] += 1
             return originals[name](*args, **kwargs)
 
         return counted
 
-    for name in _COUNTED:
+    for name in COUNTED:
         setattr(dist, name, wrap(name))
     try:
         yield counts

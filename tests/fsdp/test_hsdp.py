@@ -39,11 +39,11 @@ from tests.fsdp._helpers import (
     reference_run,
     unit_classes,
 )
+from tests.fsdp.test_accumulation import COUNTED, count_collectives
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, WORLD = 10, 4
 MESH = ((2, 2), ("dp_outer", "dp_shard"))
-_COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 @dataclass(frozen=True)
@@ -104,29 +104,6 @@ HFSDP_CASES = [
 
 
 @contextlib.contextmanager
-def count_on_group(group: dist.ProcessGroup) -> Iterator[dict[str, int]]:
-    """Count calls of the engine's collectives whose ``group`` is ``group``."""
-    counts = dict.fromkeys(_COUNTED, 0)
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def wrap(name):
-        def counted(*args, **kwargs):
-            if kwargs.get("group") is group:
-                counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return counted
-
-    for name in _COUNTED:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-@contextlib.contextmanager
 def _default_dtype(fp64: bool) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64 if fp64 else previous)
@@ -165,7 +142,7 @@ def _train(model, opt, rank: int, case: Case) -> list[float]:
     losses = []
     for step in range(STEPS):
         total = torch.zeros(())
-        with count_on_group(outer) as counts:
+        with count_collectives(outer) as counts:
             for m in range(case.micro):
                 quiet = case.no_sync and m < case.micro - 1
                 with model.no_sync() if quiet else contextlib.nullcontext():
@@ -177,7 +154,7 @@ def _train(model, opt, rank: int, case: Case) -> list[float]:
             expected = {"reduce_scatter_tensor": buckets, "all_gather_into_tensor": buckets}
         else:
             expected = {"all_reduce": buckets}
-        expected = {name: expected.get(name, 0) for name in _COUNTED}
+        expected = {name: expected.get(name, 0) for name in COUNTED}
         assert counts == expected, f"{case} step {step}: outer collectives {counts}"
         opt.zero_grad()
         dist.all_reduce(total)

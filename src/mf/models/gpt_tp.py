@@ -69,16 +69,7 @@ class TensorParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(
             d, 3 * d, config=mp_config, init_method=_normal(0.02), stride=3, tp_group=tp_group
         )
-        self.proj = RowParallelLinear(
-            d,
-            d,
-            config=mp_config,
-            init_method=_normal(_residual_std(config)),
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            tp_group=tp_group,
-        )
+        self.proj = _residual_projection(d, config, mp_config, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over earlier positions: [B, S, D] -> [B, S, D] (all-reduced)."""
@@ -106,16 +97,7 @@ class TensorParallelBlock(nn.Module):
         self.fc = ColumnParallelLinear(
             d, 4 * d, config=mp_config, init_method=_normal(0.02), tp_group=tp_group
         )
-        self.out = RowParallelLinear(
-            4 * d,
-            d,
-            config=mp_config,
-            init_method=_normal(_residual_std(config)),
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            tp_group=tp_group,
-        )
+        self.out = _residual_projection(4 * d, config, mp_config, tp_group)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +196,25 @@ class GPTTensorParallel(nn.Module):
                     f"the full tensor gives {tuple(full.shape)}"
                 )
             param.copy_(full)
+
+
+def _residual_projection(
+    in_features: int,
+    config: GPTConfig,
+    mp_config: ModelParallelConfig,
+    tp_group: dist.ProcessGroup,
+) -> RowParallelLinear:
+    """The row-parallel layer that ends a residual branch (attention out, MLP out)."""
+    return RowParallelLinear(
+        in_features,
+        config.d_model,
+        config=mp_config,
+        init_method=_normal(_residual_std(config)),
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        tp_group=tp_group,
+    )
 
 
 def _normal(std: float):
