@@ -284,3 +284,41 @@ def _rank_sharded_to_full(rank: int, world: int, root: str) -> None:
 @pytest.mark.multiprocess
 def test_sharded_checkpoint_to_full_state_dict(tmp_path: Path) -> None:
     run_on_ranks(_rank_sharded_to_full, 2, str(tmp_path), timeout=120)
+
+
+def _rank_state_dicts_in_memory(rank: int, world: int) -> None:
+    # The state-dict functions on their own (no DCP): a fresh engine and a fresh,
+    # still empty optimizer take over a trained one's weights and Adam state and
+    # continue exactly, here across strategies (ZeRO-3 -> ZeRO-1).
+    trained, trained_opt = _wrap("adam", 3)
+    _train(trained, trained_opt, rank, world, range(3))
+    model_sd = mf_fsdp.get_model_state_dict(trained)
+    optim_sd = mf_fsdp.get_optimizer_state_dict(trained, trained_opt)
+    assert set(optim_sd["state"]) == set(model_sd)  # keyed by FQN, every parameter
+    assert sorted(optim_sd["param_groups"][0]["params"]) == sorted(model_sd)
+    fresh, fresh_opt = _wrap("adam", 1, seed=1)
+    assert not fresh_opt.state
+    with pytest.raises(ValueError, match=r"unknown parameters \['nope'\]"):
+        mf_fsdp.set_optimizer_state_dict(
+            fresh, fresh_opt, {**optim_sd, "state": {**optim_sd["state"], "nope": {}}}
+        )
+    renamed = [{**optim_sd["param_groups"][0], "params": ["wte.weight"]}]
+    with pytest.raises(ValueError, match="do not match the optimizer's"):
+        mf_fsdp.set_optimizer_state_dict(fresh, fresh_opt, {**optim_sd, "param_groups": renamed})
+    with pytest.raises(ValueError, match=r"missing keys \['wte.weight'\]"):
+        mf_fsdp.set_model_state_dict(
+            fresh, {k: v for k, v in model_sd.items() if k != "wte.weight"}
+        )
+    mf_fsdp.set_model_state_dict(fresh, model_sd)
+    mf_fsdp.set_optimizer_state_dict(fresh, fresh_opt, optim_sd)
+    expected = _train(trained, trained_opt, rank, world, range(3, 5))
+    got = _train(fresh, fresh_opt, rank, world, range(3, 5))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **TOL)
+    final, reference = full_params(fresh), full_params(trained)
+    for name, value in reference.items():
+        torch.testing.assert_close(final[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_state_dicts_in_memory_across_strategies() -> None:
+    run_on_ranks(_rank_state_dicts_in_memory, 2, timeout=120)
