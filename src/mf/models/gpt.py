@@ -71,6 +71,20 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def check_positions(config: GPTConfig, tokens: torch.Tensor, caller: str) -> int:
+    """Return the sequence length of ``tokens`` [B, S], refusing more than the position table.
+
+    Raises:
+        ValueError: if ``S`` exceeds ``config.seq_len``.
+    """
+    seq = tokens.shape[1]
+    if seq > config.seq_len:
+        raise ValueError(
+            f"{caller}: tokens has {seq} positions, the model takes at most {config.seq_len}"
+        )
+    return seq
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused QKV projection."""
 
@@ -141,12 +155,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Return logits [B, S, V], or the mean cross-entropy loss when ``targets`` are given."""
-        seq = tokens.shape[1]
-        if seq > self.config.seq_len:
-            raise ValueError(
-                f"GPT.forward: tokens has {seq} positions, the model takes at most "
-                f"{self.config.seq_len}"
-            )
+        seq = check_positions(self.config, tokens, "GPT.forward")
         positions = torch.arange(seq, device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:

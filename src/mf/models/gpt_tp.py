@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mf.models.gpt import GPTConfig
+from mf.models.gpt import GPTConfig, check_positions
 from mf_tp import (
     ColumnParallelLinear,
     ModelParallelConfig,
@@ -153,12 +153,7 @@ class GPTTensorParallel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Return full logits [B, S, V], or the mean cross-entropy loss given ``targets``."""
-        seq = tokens.shape[1]
-        if seq > self.config.seq_len:
-            raise ValueError(
-                f"GPTTensorParallel.forward: tokens has {seq} positions, the model takes at "
-                f"most {self.config.seq_len}"
-            )
+        seq = check_positions(self.config, tokens, "GPTTensorParallel.forward")
         x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
         for block in self.blocks:
             x = block(x)
