@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import mf_fsdp
 from mf.models import GPT, PRESETS, Block, GPTConfig
@@ -64,13 +65,15 @@ def reference_run(
 
 
 def full_params(model: mf_fsdp.MegatronFSDP) -> dict[str, torch.Tensor]:
-    """Every parameter's full value, gathered from the engine (collective)."""
-    model.start_param_sync(force_sync=True)
-    model.synchronize_param_gather()
-    out = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    for group in model.groups:
-        group.reshard()
-    return out
+    """Every parameter's full value through the torch contract (collective).
+
+    ``model.named_parameters()`` holds the sharded, parameter-shaped DTensors
+    between passes; DTensor's own ``full_tensor()`` gathers each.
+    """
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def unit_classes() -> list[type]:

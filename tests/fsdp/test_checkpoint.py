@@ -4,7 +4,9 @@ Start with ``test_resume_parity``: a ZeRO-3 run on 2 ranks trains 6 steps,
 saves, and trains 4 more; a fresh model and a fresh optimizer (empty state)
 load the step-6 checkpoint and train the same 4 steps on 2 ranks (ZeRO-3,
 ZeRO-0, ZeRO-1) and on 1 rank. The global batch of a step is the same
-whatever the world size (each rank takes its slice of it).
+whatever the world size (each rank takes its slice of it). A fresh optimizer
+already holds its state at its fresh values (``fully_shard`` creates it, see
+[Note: eager optimizer state]); it has taken no step.
 
 Tolerance: 1e-6 (fp32). The continuation does the same arithmetic on the same
 values; only a different strategy or world size sums gradients in another
@@ -29,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor
 
 import mf_fsdp
 from mf.models import GPT, GPTConfig
-from mf_dtensor import get_chunk_metadata
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import CONFIG, batch, full_params, make_model, unit_classes
 
@@ -99,11 +101,23 @@ def _check(result, expected, label: str) -> None:
 def _resume(path: Path, opt_name: str, strategy: int, rank: int, world: int, **kwargs):
     # Other weights (seed 1): the load must replace them.
     model, opt = _wrap(opt_name, strategy, seed=1, **kwargs)
-    assert not opt.state
+    _assert_fresh(opt)
     info = mf_fsdp.load_checkpoint(path, model, opt)
     assert info == {"step": SAVE_AT, "opt": opt_name}
     losses = _train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + MORE))
     return losses, full_params(model)
+
+
+def _assert_fresh(opt: torch.optim.Optimizer) -> None:
+    """State exists for every parameter, at the values a never-stepped optimizer starts from."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.state) == len(params)
+    for state in opt.state.values():
+        assert float(state.get("step", 0)) == 0
+        for key, value in state.items():
+            if key != "step":
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                assert not torch.count_nonzero(full), key
 
 
 def _rank_resume_save(rank: int, world: int, root: str) -> None:
@@ -255,7 +269,7 @@ def _rank_sharded_to_full(rank: int, world: int, root: str) -> None:
     with torch.no_grad():
         plain_loss = plain(*_global_batch(3))
     torch.testing.assert_close(plain_loss, loss / world, **TOL)
-    # With preproc_state_dict_for_dcp_ckpt (default) model.state_dict() is DCP-ready as is.
+    # model.state_dict() is DCP-ready as it is: parameter-shaped DTensors.
     dcp.save(model.state_dict(), checkpoint_id=str(Path(root) / "raw"))
     copy, _ = _wrap("adam", 3, seed=4)
     target = copy.state_dict()
@@ -263,8 +277,8 @@ def _rank_sharded_to_full(rank: int, world: int, root: str) -> None:
     copy.load_state_dict(target)
     for name, value in full_params(copy).items():
         assert torch.equal(value, sharded[name]), name
-    bare = mf_fsdp.fully_shard_model(make_model(), preproc_state_dict_for_dcp_ckpt=False)
-    assert all(get_chunk_metadata(v) is None for v in bare.state_dict().values())
+    with pytest.warns(UserWarning, match="preproc_state_dict_for_dcp_ckpt=False has no effect"):
+        mf_fsdp.fully_shard_model(make_model(), preproc_state_dict_for_dcp_ckpt=False)
     # A plain model's weights become a checkpoint any wrapped model loads.
     if rank == 0:
         mf_fsdp.full_state_dict_to_checkpoint(make_model(7).state_dict(), Path(root) / "plain")
@@ -297,7 +311,7 @@ def _rank_state_dicts_in_memory(rank: int, world: int) -> None:
     assert set(optim_sd["state"]) == set(model_sd)  # keyed by FQN, every parameter
     assert sorted(optim_sd["param_groups"][0]["params"]) == sorted(model_sd)
     fresh, fresh_opt = _wrap("adam", 1, seed=1)
-    assert not fresh_opt.state
+    _assert_fresh(fresh_opt)
     with pytest.raises(ValueError, match=r"unknown parameters \['nope'\]"):
         mf_fsdp.set_optimizer_state_dict(
             fresh, fresh_opt, {**optim_sd, "state": {**optim_sd["state"], "nope": {}}}

@@ -12,7 +12,7 @@
   resume into ZeRO-3 and ZeRO-1 of a fresh model whose weights were changed
   first; the offline full state dict of the step-10 save is the single-process
   reference model's weights (1e-5, test_tensor_parallel's tolerance). A tp split
-  of an indivisible dim is refused.
+  of an indivisible dim is refused when wrapping.
 - mf-tp layers x hybrid-sharded HSDP on a (dp_outer=2, dp=1, tp=2) mesh (both
   replicas see the same batch, test_tensor_parallel's data follows the dp dim):
   the same resume, then the step-10 save loads bit-exact into a (dp=2, tp=2)
@@ -133,11 +133,10 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def _rank_tp(rank: int, world: int, root: str) -> None:
     mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
-    # Uneven tp slices (3 rows over 2 tp ranks) cannot take the (tp, numel) form.
+    # Uneven tp slices (3 rows over 2 tp ranks) have no parameter-shaped form: refused.
     uneven = parallelize_module(nn.Linear(tp.H, 3), mesh["tp"], ColwiseParallel())
-    uneven = mf_fsdp.fully_shard_model(uneven, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
-    with pytest.raises(ValueError, match=r"'weight' \(global shape \(3, 16\)\) is split unevenly"):
-        mf_fsdp.get_model_state_dict(uneven)
+    with pytest.raises(ValueError, match=r"'weight': DTensor of shape \(3, 16\) is split unevenly"):
+        mf_fsdp.fully_shard_model(uneven, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
     for opt_name in ("sgd", "adam"):
         where = Path(root) / opt_name
         path = _tp_resume(where, tp.dtensor_model, tp.Block, mesh, opt_name, (3, 1), opt_name)
@@ -168,9 +167,8 @@ def _rank_mf_tp_hybrid(rank: int, world: int, root: str) -> None:
     _scramble(other)
     mf_fsdp.load_checkpoint(path, other, other_opt)
     full = mf_fsdp.checkpoint_to_full_state_dict(path)
-    loaded = full_params(other)
-    for name, param in other.module.named_parameters():
-        assert torch.equal(loaded[name], tp._tp_slice(full[name], param, flat["tp"])), name
+    for name, value in full_params(other).items():
+        assert torch.equal(value, full[name]), name
 
 
 @pytest.mark.multiprocess

@@ -1,9 +1,10 @@
 """Checkpoints of mf-tp layers sharded by FSDP on a (dp_shard=2, tp=2) mesh (4 ranks).
 
 The tp ranks hold different slices of a partitioned weight; the checkpoint
-keeps them apart (a leading tp dim), so nothing is overwritten: a ZeRO-3 save
-loads into ZeRO-1 bit-exact, and the offline full state dict holds the
-tp-gathered weights (column- and row-parallel), which a plain model loads.
+stores every parameter in its full (tp-gathered) shape, each rank writing its
+own box of it, so nothing is overwritten: a ZeRO-3 save loads into ZeRO-1
+bit-exact, and the offline full state dict holds the tp-gathered weights
+(column- and row-parallel), which a plain model loads.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ scale shows at O(1)) and Adam, with 1 and 4 accumulated micro-batches.
 ``torch.nn.utils`` on the reference (norm 2 and inf), with one all-reduce
 per mesh dim. Also covered: sequence parallelism (norm weights marked
 ``sequence_parallel``; ZeRO-0/1 accumulating on top of reduced grads), an
-HSDP-shaped (dp_outer=1, dp, tp) mesh, bf16 compute with DTensor TP, the TP
-facts on the optimizer parameters and the bad inputs the engine refuses.
+HSDP-shaped (dp_outer=1, dp, tp) mesh, bf16 compute with DTensor TP, the
+sharded parameters' full shapes and tp placements, and the bad inputs the
+engine refuses. Parameters are compared through ``full_tensor()`` of the
+sharded, tp-gathered parameters.
 
 Per-rank CPU time (4 ranks): about 2.5 s, 6 s and 6 s for the three tests.
 """
@@ -45,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 import mf_fsdp
 import mf_tp
+from mf_dtensor import UnevenDTensor
 from mf_utils import get_mcore_tensor_parallel_partition_dim
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import full_params, make_optimizer
@@ -276,16 +279,10 @@ def _check(model, mesh, result, ref, label: str) -> None:
     torch.testing.assert_close(
         torch.tensor(norms), torch.tensor(ref_norms), **close, msg=lambda m: f"{label} norm {m}"
     )
-    params = full_params(model)
-    tp_mesh = mesh["tp"]
-    for name, param in model.module.named_parameters():
-        value = params[name]
-        local = value.to_local() if isinstance(value, DTensor) else value
+    params = full_params(model)  # the sharded parameters' full_tensor(): tp-gathered
+    for name, value in ref_params.items():
         torch.testing.assert_close(
-            local,
-            _tp_slice(ref_params[name], param, tp_mesh),
-            **close,
-            msg=lambda m, n=name: f"{label} {n}: {m}",
+            params[name], value, **close, msg=lambda m, n=name: f"{label} {n}: {m}"
         )
 
 
@@ -306,7 +303,7 @@ def _parity(mesh, build, unit, strategies, optimizers, micros, clip=3, no_sync=T
         ref = reference_run("sgd", 1, clip=CLIP)
         model, opt = _wrap(build, mesh, unit, "sgd", zero_dp_strategy=clip)
         _check(model, mesh, _train(model, opt, mesh, 1, clip=CLIP), ref, f"{_name(build)} clip")
-        _check_tp_attributes(model, mesh)
+        _check_tp_placements(model)
 
 
 def _name(build) -> str:
@@ -327,27 +324,20 @@ def _wrap(build, mesh, unit, opt_name: str, **kwargs):
     )
 
 
-def _check_tp_attributes(model, mesh) -> None:
-    """What a checkpoint needs to reassemble each full tensor sits on the optimizer params."""
-    opt_params = dict(model.optimizer_named_parameters())
-    fc1, norm, fc2 = (
-        opt_params[f"blocks.0.{n}"] for n in ("fc1.weight", "norm.weight", "fc2.weight")
-    )
-    tp_rank = mesh.get_local_rank("tp")
-    assert (fc1.tp_partition_dim, fc1.tp_size, fc1.tp_rank) == (0, TP, tp_rank)
-    assert fc1.tp_global_shape == (FFN, H)
-    assert tuple(fc1.orig_shape) == (FFN // TP, H)
-    assert fc2.tp_partition_dim == 1
-    assert fc2.tp_global_shape == (H, FFN)
-    assert norm.tp_partition_dim == -1
-    assert norm.tp_global_shape == (H,)
-    assert fc1.tp_mesh.size() == TP
-    assert fc1.tp_partition_stride == 1
-    if isinstance(model.module.blocks[0].fc1.weight, DTensor):
-        assert fc1.tp_placements == (Shard(0),)
-        assert opt_params["blocks.0.fc2.bias"].tp_placements == (Replicate(),)
-        if model.strategy.level == 0:  # the contract: plain tensors under ZeRO-0
-            assert not isinstance(fc1, DTensor)
+def _check_tp_placements(model) -> None:
+    """Sharded parameters have the full (tp-gathered) shape and carry their tp placement."""
+    params = dict(model.named_parameters())
+    dp = Replicate() if model.strategy.level == 0 else Shard(0)
+    for name, shape, tp in (
+        ("blocks.0.fc1.weight", (FFN, H), Shard(0)),
+        ("blocks.0.fc2.weight", (H, FFN), Shard(1)),
+        ("blocks.0.fc2.bias", (H,), Replicate()),
+        ("blocks.0.norm.weight", (H,), Replicate()),
+    ):
+        param = params[name]
+        assert isinstance(param, UnevenDTensor), name
+        assert param.shape == shape, (name, param.shape)
+        assert param.placements == (dp, tp), (name, param.placements)
 
 
 def _rank_mf_tp(rank: int, world: int, micros: list[int]) -> None:
@@ -378,7 +368,7 @@ def _rank_dtensor(rank: int, world: int) -> None:
             norm = mf_fsdp.get_grad_norm(model.parameters(), norm_type)
         torch.testing.assert_close(norm, expected, rtol=RTOL, atol=ATOL)
         assert counts["all_reduce"] == 1
-    # The clipped run uses ZeRO-0: DTensor params get plain optimizer params there.
+    # The clipped run uses ZeRO-0: DTensor params are sharded over tp only there.
     _parity(mesh, dtensor_model, Block, [3, 1], ["sgd", "adam"], [1, MICRO], clip=0)
     # bf16 compute, fp32 main weights: DTensor params turn bf16 with their buffers.
     fp32_losses = reference_run("adam", 1)[0]
@@ -392,9 +382,13 @@ def _rank_dtensor(rank: int, world: int) -> None:
             zero_dp_strategy=strategy,
             mixed_precision_policy=policy,
         )
-        weight = model.module.blocks[0].fc1.weight
-        assert weight.dtype is torch.bfloat16
-        assert weight.to_local().dtype is torch.bfloat16
+        # Between passes the module holds the fp32 sharded parameter; forward runs on
+        # the bf16 compute parameter (a DTensor over the gathered buffer).
+        (fc1,) = (fp for fp in model.fsdp_params if fp.fqn == "blocks.0.fc1.weight")
+        assert model.module.blocks[0].fc1.weight is fc1.sharded
+        assert fc1.sharded.dtype is torch.float32
+        assert fc1.compute.dtype is torch.bfloat16
+        assert fc1.compute.to_local().dtype is torch.bfloat16
         losses, _ = _train(model, opt, mesh, 1)
         # As in test_features: within 2% of fp32 over 10 Adam steps.
         torch.testing.assert_close(

@@ -8,6 +8,10 @@ the full tensor, split them without replicating, and save/load them with
 ``torch.distributed.checkpoint`` across layouts and world sizes. The
 function names and semantics follow Megatron-FSDP's ``uneven_dtensor``
 module; pure layout math lives in :mod:`mf_dtensor.layout`.
+
+:class:`UnevenDTensor` is the object form: a DTensor subclass carrying an
+explicit :class:`PieceMap`, whose ``full_tensor``, ``redistribute`` and
+checkpoint hooks use the true pieces and whose op outputs keep the layout.
 """
 
 from mf_dtensor.checkpoint import (
@@ -30,9 +34,13 @@ from mf_dtensor.uneven import (
     split_dtensor,
     uneven_dtensor_from_local,
 )
+from mf_dtensor.uneven_tensor import ExplicitPieces, PieceMap, UnevenDTensor, uneven_local_piece
 
 __all__ = [
     "ChunkLayout",
+    "ExplicitPieces",
+    "PieceMap",
+    "UnevenDTensor",
     "assemble_full_tensor_from_uneven_chunks",
     "attach_chunk_metadata",
     "filter_unflattened_state_dict",
@@ -45,6 +53,7 @@ __all__ = [
     "split_dtensor",
     "split_sections",
     "uneven_dtensor_from_local",
+    "uneven_local_piece",
     "update_uneven_dtensor_chunk_metadata",
     "validate_chunk_layout",
     "validate_uneven_dtensor",

@@ -24,7 +24,12 @@ from mf_fsdp.config import (
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.fully_shard import fully_shard, fully_shard_model
 from mf_fsdp.grad_norm import clip_grad_norm_, get_grad_norm
-from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
+from mf_fsdp.layout import (
+    DEFAULT_ALIGNMENT,
+    BucketLayout,
+    compute_bucket_layout,
+    partition_bucket,
+)
 from mf_fsdp.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.optimizer import fully_shard_optimizer
 from mf_fsdp.state_dict import (
@@ -61,6 +66,7 @@ __all__ = [
     "load_checkpoint",
     "normalize_outer_strategy",
     "normalize_strategy",
+    "partition_bucket",
     "plan_bucket_layouts",
     "save_checkpoint",
     "save_full_state_dict",

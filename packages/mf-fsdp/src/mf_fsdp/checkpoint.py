@@ -1,11 +1,14 @@
 """Crash-safe distributed checkpoints of a ``MegatronFSDP`` model and its optimizer.
 
 A checkpoint is a folder ``step_NNNNNNN`` holding a torch.distributed.checkpoint
-(DCP) save of ``{"model": ..., "optimizer": ...}`` in the canonical form of
-``mf_fsdp.state_dict`` (see [Note: canonical checkpoint form]), so it loads
-into any ZeRO strategy and any data-parallel world size, plus a record file
-``mf_checkpoint.json`` (step, the caller's ``extra``, and the model's
-fingerprint: FQN, shape and dtype of every tensor, and tied names).
+(DCP) save of ``{"model": ..., "optimizer": ...}`` in the form of
+``mf_fsdp.state_dict`` (see [Note: checkpoint form]: parameter-shaped,
+tp-gathered global shapes), so it loads into any ZeRO strategy, data-parallel
+world size, HSDP layout and tp size, plus a record file ``mf_checkpoint.json``
+(format version, step, the caller's ``extra``, and the model's fingerprint:
+FQN, global shape and dtype of every tensor, and tied names). A checkpoint of
+the flat format of mf-fsdp 0.1 (version 1: every tensor stored as ``(numel,)``)
+is refused with one error naming that format.
 
 [Note: crash-safe save]
 Every rank writes into ``.step_NNNNNNN.partial``. Only after DCP finished on
@@ -31,7 +34,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +46,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
 from mf_fsdp.state_dict import (
+    alias_names,
+    apply_optimizer_state,
     check_optimizer_binding,
     get_model_state_dict,
     get_optimizer_state_dict,
-    persistent_buffers,
     set_model_state_dict,
-    set_optimizer_state_dict,
-    state_entries,
 )
 
 __all__ = [
@@ -66,7 +68,7 @@ RECORD_FILE = "mf_checkpoint.json"
 """Written last into a checkpoint folder: its presence means the checkpoint is complete."""
 
 _FORMAT = "mf-fsdp-dcp"
-_VERSION = 1
+_VERSION = 2  # 1: mf-fsdp 0.1's flat form, every tensor (numel,); 2: parameter-shaped
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -78,32 +80,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_info(shape: torch.Size, dtype: torch.dtype, **tp: Any) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": _dtype_name(dtype), "tp_size": 1, **tp}
+def _tensor_info(shape: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
+    return {"shape": list(shape), "dtype": _dtype_name(dtype)}
 
 
 def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
-    """FQN -> shape, dtype (and tp partitioning) of every tensor a checkpoint holds, plus ties."""
-    tensors: dict[str, Any] = {}
-    for entry in state_entries(model):
-        tp: dict[str, Any] = {}
-        if entry.tp_size > 1:
-            tp = {
-                "tp_size": entry.tp_size,
-                "partition_dim": entry.partition_dim,
-                "partition_stride": getattr(entry.opt, "tp_partition_stride", 1),
-            }
-        tensors[entry.fqn] = _tensor_info(entry.shape, entry.opt.dtype, **tp)
-    for fqn, buf in persistent_buffers(model.module):
-        tensors[fqn] = _tensor_info(buf.shape, buf.dtype)
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.module.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return {"tensors": tensors, "aliases": aliases}
+    """FQN -> global shape and dtype of every tensor a checkpoint holds, plus tied names."""
+    tensors = {
+        fqn: _tensor_info(value.shape, value.dtype)
+        for fqn, value in get_model_state_dict(model).items()
+        if isinstance(value, torch.Tensor)
+    }
+    return {"tensors": tensors, "aliases": alias_names(model)}
 
 
 def _compare(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
@@ -124,8 +112,7 @@ def _compare(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -
 
 
 def _describe(info: Mapping[str, Any]) -> str:
-    tp = f" tp={info['tp_size']}" if info["tp_size"] > 1 else ""
-    return f"{tuple(info['shape'])} {info['dtype']}{tp}"
+    return f"{tuple(info['shape'])} {info['dtype']}"
 
 
 def _read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -146,6 +133,12 @@ def _read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     data = json.loads(record.read_text())
     if data.get("format") != _FORMAT:
         raise ValueError(f"path: {str(path)!r} is not an mf_fsdp checkpoint ({RECORD_FILE})")
+    if data.get("version") != _VERSION:
+        raise ValueError(
+            f"path: {str(path)!r} is an mf_fsdp checkpoint of format version "
+            f"{data.get('version')!r} (1 = the flat form of mf-fsdp 0.1, every tensor stored as "
+            f"(numel,)); this mf-fsdp reads version {_VERSION} (parameter-shaped tensors) only"
+        )
     return data
 
 
@@ -285,12 +278,13 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> dict[str, Any]:
-    """Empty canonical optimizer state built from the checkpoint's DCP metadata.
+    """Empty optimizer state built from the checkpoint's DCP metadata, in this model's layout.
 
     The keys are DCP's flattened names (``optimizer.state.<fqn>.<key>``), which
-    DCP maps to themselves on load; nothing is created by a synthetic step.
+    DCP maps to themselves on load; tensors shaped like their parameter take the
+    parameter's sharded form. Nothing is created by a synthetic step.
     """
-    entries = {e.fqn: e for e in state_entries(model)}
+    params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
     target: dict[str, Any] = {}
     prefix = "optimizer.state."
     for key, item in metadata.state_dict_metadata.items():
@@ -300,15 +294,15 @@ def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> di
             target[key] = None  # a pickled object: DCP replaces the placeholder
             continue
         fqn = key[len(prefix) :].rpartition(".")[0] if key.startswith(prefix) else ""
-        entry = entries.get(fqn)
-        if entry is None:
+        param = params.get(fqn)
+        if param is None:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer tensor {key!r} does not belong to a "
                 "parameter of this model"
             )
         dtype = item.properties.dtype
-        if tuple(item.size) == entry.canonical_shape:
-            target[key] = entry.empty_canonical(dtype)
+        if tuple(item.size) == tuple(param.shape):
+            target[key] = torch.empty_like(param, dtype=dtype, requires_grad=False)
         else:
             target[key] = torch.empty(tuple(item.size), dtype=dtype)
     return target
@@ -366,7 +360,7 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, _unflatten_optimizer(state))
+        apply_optimizer_state(model, optimizer, _unflatten_optimizer(state), owned=True)
     return {**record["extra"], "step": record["step"]}
 
 
@@ -374,41 +368,25 @@ def checkpoint_to_full_state_dict(path: str | os.PathLike[str]) -> dict[str, tor
     """The model weights of a checkpoint as one plain full state dict (offline).
 
     Needs no process group and reads only the model's tensors. The result
-    (parameters in their module shapes, persistent buffers, tied names) loads
-    with ``unwrapped_model.load_state_dict``; write it with
-    :func:`save_full_state_dict`. Tensor-parallel parameters are concatenated
-    along their partition dim into the full (tp-gathered) tensor.
+    (parameters in their full module shapes, tensor-parallel ones gathered
+    whatever their partition dim and stride, persistent buffers, tied names)
+    loads with ``unwrapped_model.load_state_dict``; write it with
+    :func:`save_full_state_dict`.
 
     Raises:
-        ValueError: if ``path`` is not a complete checkpoint, or a tp parameter
-            uses a partition stride other than 1.
+        ValueError: if ``path`` is not a complete checkpoint of the current format.
     """
     path = Path(path)
     record = _read_record(path)
-    tensors = record["tensors"]
-    model: dict[str, torch.Tensor] = {}
-    for fqn, info in tensors.items():
-        numel = torch.Size(info["shape"]).numel()
-        shape = (numel,) if info["tp_size"] == 1 else (info["tp_size"], numel)
-        model[fqn] = torch.empty(shape, dtype=getattr(torch, info["dtype"]))
+    model = {
+        fqn: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+        for fqn, info in record["tensors"].items()
+    }
     with _single_process():
         dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
-    out: dict[str, torch.Tensor] = {}
-    for fqn, info in tensors.items():
-        shape = info["shape"]
-        if info["tp_size"] == 1:
-            out[fqn] = model[fqn].view(shape)
-            continue
-        if info.get("partition_stride", 1) != 1:
-            raise ValueError(
-                f"checkpoint {str(path)!r}: {fqn!r} has partition_stride="
-                f"{info['partition_stride']!r}; only 1 can be gathered into a full tensor"
-            )
-        pieces = model[fqn].view(info["tp_size"], *shape).unbind(0)
-        out[fqn] = torch.cat(pieces, dim=info["partition_dim"])
     for alias, fqn in record["aliases"].items():
-        out[alias] = out[fqn]
-    return out
+        model[alias] = model[fqn]
+    return model
 
 
 def save_full_state_dict(
@@ -486,7 +464,7 @@ def full_state_dict_to_checkpoint(
             continue
         seen[key] = fqn
         tensors[fqn] = _tensor_info(value.shape, value.dtype)
-        model[fqn] = value.detach().reshape(-1).contiguous()
+        model[fqn] = value.detach().contiguous()
     record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, optimizer=None)
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"

@@ -1,12 +1,16 @@
-"""``MegatronFSDP.state_dict()`` / ``load_state_dict()``: the engine's native state dict.
+"""``MegatronFSDP.load_state_dict``: load parameters from any layout into the engine's rows.
 
-The native form is the optimizer's own tensors keyed by the wrapped module's
-names (1-D uneven DTensors when sharded, full-shaped tensors under ZeRO-0)
-plus the module's buffers: what ``dcp.save`` / ``dcp.load`` read and write in
-the same layout. Loading also accepts full tensors (each rank copies its
-piece). The strategy-independent checkpoint form that reshards across
-strategies and world sizes lives in ``state_dict.py``, not here. Nothing here
-communicates except ``install_optimized_model_weights`` after a load.
+``MegatronFSDP.state_dict()`` is the wrapped module's own state dict taken
+while the sharded forms are registered (see [Note: parameter forms] in
+``param.py``), so it needs no code here. Loading cannot be left to
+``nn.Module``: its ``param.copy_(value)`` would pair this rank's rows with
+whatever piece ``value`` holds locally, which for another layout is wrong and
+for DTensors of the same placements can even broadcast silently. Here every
+parameter value is cut to this rank's rows by ``mf_dtensor.uneven_local_piece``
+(a view of itself for the engine's own tensors, a local cut of a full plain
+tensor, a gather for any other DTensor); buffers and extra state go through
+the module's own loader. Collective when a value is a DTensor of another
+layout; installs the weights at the end.
 """
 
 from __future__ import annotations
@@ -15,83 +19,63 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
 
-from mf_dtensor import attach_chunk_metadata
+from mf_dtensor import UnevenDTensor, uneven_local_piece
 
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
+    from mf_fsdp.param import FSDPParam
 
-__all__ = ["engine_state_dict", "load_engine_state_dict"]
+__all__ = ["load_engine_state_dict", "load_param_value"]
 
 
-def engine_state_dict(model: MegatronFSDP, prefix: str, keep_vars: bool) -> dict[str, Any]:
-    """Optimizer parameters and module buffers of ``model``, keyed ``prefix + name``.
+def load_param_value(fp: FSDPParam, name: str, value: Any) -> None:
+    """Copy ``value`` (any layout of the parameter's global shape) into ``fp``'s sharded form.
 
-    With ``model.preproc_state_dict_for_dcp_ckpt`` each DTensor carries its true
-    DCP chunk offset (``local_offset``), not DTensor's even-chunk guess.
+    Raises:
+        RuntimeError: if ``value`` is not a tensor of the parameter's global shape.
     """
-    out: dict[str, Any] = {}
-    for name, opt in model.optimizer_named_parameters():
-        value = opt if keep_vars else opt.detach()
-        if model.preproc_state_dict_for_dcp_ckpt and isinstance(value, DTensor):
-            start = torch.Size([opt.local_offset])  # type: ignore[attr-defined]
-            attach_chunk_metadata(value, ChunkStorageMetadata(start, value.to_local().shape))
-        out[prefix + name] = value
-    for name, buf in model.module.named_buffers():
-        out[prefix + name] = buf if keep_vars else buf.detach()
-    return out
+    target = fp.sharded
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeError(
+            f"state_dict[{name!r}]: got {got}, expected a tensor of the parameter's shape "
+            f"{tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        if isinstance(target, UnevenDTensor):
+            local = uneven_local_piece(value, target)
+            target.to_local().copy_(local)
+        else:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            target.copy_(full)
 
 
 def load_engine_state_dict(
     model: MegatronFSDP, state_dict: Mapping[str, Any], strict: bool
-) -> None:
-    """Copy ``state_dict`` (native or full tensors) into ``model``, then install the weights.
+) -> _IncompatibleKeys:
+    """Load ``state_dict`` into ``model`` (sharded forms registered), then install the weights.
 
     Raises:
-        ValueError: for a missing/unexpected key (strict) or a shape mismatch.
+        RuntimeError: for missing/unexpected keys (``strict``) or a shape mismatch.
     """
-    expected = dict(model.optimizer_named_parameters())
-    buffers = dict(model.module.named_buffers())
-    missing = [k for k in (*expected, *buffers) if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected and k not in buffers]
+    by_name = {name: fp for fp in model.fsdp_params for name in fp.fqns}
+    expected = list(model.module.state_dict(keep_vars=True))
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in set(expected)]
     if strict and (missing or unexpected):
-        raise ValueError(
-            f"state_dict: missing keys {missing!r}, unexpected keys {unexpected!r}; "
-            "expected the keys of MegatronFSDP.state_dict()"
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(model.module).__name__}: missing keys "
+            f"{missing!r}, unexpected keys {unexpected!r}; expected the keys of "
+            "model.state_dict()"
         )
-    with torch.no_grad():
-        for name, opt in expected.items():
-            if name in state_dict:
-                _load_into(name, opt, state_dict[name])
-        for name, buf in buffers.items():
-            if name in state_dict:
-                buf.copy_(state_dict[name])
+    for name, value in state_dict.items():
+        fp = by_name.get(name)
+        if fp is not None:
+            load_param_value(fp, name, value)
+    rest = {k: v for k, v in state_dict.items() if k not in by_name and k not in unexpected}
+    model.module.load_state_dict(rest, strict=False)
     model.install_optimized_model_weights()
-
-
-def _load_into(name: str, opt: nn.Parameter, value: Any) -> None:
-    """Copy ``value`` into optimizer parameter ``opt``: a shard like it, or a full tensor."""
-    target = opt.to_local() if isinstance(opt, DTensor) else opt.data
-    sharded = isinstance(value, DTensor)
-    if sharded or not isinstance(opt, DTensor):
-        # Same form on both sides: a shard into the same sharding, or full into full (ZeRO-0).
-        source = value.to_local() if sharded else value
-        if source.shape != target.shape:
-            raise ValueError(
-                f"state_dict[{name!r}]: {'local shard' if sharded else 'tensor'} of shape "
-                f"{tuple(source.shape)} does not match this rank's {tuple(target.shape)}; "
-                "expected the same sharding and shape"
-            )
-        target.copy_(source)
-        return
-    shape = getattr(opt, "orig_shape", opt.shape)
-    if value.numel() != opt.numel() or (value.dim() > 1 and value.shape != shape):
-        raise ValueError(
-            f"state_dict[{name!r}]: shape {tuple(value.shape)} does not match the parameter's "
-            f"{tuple(shape)}"
-        )
-    start = opt.local_offset  # type: ignore[attr-defined]
-    target.copy_(value.reshape(-1)[start : start + target.numel()])
+    return _IncompatibleKeys(missing, unexpected)

@@ -8,6 +8,7 @@ mesh over the whole world when none is given), wrap the model in
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -77,8 +78,8 @@ def fully_shard_model(
         overlap_grad_reduce: reduce each unit's grads asynchronously during backward.
         overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
         sync_model_each_microbatch: wait for reductions at the end of each backward.
-        preproc_state_dict_for_dcp_ckpt: ``model.state_dict()`` is ready for
-            ``dcp.save`` (its uneven DTensors carry their chunk metadata).
+        preproc_state_dict_for_dcp_ckpt: accepted for the reference's API; state dicts
+            are always ready for ``dcp.save`` (False warns that it has no effect).
         average_in_collective: divide inside the collective (same result).
         disable_bucketing: one bucket for all parameters.
         calculate_per_token_loss: reduce grads by sum instead of mean.
@@ -144,7 +145,13 @@ def fully_shard_model(
         gradient_scaling_factor=gradient_scaling_factor,
         alignment=alignment,
     )
-    model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
+    if not preproc_state_dict_for_dcp_ckpt:
+        warnings.warn(
+            "fully_shard_model: preproc_state_dict_for_dcp_ckpt=False has no effect; "
+            "model.state_dict() always holds DTensors that DCP saves and loads correctly",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
 
 

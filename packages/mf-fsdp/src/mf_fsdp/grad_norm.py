@@ -2,15 +2,14 @@
 
 Each gradient's local (possibly empty) piece contributes ``sum |g|^p`` (or
 ``max |g|``) to the partial of its *signature*: the process groups its
-pieces are spread over. Those are the dims a DTensor gradient is ``Shard``-ed
-on (the engine's dp shards, torch DTensor TP) plus, for an optimizer
-parameter of a TP-partitioned parameter, its ``tp_mesh`` (see
-``mf_fsdp.tp_params``). The partials form one vector that is all-reduced
-once per distinct group. A partial whose signature lacks that group holds the
-same value on all of the group's ranks (a TP-duplicated parameter's grad is
-equal on every TP rank), so only the group's rank 0 keeps it for the sum: it
-is counted once, not group-size times. The result equals
-``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+pieces are spread over, i.e. the mesh dims a DTensor gradient is ``Shard``-ed
+on (the engine's dp shards, and tp for a TP-partitioned parameter). The
+partials form one vector that is all-reduced once per distinct group. A
+partial whose signature lacks that group holds the same value on all of the
+group's ranks (a TP-duplicated parameter's grad is equal on every TP rank),
+so only the group's rank 0 keeps it for the sum: it is counted once, not
+group-size times. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
+unsharded model.
 """
 
 from __future__ import annotations
@@ -37,19 +36,15 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
     return list(parameters)
 
 
-def _signature(param: torch.Tensor, grad: torch.Tensor) -> list[dist.ProcessGroup]:
+def _signature(grad: torch.Tensor) -> list[dist.ProcessGroup]:
     """The groups over which ``grad``'s pieces are spread (in a fixed order)."""
-    groups = []
-    if isinstance(grad, DTensor):
-        groups = [
-            grad.device_mesh.get_group(dim)
-            for dim, placement in enumerate(grad.placements)
-            if isinstance(placement, Shard)
-        ]
-    tp_mesh = getattr(param, "tp_mesh", None)
-    if tp_mesh is not None and getattr(param, "tp_partition_dim", -1) >= 0:
-        groups.append(tp_mesh.get_group())
-    return groups
+    if not isinstance(grad, DTensor):
+        return []
+    return [
+        grad.device_mesh.get_group(dim)
+        for dim, placement in enumerate(grad.placements)
+        if isinstance(placement, Shard)
+    ]
 
 
 def get_grad_norm(
@@ -73,7 +68,7 @@ def get_grad_norm(
     for p in _params(parameters):
         if p.grad is None:
             continue
-        signature = _signature(p, p.grad)
+        signature = _signature(p.grad)
         groups.update((id(g), g) for g in signature)
         key = tuple(sorted({id(g) for g in signature}))
         grad = local_value(p.grad)

@@ -92,6 +92,8 @@ class UnitHooks:
         spec: how gradients are scaled and reduced.
         reduce_now: the engine's policy: reduce at this backward's end (else accumulate).
         on_backward_end: run once per backward, after every unit is back to IDLE.
+        on_idle: run when an iteration is over (after a backward, or after a forward
+            that no backward will follow), to put the sharded parameters back.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class UnitHooks:
         spec: ReduceSpec,
         reduce_now: Callable[[], bool],
         on_backward_end: Callable[[], None],
+        on_idle: Callable[[], None],
     ) -> None:
         self._root = root
         self._units = units
@@ -113,6 +116,7 @@ class UnitHooks:
         self._spec = spec
         self._reduce_now = reduce_now
         self._on_backward_end = on_backward_end
+        self._on_idle = on_idle
         self._callback_queued = False
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
@@ -158,6 +162,7 @@ class UnitHooks:
             for group in self._root.groups:
                 group.reshard()
             self._root.state = TrainingState.IDLE
+            self._on_idle()
         return out
 
     def _unit_pre_forward(
@@ -272,6 +277,7 @@ class UnitHooks:
         self._callback_queued = False
         self._reducing = []
         self._on_backward_end()
+        self._on_idle()
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:

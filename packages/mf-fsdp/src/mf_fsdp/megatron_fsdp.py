@@ -34,16 +34,17 @@ from mf_fsdp.config import (
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine_state_dict import engine_state_dict, load_engine_state_dict
+from mf_fsdp.engine_state_dict import load_engine_state_dict
 from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks
-from mf_fsdp.layout import DEFAULT_ALIGNMENT, compute_bucket_layout
+from mf_fsdp.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.meta_init import materialize_meta_params
-from mf_fsdp.optimizer import install_unwrapped_optimizer_guard
-from mf_fsdp.optimizer_params import build_optimizer_params, owner_of
-from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ReduceSpec
+from mf_fsdp.optimizer import install_optimizer_hooks
+from mf_fsdp.optimizer_params import build_sharded_params, owner_of
+from mf_fsdp.param import FSDPParam
+from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
 from mf_fsdp.stats import BucketStats, bucket_stats, memory_footprint
-from mf_fsdp.tp_params import local_shape, validate_tp_params
-from mf_fsdp.units import BucketSpec, plan_buckets, resolve_unit_classes
+from mf_fsdp.tp_params import tp_info, validate_tp_params
+from mf_fsdp.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
 from mf_utils import get_group_device
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
@@ -123,12 +124,15 @@ class MegatronFSDP(nn.Module):
             gradient_scaling_factor,
         )
         self._pool = BufferPool()
+        self._sharded_registered = False
         validate_tp_params(module.named_parameters(), dist_index, init_model_with_meta_device)
+        sources = _param_sources(module, dist_index, self.strategy)
         specs = plan_buckets(module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing)
-        self._build_units(specs, alignment, init_model_with_meta_device)
-        self._opt_params, self._grad_pairs = build_optimizer_params(
-            self, self.groups, self.strategy, dist_index
-        )
+        self._build_units(specs, sources, alignment, init_model_with_meta_device)
+        build_sharded_params(self, self.groups, self.strategy, dist_index)
+        self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
+        self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
+        self._register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
             self._units,
@@ -138,11 +142,18 @@ class MegatronFSDP(nn.Module):
             self._spec,
             reduce_now=self._reduce_now,
             on_backward_end=self._on_backward_end,
+            on_idle=self._register_sharded,
         )
-        install_unwrapped_optimizer_guard()
+        install_optimizer_hooks()
 
     # ------------------------------------------------------------------ construction
-    def _build_units(self, specs: list[BucketSpec], alignment: int, meta_init: bool) -> None:
+    def _build_units(
+        self,
+        specs: list[BucketSpec],
+        sources: dict[int, ParamSource],
+        alignment: int,
+        meta_init: bool,
+    ) -> None:
         by_unit: dict[int, Unit] = {}
         self._root = Unit(None, "", [])
         self._units: list[Unit] = []
@@ -150,7 +161,8 @@ class MegatronFSDP(nn.Module):
         index = self.dist_index
         world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
         outer_op = dist.ReduceOp.AVG if self._spec.op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
-        for spec in specs:
+        parts = [part for spec in specs for part in lay_out(spec, world, alignment)]
+        for spec, layout in parts:
             dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
             if self.strategy.level > 0 and dtypes.grads != dtypes.main:
                 raise ValueError(
@@ -160,10 +172,9 @@ class MegatronFSDP(nn.Module):
                 )
             if self.ddp_config.grad_reduce_in_fp32:
                 dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
-            layout = compute_bucket_layout([local_shape(p) for p in spec.params], world, alignment)
             group = ParamGroup(
                 list(spec.params),
-                list(spec.names),
+                [sources[id(p)] for p in spec.params],
                 layout,
                 self.strategy,
                 dtypes,
@@ -199,6 +210,7 @@ class MegatronFSDP(nn.Module):
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with the engine's gathers, releases and reductions."""
+        self._register_compute()
         self._unit_hooks.root_pre_forward()
         out = self.module(*inputs, **kwargs)
         return self._unit_hooks.root_post_forward(out)
@@ -280,13 +292,14 @@ class MegatronFSDP(nn.Module):
         self.microbatch_count = 0
 
     def attach_grad_to_optimizer_state(self) -> None:
-        """Point each optimizer parameter's ``.grad`` at its reduced gradient."""
-        for opt, grad in self._grad_pairs:
-            opt.grad = grad
-        if self.strategy.level == 0:
-            for group in self.groups:
-                if not group.main_is_separate:
-                    group.attach_local_grads()
+        """Point each sharded parameter's ``.grad`` at its reduced gradient."""
+        for fp in self.fsdp_params:
+            if fp.grad is not None:
+                fp.sharded.grad = fp.grad
+        for group in self.groups:
+            if self.strategy.level == 0 and not group.main_is_separate:
+                group.attach_local_grads()
+            group.grads_handed_out = group.requires_grad
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held by the engine by ``scaling_factor``."""
@@ -297,8 +310,9 @@ class MegatronFSDP(nn.Module):
         """Zero every gradient: the engine's buffers and the optimizer parameters' ``.grad``."""
         self.zero_grad_buffer()
         if set_to_none:
-            for opt, _ in self._grad_pairs:
-                opt.grad = None
+            for fp in self.fsdp_params:
+                if fp.grad is not None:
+                    fp.sharded.grad = None
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer (call with ``optimizer.zero_grad``; the wrapped one does)."""
@@ -370,24 +384,28 @@ class MegatronFSDP(nn.Module):
         return owner_of(param)
 
     def optimizer_param(self, param: nn.Parameter) -> nn.Parameter:
-        """The parameter the optimizer steps on in place of model parameter ``param``.
+        """The sharded parameter the optimizer steps on in place of ``param``.
+
+        ``param`` may be an original (compute) parameter of the wrapped module or
+        already a sharded one (then it is returned as is).
 
         Raises:
-            ValueError: if ``param`` is not a parameter of the wrapped module.
+            ValueError: if ``param`` is not a parameter managed by this engine.
         """
-        try:
-            return self._opt_params[param]
-        except KeyError:
-            raise ValueError(
-                f"param: a tensor of shape {tuple(param.shape)} is not a parameter managed by "
-                "this MegatronFSDP; expected a parameter of the wrapped module"
-            ) from None
+        fp = self._by_compute.get(id(param))
+        if fp is not None:
+            return fp.sharded
+        if owner_of(param) is self:
+            return param
+        raise ValueError(
+            f"param: a tensor of shape {tuple(param.shape)} is not a parameter managed by "
+            "this MegatronFSDP; expected a parameter of the wrapped module"
+        )
 
     def optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name, optimizer parameter) for every managed parameter, in bucket order."""
-        for group in self.groups:
-            for name, param in zip(group.names, group.params, strict=True):
-                yield name, self._opt_params[param]
+        """(canonical name, sharded parameter) for every managed parameter, in bucket order."""
+        for fp in self.fsdp_params:
+            yield fp.fqn, fp.sharded
 
     def bucket_stats(self) -> list[BucketStats]:
         """Size and padding of every bucket, as seen from this rank."""
@@ -403,22 +421,124 @@ class MegatronFSDP(nn.Module):
         """
         return memory_footprint(self.groups, self._pool, optimizer)
 
-    # ------------------------------------------------------------------ state dict
-    preproc_state_dict_for_dcp_ckpt: bool = True  # attach DTensors' true DCP offsets
+    # ------------------------------------------------------------------ module contract
+    def _register_sharded(self) -> None:
+        """Let every owning module hold the sharded form (between passes)."""
+        if not self._sharded_registered:
+            for fp in self.fsdp_params:
+                fp.register(fp.sharded)
+            self._sharded_registered = True
+
+    def _register_compute(self) -> None:
+        """Let every owning module hold the compute form (forward and backward)."""
+        if self._sharded_registered:
+            for fp in self.fsdp_params:
+                fp.register(fp.compute)
+            self._sharded_registered = False
+
+    @contextlib.contextmanager
+    def _sharded_forms(self) -> Iterator[None]:
+        """Register the sharded forms for the block, then restore what was registered."""
+        was_sharded = self._sharded_registered
+        self._register_sharded()
+        try:
+            yield
+        finally:
+            if not was_sharded:
+                self._register_compute()
+
+    def __getattr__(self, name: str) -> Any:
+        """Resolve what the wrapper lacks on the wrapped module, as if it were that module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name == "module":
+                raise
+            return getattr(inner, name)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Tell torch's DSD that ``module`` is not part of the state-dict keys."""
+        return {"module": "module"}
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under their own names (sharded forms between passes)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped module's buffers under their own names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(  # type: ignore[override]
-        self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
-        """Parameters as the optimizer's (sharded, DCP-ready) tensors, keyed by module names."""
-        return engine_state_dict(self, prefix, keep_vars)
+        """The wrapped module's state dict: its keys, sharded parameter-shaped DTensors.
+
+        Parameters are the sharded forms (``UnevenDTensor``s of the parameters'
+        global shapes sharing storage with the engine's main weights, so
+        ``dcp.load`` into this dict writes the weights in place; or plain tensors
+        under ZeRO-0 without TP); buffers and extra state as the module gives them.
+        """
+        if args:
+            raise TypeError(
+                "MegatronFSDP.state_dict: positional arguments are not supported; pass "
+                "destination=, prefix= and keep_vars= by name"
+            )
+        with self._sharded_forms():
+            return self.module.state_dict(
+                destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load values shaped like ``state_dict()`` (sharded) or full tensors, then install.
+        """Load a state dict in any layout, then install the weights; collective.
+
+        Parameter values may be this model's own sharded tensors (e.g. filled by
+        ``dcp.load``), DTensors of any other layout or world size, or full plain
+        tensors; each rank keeps its rows. ``assign`` is accepted for torch's API and
+        has no effect (values are always copied into the engine's buffers).
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
 
         Raises:
-            ValueError: for a missing/unexpected key (strict) or a shape mismatch.
+            RuntimeError: with ``strict``, for missing or unexpected keys; for a value
+                whose shape differs from its parameter's.
         """
-        load_engine_state_dict(self, state_dict, strict)
-        return None
+        with self._sharded_forms():
+            return load_engine_state_dict(self, state_dict, strict)
+
+
+def _param_sources(
+    module: nn.Module, index: FSDPDistributedIndex, strategy: ZeroDPStrategy
+) -> dict[int, ParamSource]:
+    """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
+
+    Raises:
+        ValueError: for a scalar (0-d) parameter under a sharded strategy, or a TP
+            split the engine cannot describe (see ``tp_info``).
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((owner, attr))
+    sources = {}
+    for name, param in module.named_parameters():
+        if strategy.level > 0 and param.dim() == 0:
+            raise ValueError(
+                f"module: parameter {name!r} is a scalar (0-d); sharded strategies split "
+                "dim 0, so expected at least one dim (reshape it to (1,), as FSDP2 asks)"
+            )
+        sources[id(param)] = ParamSource(
+            tuple(names[id(param)]), tuple(slots[id(param)]), tp_info(name, param, index)
+        )
+    return sources

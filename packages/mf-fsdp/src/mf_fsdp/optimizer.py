@@ -1,18 +1,25 @@
 """Optimizer integration: rebind to sharded parameters, finish reductions, install weights.
 
-``fully_shard_optimizer`` swaps each model parameter in the optimizer's param
-groups for the engine's optimizer parameter (a 1-D uneven DTensor over the
-owned shard, or the full parameter for ``no_shard``), keeping groups and
-options. A step pre-hook finishes every pending gradient reduction (so no
-strategy steps on unreduced grads), a step post-hook installs the updated
-weights into the model buffers, and ``zero_grad`` also zeroes the engine's
-buffers.
+An optimizer works on mf's sharded parameters whichever way it was built:
 
-An optimizer that still holds the wrapped model's original parameters is
-rejected at step time by a global step pre-hook
-(``install_unwrapped_optimizer_guard``, installed by ``MegatronFSDP``).
-This module never builds the optimizer parameters (``optimizer_params.py``
-does) and imports the engine for type hints only.
+- built on the original module's parameters before wrapping:
+  ``fully_shard_optimizer`` swaps each one for its sharded form (groups and
+  options kept) and creates the state at once (see [Note: eager optimizer
+  state] in ``optimizer_state.py``);
+- built after wrapping on ``model.parameters()`` (as with PyTorch FSDP2): it
+  already holds the sharded forms; ``fully_shard_optimizer`` adds the eager
+  state and zero_grad integration, and works without it too.
+
+Process-wide step hooks (``install_optimizer_hooks``, installed by
+``MegatronFSDP``) do what every such optimizer needs: before ``step()``
+finish every pending gradient reduction of the engines owning its parameters
+(no strategy ever steps on unreduced grads) and drop unused initial buffers;
+after it, install the updated weights into the model's buffers. The same
+pre-hook rejects an optimizer that still holds compute parameters (the
+original objects, whose values live in the engine's buffers), which would
+otherwise silently train nothing. This module never builds the sharded
+parameters (``optimizer_params.py`` does) and imports the engine for type
+hints only.
 """
 
 from __future__ import annotations
@@ -20,55 +27,102 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from mf_fsdp.optimizer_params import MANAGED_ATTR, owner_of
+from mf_fsdp.optimizer_state import (
+    drop_unused_initial_state,
+    init_optimizer_state,
+    initializing,
+    localize_loaded_state,
+)
 
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
 
-__all__ = ["fully_shard_optimizer", "install_unwrapped_optimizer_guard"]
+__all__ = ["fully_shard_optimizer", "install_optimizer_hooks"]
 
-_GUARD_INSTALLED = False
-
-
-def install_unwrapped_optimizer_guard() -> None:
-    """Register (once per process) the step pre-hook that rejects unwrapped optimizers."""
-    global _GUARD_INSTALLED
-    if not _GUARD_INSTALLED:
-        register_optimizer_step_pre_hook(_reject_unwrapped)
-        _GUARD_INSTALLED = True
+_HOOKS_INSTALLED = False
+_LOAD_HOOK_ATTR = "_mf_fsdp_load_hook"
 
 
-def _reject_unwrapped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def install_optimizer_hooks() -> None:
+    """Register (once per process) the step hooks every optimizer of sharded parameters needs."""
+    global _HOOKS_INSTALLED
+    if not _HOOKS_INSTALLED:
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
+        _HOOKS_INSTALLED = True
+
+
+def _engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
+    """The engines owning ``optimizer``'s parameters, in first-seen order.
+
+    Raises:
+        RuntimeError: if the optimizer holds compute parameters of a wrapped model.
+    """
+    engines: dict[int, MegatronFSDP] = {}
     for group in optimizer.param_groups:
-        params = group["params"]
-        if params and getattr(params[0], MANAGED_ATTR, False):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step(): this optimizer holds the original parameters "
-                "of a model wrapped by mf_fsdp, whose values and grads live in the engine's "
-                "buffers; stepping it would silently train nothing. Pass it through "
-                "mf_fsdp.fully_shard_optimizer(optimizer) (or fully_shard(model, optimizer))."
-            )
+        for param in group["params"]:
+            if getattr(param, MANAGED_ATTR, False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): this optimizer holds the original "
+                    "parameters of a model wrapped by mf_fsdp, whose values and grads live in "
+                    "the engine's buffers; stepping it would silently train nothing. Pass it "
+                    "through mf_fsdp.fully_shard_optimizer(optimizer) (or fully_shard(model, "
+                    "optimizer)), or build it on model.parameters() after wrapping."
+                )
+            engine = owner_of(param)
+            if engine is not None:
+                engines.setdefault(id(engine), engine)
+    return list(engines.values())
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    engines = _engines(optimizer)
+    if not engines or initializing(optimizer):
+        return
+    _ensure_load_hook(optimizer)
+    for engine in engines:
+        engine.finish_grad_sync()
+    drop_unused_initial_state(optimizer)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if initializing(optimizer):
+        return
+    for engine in _engines(optimizer):
+        engine.install_optimized_model_weights()
+
+
+def _ensure_load_hook(optimizer: torch.optim.Optimizer) -> None:
+    if not getattr(optimizer, _LOAD_HOOK_ATTR, False):
+        optimizer.register_load_state_dict_post_hook(localize_loaded_state)
+        setattr(optimizer, _LOAD_HOOK_ATTR, True)
 
 
 def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer, model: MegatronFSDP | None = None
 ) -> torch.optim.Optimizer:
-    """Rebind ``optimizer`` (built on the model's original parameters) to the engine.
+    """Bind ``optimizer`` to the engine's sharded parameters and create its state.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` whose params are the wrapped model's
-            parameters and which has not stepped yet.
+            parameters (the original ones, which must not have stepped yet, or the
+            sharded ones from ``model.parameters()``).
         model: the ``MegatronFSDP`` owning them; found from the parameters when None.
 
     Returns:
-        The same optimizer object, now stepping on the engine's parameters.
+        The same optimizer object, stepping on the engine's sharded parameters, with
+        its state already created (so ``dcp.load`` into its ``state_dict()`` works).
 
     Raises:
         TypeError: if ``optimizer`` is not a torch optimizer.
-        ValueError: if it already has state, was already rebound, or holds a parameter
-            that no ``MegatronFSDP`` manages.
+        ValueError: if it was already passed through, has state keyed by the original
+            parameters, or holds a parameter that no ``MegatronFSDP`` manages.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -76,20 +130,22 @@ def fully_shard_optimizer(
         )
     if getattr(optimizer, "_mf_fsdp_model", None) is not None:
         raise ValueError("fully_shard_optimizer: optimizer was already passed through it once")
-    if optimizer.state:
-        raise ValueError(
-            "fully_shard_optimizer: optimizer already has state (it has stepped); expected a "
-            "fresh optimizer built on the model's parameters"
-        )
     if model is None:
         model = _find_model(optimizer)
+    originals = any(
+        getattr(p, MANAGED_ATTR, False) or model.optimizer_param(p) is not p
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+    if originals and optimizer.state:
+        raise ValueError(
+            "fully_shard_optimizer: optimizer already has state (it has stepped on the "
+            "original parameters); expected a fresh optimizer built on the model's parameters"
+        )
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: model.finish_grad_sync())
-    optimizer.register_step_post_hook(
-        lambda opt, args, kwargs: model.install_optimized_model_weights()
-    )
+    _ensure_load_hook(optimizer)
     plain_zero_grad = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
@@ -97,6 +153,7 @@ def fully_shard_optimizer(
         model.zero_grad_buffer()
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    init_optimizer_state(optimizer)
     return optimizer
 
 

@@ -1,21 +1,25 @@
-"""The parameters the optimizer steps on, built once over the engine's buffers.
+"""The sharded parameters the optimizer steps on, built once over the engine's buffers.
 
-For each model parameter the optimizer gets:
+For each managed parameter (see [Note: parameter forms] in ``param.py``):
 
-- ZeRO-1/2/3: a 1-D uneven DTensor of global shape ``(numel,)`` over the data-
-  parallel mesh (``FSDPDistributedIndex.dp_mesh()``) whose local tensor is a
-  view of this rank's piece of the bucket's main weights, with
-  ``local_offset`` (its start in the flat parameter) and a gradient DTensor
-  over the same piece of the reduced grad store;
-- ZeRO-0: the model's own parameter, or, when the main weights are a
-  separate buffer or the parameter is a DTensor (TP), a plain view of the
-  main weights with a view of the grad store.
+- ZeRO-1/2/3, or any strategy for a tensor-parallel parameter: an
+  ``mf_dtensor.UnevenDTensor`` of the parameter's global shape whose local
+  piece is a view of this rank's whole rows of the bucket's main weights, on
+  the data-parallel mesh (``FSDPDistributedIndex.dp_mesh()``; plus the tp dim,
+  ``dp_tp_mesh()``, for a TP parameter), and a gradient of the same kind over
+  the reduced grad store;
+- ZeRO-0 without TP: the compute parameter itself, or a plain full-shaped
+  view of the main weights when they are a separate (mixed-precision) buffer.
 
-Every one carries ``orig_shape`` (the TP-local shape) and the TP facts of
-``annotate_optimizer_param``. The model parameters are marked as managed
-(``MANAGED_ATTR``, for the unwrapped-optimizer guard) and point back to their
-engine (``OWNER_ATTR``, read by ``owner_of``). Views only: nothing is copied
-or communicated here.
+Placements say which mesh dims split the parameter: ``Shard(0)`` on
+``dp_shard`` (and on ``dp_outer`` when hybrid-sharded), ``Replicate()`` on
+``dp_outer`` under HSDP and on every dp dim under ZeRO-0, ``Shard(d)`` /
+``Replicate()`` on tp. The pieces themselves are whole rows of the bucket
+layout, not ``torch.chunk`` pieces; ``UnevenDTensor`` keeps DTensor's
+collectives right for them. Compute parameters are marked as managed
+(``MANAGED_ATTR``, for the unwrapped-optimizer guard) and sharded ones point
+back to their engine (``OWNER_ATTR``). Views only: nothing is copied or
+communicated here.
 """
 
 from __future__ import annotations
@@ -25,102 +29,116 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
-from mf_dtensor import uneven_dtensor_from_local
+from mf_dtensor import UnevenDTensor
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.param import FSDPParam, ParamPieces
 from mf_fsdp.param_group import ParamGroup
-from mf_fsdp.tp_params import annotate_optimizer_param, local_shape
 
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
 
-__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "build_optimizer_params", "owner_of"]
+__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "build_sharded_params", "owner_of"]
 
 MANAGED_ATTR = "_mf_fsdp_managed"
-"""Set on model parameters whose values the optimizer must not step directly."""
+"""Set on compute parameters, whose values the optimizer must not step directly."""
 
 
 OWNER_ATTR = "_mf_fsdp_owner"
-"""Weak reference from a model parameter to the engine managing it."""
+"""Weak reference from a managed parameter (either form) to the engine managing it."""
 
 
-def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
-    """The engine managing model parameter ``param``, or None."""
+def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
+    """The engine managing ``param`` (a compute or sharded parameter), or None."""
     ref = getattr(param, OWNER_ATTR, None)
     return None if ref is None else ref()
 
 
-def build_optimizer_params(
+def _dp_layout(
+    index: FSDPDistributedIndex, strategy: ZeroDPStrategy
+) -> tuple[list[Placement], tuple[int, ...]]:
+    """Placements of the dp mesh dims, and the dims whose coordinate names the row owner."""
+    mesh_ndim = index.dp_mesh().ndim
+    if strategy.level == 0:
+        return [Replicate()] * mesh_ndim, ()
+    if index.hsdp_outer_dp_shard:  # (dp_shard, dp_outer), row-major = logical rank
+        return [Shard(0), Shard(0)], (0, 1)
+    if index.dp_outer_dim is not None:  # (dp_outer, dp_shard): replicas across dp_outer
+        return [Replicate(), Shard(0)], (1,)
+    return [Shard(0)], (0,)
+
+
+def build_sharded_params(
     owner: MegatronFSDP,
     groups: list[ParamGroup],
     strategy: ZeroDPStrategy,
     dist_index: FSDPDistributedIndex,
-) -> tuple[dict[nn.Parameter, nn.Parameter], list[tuple[nn.Parameter, torch.Tensor]]]:
-    """Create the optimizer parameters of every bucket and their gradient views.
+) -> None:
+    """Create every managed parameter's sharded form and its gradient (``fp.sharded``/``fp.grad``).
 
     Args:
-        owner: the engine; model parameters keep a weak reference to it.
+        owner: the engine; parameters keep a weak reference to it.
         groups: the engine's buckets, in order.
         strategy: the ZeRO strategy inside dp_shard.
-        dist_index: meshes (the optimizer DTensors live on ``dist_index.dp_mesh()``).
-
-    Returns:
-        ``(optimizer parameter by model parameter, [(optimizer parameter, its grad)])``;
-        a ZeRO-0 parameter that is its own optimizer parameter has no grad pair (its
-        ``.grad`` is attached by its bucket).
+        dist_index: meshes (``dp_mesh()``, and ``dp_tp_mesh()`` for TP parameters).
     """
-    opt_params: dict[nn.Parameter, nn.Parameter] = {}
-    grad_pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
-    mesh = dist_index.dp_mesh()
-    placements = [Shard(0)] * mesh.ndim
-    if dist_index.dp_outer_dim and not dist_index.hsdp_outer_dp_shard:
-        placements = [Replicate(), Shard(0)]
     owner_ref = weakref.ref(owner)
+    dp_placements, member_dims = _dp_layout(dist_index, strategy)
+    dp_mesh = dist_index.dp_mesh()
+    dp_tp_mesh = dist_index.dp_tp_mesh() if dist_index.tp_dim is not None else None
     for group in groups:
-        for index, param in enumerate(group.params):
-            if strategy.level == 0:
-                # The model's own parameter, unless it is a DTensor (TP): then a
-                # plain view of its local values, as the optimizer contract says.
-                if not group.main_is_separate and not isinstance(param, DTensor):
-                    setattr(param, OWNER_ATTR, owner_ref)
-                    annotate_optimizer_param(param, param, dist_index)
-                    opt_params[param] = param
-                    continue
-                start, end, shape = group.param_range(index)
-                opt = nn.Parameter(group.main[start:end].view(shape), param.requires_grad)
-                grad = group.grad_store[start:end].view(shape) if group.requires_grad else None
-            else:
-                numel = local_shape(param).numel()
-                local, offset = group.local_main_piece(index, group.main)
-                opt = nn.Parameter(
-                    _flat_shard(local, mesh, placements, numel, offset), param.requires_grad
+        for fp in group.fsdp_params:
+            setattr(fp.compute, OWNER_ATTR, owner_ref)
+            if strategy.level == 0 and fp.tp is None and not group.main_is_separate:
+                fp.sharded = fp.compute  # the model's own parameter; its bucket attaches grads
+                continue
+            setattr(fp.compute, MANAGED_ATTR, True)
+            values = group.main_view(fp, group.main)
+            grad = group.main_view(fp, group.grad_store) if group.requires_grad else None
+            if strategy.level > 0 or fp.tp is not None:
+                mesh = dp_mesh if fp.tp is None else dp_tp_mesh
+                assert mesh is not None  # internal invariant: TP parameters need a tp_dim
+                placements, pieces = _placements_and_pieces(
+                    group, fp, tuple(mesh.shape), dp_placements, member_dims
                 )
-                grad = None
-                if group.requires_grad:
-                    glocal, _ = group.local_main_piece(index, group.grad_store)
-                    grad = _flat_shard(glocal, mesh, placements, numel, offset)
-                opt.local_offset = offset  # type: ignore[attr-defined]
-            opt.orig_shape = local_shape(param)  # type: ignore[attr-defined]
-            annotate_optimizer_param(opt, param, dist_index)
-            setattr(param, MANAGED_ATTR, True)
-            setattr(param, OWNER_ATTR, owner_ref)
-            opt_params[param] = opt
-            if grad is not None:
-                grad_pairs.append((opt, grad))
-    return opt_params, grad_pairs
+                shape = fp.global_shape
+                values = UnevenDTensor.from_local(
+                    values, mesh, placements, shape=shape, pieces=pieces
+                )
+                if grad is not None:
+                    grad = UnevenDTensor.from_local(
+                        grad, mesh, placements, shape=shape, pieces=pieces
+                    )
+            fp.sharded = nn.Parameter(values, requires_grad=fp.compute.requires_grad)
+            fp.grad = grad
+            setattr(fp.sharded, OWNER_ATTR, owner_ref)
 
 
-def _flat_shard(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: list[Placement],
-    numel: int,
-    offset: int,
-) -> DTensor:
-    """``local`` as the piece at ``offset`` of a 1-D uneven DTensor of ``numel`` elements."""
-    return uneven_dtensor_from_local(
-        local, mesh, placements, global_shape=(numel,), global_offset=(offset,), validate=False
+def _placements_and_pieces(
+    group: ParamGroup,
+    fp: FSDPParam,
+    mesh_shape: tuple[int, ...],
+    dp_placements: list[Placement],
+    member_dims: tuple[int, ...],
+) -> tuple[list[Placement], ParamPieces]:
+    """The sharded form's placements (dp dims, then tp) and where every rank's rows lie."""
+    placements = list(dp_placements)
+    tp_mesh_dim = None
+    if fp.tp is not None:
+        tp_mesh_dim = len(placements)
+        placements.append(Replicate() if fp.tp.dim is None else Shard(fp.tp.dim))
+    pieces = ParamPieces(
+        group.main_layout,
+        fp.index,
+        mesh_shape,
+        member_dims,
+        tp_mesh_dim,
+        None if fp.tp is None else fp.tp.dim,
+        1 if fp.tp is None else fp.tp.size,
+        1 if fp.tp is None else fp.tp.stride,
+        tuple(fp.shape),
     )
+    return placements, pieces

@@ -51,9 +51,25 @@ from torch import nn
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import BucketLayout
-from mf_fsdp.tp_params import local_shape, local_value, set_local_data, wrap_grad
+from mf_fsdp.param import FSDPParam
+from mf_fsdp.tp_params import TPInfo, local_shape, local_value, set_local_data, wrap_grad
 
-__all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ReduceSpec"]
+__all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSource:
+    """What the engine knows of a parameter before it enters a bucket.
+
+    Attributes:
+        fqns: every name of the parameter in the wrapped module (canonical first).
+        slots: every ``(module, attribute)`` registering it.
+        tp: its tensor-parallel facts, or None.
+    """
+
+    fqns: tuple[str, ...]
+    slots: tuple[tuple[nn.Module, str], ...]
+    tp: TPInfo | None
 
 
 class BufferPool:
@@ -119,7 +135,7 @@ class ParamGroup:
     Args:
         params: the parameters, in bucket order (their current values initialise it;
             meta parameters are left for ``materialize``).
-        names: their fully qualified names.
+        sources: per parameter: its names, registrations and TP facts.
         layout: the bucket layout over the shard group (over the whole dp group,
             ``outer x inner`` shards, under hybrid-sharded HSDP).
         strategy: the ZeRO strategy.
@@ -132,7 +148,7 @@ class ParamGroup:
     def __init__(
         self,
         params: list[nn.Parameter],
-        names: list[str],
+        sources: list[ParamSource],
         layout: BucketLayout,
         strategy: ZeroDPStrategy,
         dtypes: GroupDtypes,
@@ -141,7 +157,6 @@ class ParamGroup:
         pool: BufferPool,
     ) -> None:
         self.params = params
-        self.names = names
         self.strategy = strategy
         self.dtypes = dtypes
         self.dist_index = dist_index
@@ -169,6 +184,22 @@ class ParamGroup:
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
         ]
+        sharded = strategy.level > 0
+        self.fsdp_params = [
+            FSDPParam(
+                param,
+                source.fqns,
+                source.slots,
+                index,
+                layout.starts[index],
+                local_shape(param),
+                source.tp,
+                self.main_layout.local_rows(index, self.main_rank)
+                if sharded
+                else (0, local_shape(param)[0] if param.dim() else 1),
+            )
+            for index, (param, source) in enumerate(zip(params, sources, strict=True))
+        ]
         # Sequence-parallel duplicated params: each TP rank's grad covers only its
         # rows, so their local grads are summed over TP before the dp reduction.
         self._sp_slices = [
@@ -182,6 +213,8 @@ class ParamGroup:
         self.model_full: torch.Tensor | None = None
         self.grad_local: torch.Tensor | None = None
         self.has_unreduced = False
+        # The optimizer's parameters hold this group's grads (attach_grad_to_optimizer_state).
+        self.grads_handed_out = False
         self._reduced_in_local = False
         self._store_fresh = True
         # The store holds inner-reduced grads whose dp_outer reduction is still due.
@@ -272,10 +305,6 @@ class ParamGroup:
         assert self.model_full is not None  # internal invariant
         return self.model_full[self.lo : self.hi]
 
-    def param_range(self, index: int) -> tuple[int, int, torch.Size]:
-        """Parameter ``index``'s ``[start, end)`` in the bucket and its shape."""
-        return self._slices[index]
-
     def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
         # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
         key = (id(buffer), as_grads)
@@ -290,12 +319,23 @@ class ParamGroup:
         self._view_cache[key] = (buffer, views)
         return views
 
-    def local_main_piece(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's piece of parameter ``index`` in a shard-sized buffer, and its offset."""
-        start = self._slices[index][0]
-        b, e = self.main_layout.local_piece(index, self.main_rank)
-        lo = max(start + b - self.sub_lo, 0) if b < e else 0
-        return buffer[lo : lo + e - b], b
+    def main_view(self, fp: FSDPParam, buffer: torch.Tensor) -> torch.Tensor:
+        """``fp``'s rows this rank's optimizer owns, viewed in ``buffer`` in ``fp``'s shape.
+
+        ``buffer`` is the main weights or the grad store: the whole bucket under
+        ZeRO-0 (the whole parameter), else this rank's shard (its ``main_rows``).
+        """
+        if self.strategy.level == 0:
+            return buffer[fp.start : fp.start + fp.numel].view(fp.shape)
+        begin, end = fp.main_rows
+        row = fp.row_numel
+        first = fp.start + begin * row - self.sub_lo if begin < end else 0
+        return buffer[first : first + (end - begin) * row].view(end - begin, *fp.shape[1:])
+
+    @property
+    def names(self) -> list[str]:
+        """Each parameter's canonical name, in bucket order."""
+        return [fp.fqn for fp in self.fsdp_params]
 
     # ------------------------------------------------------------------ ZeRO-3 gather
     def unshard(self, async_op: bool) -> None:
@@ -341,6 +381,10 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
+        if self.grads_handed_out and self.fsdp_params[0].sharded.grad is None:
+            # The optimizer dropped the grads it was given (``zero_grad()`` of an
+            # optimizer built on the sharded parameters): start from zero, as torch does.
+            self.zero_grad()
         if self.strategy.level >= 2:
             if self.grad_local is None:
                 self.grad_local = self.pool.take(
@@ -538,6 +582,7 @@ class ParamGroup:
             self.pool.give(self.grad_local)
             self.grad_local = None
         self.has_unreduced = False
+        self.grads_handed_out = False
         self._reduced_in_local = False
         self._store_fresh = True
         self._outer_due = False

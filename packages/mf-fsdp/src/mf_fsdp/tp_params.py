@@ -21,26 +21,29 @@ Under sequence parallelism a duplicated parameter marked
 ``sequence_parallel=True`` only sees its rank's rows; ``ParamGroup`` sums
 those grads over the tp group before the dp reduction.
 
-This module also writes the TP facts a checkpoint needs onto each optimizer
-parameter (``annotate_optimizer_param``). It must not communicate.
+This module also reads the TP facts the optimizer's parameter-shaped DTensors
+need (``tp_info``: tp mesh, rank, partition dim, stride). It must not communicate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_utils import get_mcore_tensor_parallel_partition_dim
 
 __all__ = [
-    "annotate_optimizer_param",
+    "TPInfo",
     "local_shape",
     "local_value",
     "set_local_data",
+    "tp_info",
     "validate_tp_params",
     "wrap_grad",
 ]
@@ -137,35 +140,65 @@ def validate_tp_params(
             )
 
 
-def annotate_optimizer_param(
-    opt: torch.Tensor, param: nn.Parameter, index: FSDPDistributedIndex
-) -> None:
-    """Attach the TP facts that reassemble ``param``'s full tensor onto its optimizer param.
+@dataclass(frozen=True, slots=True)
+class TPInfo:
+    """How a parameter is split over the tensor-parallel group.
 
-    Attributes (set only for a DTensor parameter or when the engine has a tp dim):
-    ``tp_mesh`` (the 1-D tp DeviceMesh), ``tp_size``, ``tp_rank``,
-    ``tp_partition_dim`` (``-1``: duplicated on every TP rank), ``tp_partition_stride``,
-    ``tp_global_shape`` (the full tensor's shape) and, for DTensor parameters,
-    ``tp_placements``. ``opt.orig_shape`` stays the TP-local shape.
+    Attributes:
+        mesh: the 1-D tp DeviceMesh.
+        size: number of tp ranks.
+        rank: this process's tp rank.
+        dim: the partition dim, or None for a parameter duplicated on every tp rank.
+        stride: interleaved blocks per tp rank along ``dim`` (mf-tp's fused QKV: 3).
+    """
+
+    mesh: DeviceMesh
+    size: int
+    rank: int
+    dim: int | None
+    stride: int = 1
+
+    def global_shape(self, local: Sequence[int]) -> torch.Size:
+        """The full (tp-gathered) shape of a parameter whose tp-local shape is ``local``."""
+        full = list(local)
+        if self.dim is not None:
+            full[self.dim] *= self.size
+        return torch.Size(full)
+
+
+def tp_info(name: str, param: nn.Parameter, index: FSDPDistributedIndex) -> TPInfo | None:
+    """The tensor-parallel facts of ``param``, or None when the engine sees no tp split.
+
+    A DTensor parameter brings its own tp mesh and placement; a plain parameter
+    is read through the mf_utils attribute protocol when the engine has a tp dim.
+
+    Raises:
+        ValueError: for a split the engine cannot describe as parameter-shaped pieces:
+            a DTensor ``Shard`` dim not divisible by the tp size, an interleaving stride
+            on a dim other than 0, or a stride that does not divide the local rows.
     """
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         placement = param.placements[0]
-        dim = placement.dim % param.dim() if isinstance(placement, Shard) else -1
+        dim = placement.dim % param.dim() if isinstance(placement, Shard) else None
         stride = 1
-        global_shape = tuple(param.shape)
-        opt.tp_placements = tuple(param.placements)  # type: ignore[attr-defined]
+        if dim is not None and param.shape[dim] % mesh.size():
+            raise ValueError(
+                f"parameter {name!r}: DTensor of shape {tuple(param.shape)} is split unevenly "
+                f"over {mesh.size()} tp ranks along dim {dim}; expected a dim divisible by "
+                "the tp size"
+            )
     elif index.tp_dim is not None:
         mesh = index.get_submesh(index.tp_dim)
         found = get_mcore_tensor_parallel_partition_dim(param)
-        dim = -1 if found is None else found % max(param.dim(), 1)
-        stride = int(getattr(param, "partition_stride", 1)) if dim >= 0 else 1
-        global_shape = tuple(n * mesh.size() if d == dim else n for d, n in enumerate(param.shape))
+        dim = None if found is None else found % max(param.dim(), 1)
+        stride = int(getattr(param, "partition_stride", 1)) if dim is not None else 1
     else:
-        return
-    opt.tp_mesh = mesh  # type: ignore[attr-defined]
-    opt.tp_size = mesh.size()  # type: ignore[attr-defined]
-    opt.tp_rank = mesh.get_local_rank()  # type: ignore[attr-defined]
-    opt.tp_partition_dim = dim  # type: ignore[attr-defined]
-    opt.tp_partition_stride = stride  # type: ignore[attr-defined]
-    opt.tp_global_shape = global_shape  # type: ignore[attr-defined]
+        return None
+    shape = local_shape(param)
+    if stride != 1 and (dim != 0 or shape[0] % stride):
+        raise ValueError(
+            f"parameter {name!r}: partition_stride={stride} along dim {dim} with local shape "
+            f"{tuple(shape)}; expected the stride on dim 0, dividing its rows"
+        )
+    return TPInfo(mesh, mesh.size(), mesh.get_local_rank(), dim, stride)

@@ -4,7 +4,9 @@ A unit is a module whose class is listed in ``fsdp_unit_modules`` and that
 does not sit inside another unit (the outermost match wins). A parameter
 belongs to the unit that contains it; a parameter reachable from several
 units (a tied weight) or from none goes to the root. Each unit's parameters
-are split by (dtype, requires_grad) into buckets, keeping model order.
+are split by (dtype, requires_grad) into buckets, keeping model order; at a
+given world size ``lay_out`` may split a bucket further by row size (see
+``mf_fsdp.layout.partition_bucket``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, compute_bucket_layout
+from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, partition_bucket
 from mf_fsdp.tp_params import local_shape
 
-__all__ = ["BucketSpec", "plan_bucket_layouts", "plan_buckets", "resolve_unit_classes"]
+__all__ = [
+    "BucketSpec",
+    "lay_out",
+    "plan_bucket_layouts",
+    "plan_buckets",
+    "resolve_unit_classes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,29 @@ def _split(
     ]
 
 
+def lay_out(
+    spec: BucketSpec, world_size: int, alignment: int = DEFAULT_ALIGNMENT
+) -> list[tuple[BucketSpec, BucketLayout]]:
+    """The buckets ``spec`` becomes at ``world_size`` shards, each with its layout.
+
+    Usually one; several when row sizes whose LCM would cost too much padding are
+    better apart (``partition_bucket``). Shapes are the tp-local ones.
+    """
+    parts = partition_bucket([local_shape(p) for p in spec.params], world_size, alignment)
+    return [
+        (
+            BucketSpec(
+                spec.unit,
+                spec.unit_name,
+                tuple(spec.params[i] for i in indices),
+                tuple(spec.names[i] for i in indices),
+            ),
+            layout,
+        )
+        for indices, layout in parts
+    ]
+
+
 def plan_bucket_layouts(
     module: nn.Module,
     world_size: int,
@@ -157,9 +188,7 @@ def plan_bucket_layouts(
     """
     classes = resolve_unit_classes(fsdp_unit_modules)
     return [
-        (
-            spec.unit_name,
-            compute_bucket_layout([local_shape(p) for p in spec.params], world_size, alignment),
-        )
+        (part.unit_name, layout)
         for spec in plan_buckets(module, classes, disable_bucketing)
+        for part, layout in lay_out(spec, world_size, alignment)
     ]

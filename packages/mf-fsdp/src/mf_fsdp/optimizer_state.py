@@ -1,0 +1,153 @@
+"""Optimizer state on sharded parameters: created eagerly, and loaded from any layout.
+
+[Note: eager optimizer state]
+torch optimizers create their state lazily, at the first ``step()``. A fresh
+optimizer's ``state_dict()`` is then empty, so ``dcp.load`` into it loads no
+optimizer state at all and training silently restarts the moments (the
+reference's recipe drifted by 3.7e-4 after resume this way). So
+``fully_shard_optimizer`` creates the state at once: one ``step()`` on zero
+gradients with ``lr`` and ``weight_decay`` set to zero, then every entry that
+step moved away from its fresh value is put back (step counters to 0, NAdam's
+``mu_product`` to 1, ...; ``_FRESH``). The step counters are not advanced, so
+the first real step is exactly a fresh optimizer's first step.
+
+One case cannot be put back by value: SGD with momentum and ``dampening != 0``
+starts its buffer as the first gradient itself, not ``(1 - dampening)`` times it.
+Such buffers are remembered as *unused* and dropped right before the first real
+step, unless a ``load_state_dict`` replaced them first.
+
+``localize_loaded_state`` (a ``load_state_dict`` post-hook) turns loaded state
+tensors of another layout (full tensors, DTensors of another world size, e.g.
+from torch's DSD with ``full_state_dict=True``) into the parameter's own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from mf_dtensor import UnevenDTensor, uneven_local_piece
+
+__all__ = ["drop_unused_initial_state", "init_optimizer_state", "localize_loaded_state"]
+
+_INITIALIZING_ATTR = "_mf_fsdp_initializing"
+_UNUSED_ATTR = "_mf_fsdp_unused_state"
+
+
+def _zeros(value: Any, group: dict[str, Any]) -> Any:
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
+
+
+def _ones(value: Any, group: dict[str, Any]) -> Any:
+    return torch.ones_like(value) if isinstance(value, torch.Tensor) else type(value)(1)
+
+
+def _lr(value: Any, group: dict[str, Any]) -> Any:
+    lr = group["lr"]
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, float(lr))
+    return type(value)(lr)
+
+
+_FRESH: dict[tuple[str, str], Callable[[Any, dict[str, Any]], Any]] = {
+    ("*", "step"): _zeros,
+    ("NAdam", "mu_product"): _ones,
+    ("Adamax", "exp_inf"): _zeros,
+    ("ASGD", "eta"): _lr,
+    ("ASGD", "mu"): _ones,
+    ("ASGD", "ax"): _zeros,
+    ("Rprop", "prev"): _zeros,
+    ("Rprop", "step_size"): _lr,
+}
+"""(optimizer class name or "*", state key) -> the value a fresh optimizer starts from."""
+
+
+def initializing(optimizer: torch.optim.Optimizer) -> bool:
+    """True while ``init_optimizer_state`` runs its zero step (engines skip their hooks)."""
+    return getattr(optimizer, _INITIALIZING_ATTR, False)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every parameter with ``requires_grad`` at its fresh values.
+
+    See [Note: eager optimizer state]. A no-op when the optimizer already has state.
+    Local only: no collective (the engines' step hooks are skipped).
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if optimizer.state or not params:
+        return
+    saved = []
+    for group in optimizer.param_groups:
+        saved.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
+        for key, value in saved[-1].items():
+            group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    setattr(optimizer, _INITIALIZING_ATTR, True)
+    try:
+        optimizer.step()
+    finally:
+        setattr(optimizer, _INITIALIZING_ATTR, False)
+        for group, options in zip(optimizer.param_groups, saved, strict=True):
+            group.update(options)
+        for param in params:
+            param.grad = None
+    name = type(optimizer).__name__
+    unused: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        sgd_dampened = name == "SGD" and group.get("momentum") and group.get("dampening")
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in list(state.items()):
+                fresh = _FRESH.get((name, key)) or _FRESH.get(("*", key))
+                if fresh is not None:
+                    state[key] = fresh(value, group)
+            if sgd_dampened and "momentum_buffer" in state:
+                unused.append(state["momentum_buffer"])
+    setattr(optimizer, _UNUSED_ATTR, {id(t) for t in unused})
+
+
+def drop_unused_initial_state(optimizer: torch.optim.Optimizer) -> None:
+    """Before a real step: drop buffers a fresh optimizer would not have yet (see the Note)."""
+    unused = getattr(optimizer, _UNUSED_ATTR, None)
+    if not unused:
+        return
+    for state in optimizer.state.values():
+        buffer = state.get("momentum_buffer")
+        if buffer is not None and id(buffer) in unused:
+            del state["momentum_buffer"]
+    setattr(optimizer, _UNUSED_ATTR, set())
+
+
+def localize_loaded_state(optimizer: torch.optim.Optimizer) -> None:
+    """Turn loaded state tensors shaped like their parameter into the parameter's layout.
+
+    A ``load_state_dict`` post-hook; collective when a value is a DTensor of another
+    layout (every rank loads the same state dict). Loaded buffers are no longer
+    *unused* (see [Note: eager optimizer state]).
+    """
+    setattr(optimizer, _UNUSED_ATTR, set())
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                    continue
+                if isinstance(param, UnevenDTensor):
+                    if isinstance(value, UnevenDTensor) and value.pieces is param.pieces:
+                        continue
+                    local = uneven_local_piece(value, param).to(value.dtype).clone()
+                    state[key] = UnevenDTensor.from_local(
+                        local,
+                        param.device_mesh,
+                        param.placements,
+                        shape=param.shape,
+                        pieces=param.pieces,
+                    )
+                elif isinstance(value, DTensor):
+                    state[key] = value.full_tensor().to(param.device)
