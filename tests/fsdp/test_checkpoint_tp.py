@@ -5,6 +5,10 @@ stores every parameter in its full (tp-gathered) shape, each rank writing its
 own box of it, so nothing is overwritten: a ZeRO-3 save loads into ZeRO-1
 bit-exact, and the offline full state dict holds the tp-gathered weights
 (column- and row-parallel), which a plain model loads.
+
+A checkpoint of ``mf.models.GPTTensorParallel`` (vocab-parallel embedding,
+fused qkv of partition stride 3) saved at tp 2 x dp 2 resumes at tp 1 x dp 2
+and tp 2 x dp 1 with the same losses (1e-6, test_checkpoint's tolerance).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from torch import nn
 
 import mf_fsdp
 import mf_tp
+from mf.models import GPTTensorParallel, TensorParallelBlock
 from tests._multiprocess import cpu_mesh, run_on_ranks
-from tests.fsdp._helpers import full_params
+from tests.fsdp._helpers import full_params, make_model
+from tests.fsdp.test_checkpoint import MORE, SAVE_AT, TOL, _local_batch, _optimizer
 
 H, FFN = 8, 16
 
@@ -136,3 +142,79 @@ def _rank_tp(rank: int, world: int, root: str) -> None:
 @pytest.mark.multiprocess
 def test_tensor_parallel_checkpoint(tmp_path: Path) -> None:
     run_on_ranks(_rank_tp, 4, str(tmp_path), timeout=180)
+
+
+# ---------------------------------------------------------------- resharding across tp sizes
+def _gpt_tp(tp_size: int, dp_size: int, opt_name: str, seed: int):
+    """The TP GPT on a (dp, tp) mesh, ZeRO-3, weights of the plain GPT of ``seed``."""
+    mesh = cpu_mesh((dp_size, tp_size), ("dp", "tp"))
+    plain = make_model(seed)
+    module = GPTTensorParallel(plain.config, mesh.get_group("tp"))
+    module.load_full_weights(plain.state_dict())
+    model, opt = mf_fsdp.fully_shard(
+        module,
+        _optimizer(opt_name, module.parameters()),
+        device_mesh=mesh,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[TensorParallelBlock],
+    )
+    return model, opt, mesh.get_local_rank("dp"), dp_size
+
+
+def _train_tp(model, opt, dp_rank: int, dp_size: int, steps: range) -> list[float]:
+    """Each dp rank its slice of the global batch (all tp ranks of a dp rank alike)."""
+    losses = []
+    for step in steps:
+        loss = model(*_local_batch(step, dp_rank, dp_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())  # the dp ranks' mean is compared by the caller
+    return losses
+
+
+def _mean_over_dp(losses: list[float]) -> list[float]:
+    """The mean over all ranks: every tp rank of a dp rank has that dp rank's loss."""
+    total = torch.tensor(losses)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def _rank_tp_save(rank: int, world: int, root: str) -> None:
+    for opt_name in ("sgd", "adam"):
+        model, opt, dp_rank, dp_size = _gpt_tp(2, 2, opt_name, seed=0)
+        _train_tp(model, opt, dp_rank, dp_size, range(SAVE_AT))
+        mf_fsdp.save_checkpoint(Path(root) / opt_name, model, opt, step=SAVE_AT)
+        losses = _train_tp(model, opt, dp_rank, dp_size, range(SAVE_AT, SAVE_AT + MORE))
+        expected = (_mean_over_dp(losses), full_params(model))
+        if rank == 0:
+            torch.save(expected, Path(root) / f"{opt_name}.expected.pt")
+
+
+def _rank_tp_load(rank: int, world: int, root: str, tp_size: int) -> None:
+    for opt_name in ("sgd", "adam"):
+        ref_losses, ref_params = torch.load(Path(root) / f"{opt_name}.expected.pt")
+        model, opt, dp_rank, dp_size = _gpt_tp(tp_size, world // tp_size, opt_name, seed=1)
+        path = mf_fsdp.latest_checkpoint(Path(root) / opt_name)
+        assert mf_fsdp.load_checkpoint(path, model, opt) == {"step": SAVE_AT}
+        losses = _train_tp(model, opt, dp_rank, dp_size, range(SAVE_AT, SAVE_AT + MORE))
+        label = f"{opt_name} tp2 x dp2 -> tp{tp_size} x dp{dp_size}"
+        torch.testing.assert_close(
+            torch.tensor(_mean_over_dp(losses)),
+            torch.tensor(ref_losses),
+            **TOL,
+            msg=lambda m, w=label: f"{w} loss: {m}",
+        )
+        for name, value in full_params(model).items():
+            torch.testing.assert_close(
+                value, ref_params[name], **TOL, msg=lambda m, n=name, w=label: f"{w} {n}: {m}"
+            )
+
+
+@pytest.mark.multiprocess
+def test_gpt_tensor_parallel_checkpoint_reshards_across_tp_sizes(tmp_path: Path) -> None:
+    """A tp 2 x dp 2 save of GPTTensorParallel (fused qkv of stride 3) resumes at tp 1 and tp 2."""
+    run_on_ranks(_rank_tp_save, 4, str(tmp_path), timeout=180)
+    run_on_ranks(_rank_tp_load, 2, str(tmp_path), 1, timeout=180)  # tp 1 x dp 2
+    run_on_ranks(_rank_tp_load, 2, str(tmp_path), 2, timeout=180)  # tp 2 x dp 1

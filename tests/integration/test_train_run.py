@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from mf.models import GPT, PRESETS
 from mf.train.options import parse_options
 from mf.train.worker import train
-from mf_fsdp import RECORD_FILE
+from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
 from tests._multiprocess import run_on_ranks
 
 _TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--eval-every", "3"]
@@ -76,14 +78,33 @@ def _rank_train(rank: int, world_size: int, argv: list[str]) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
-    """``--tp 2``: the TP GPT starts from the plain GPT's weights and follows its losses."""
+    """``--tp 2``: the TP GPT starts from the plain GPT's weights and follows its losses.
+
+    Its final checkpoint exports (offline) to the plain GPT's state dict, which the
+    plain module loads with ``strict=True``: the fused qkv (partition stride 3) and
+    the vocab-parallel embedding come back in their full shapes.
+    """
     common = [*_TINY, "--steps", "4", "--save-every", "0", "--sample-tokens", "0"]
-    common += ["--ckpt-dir", str(tmp_path / "ckpt")]
-    run_on_ranks(_rank_train, 2, [*common, "--tp", "2", "--out-dir", str(tmp_path / "tp")])
-    run_on_ranks(_rank_train, 1, [*common, "--nproc", "1", "--out-dir", str(tmp_path / "one")])
+    tp_run = ["--tp", "2", "--out-dir", str(tmp_path / "tp"), "--ckpt-dir", str(tmp_path / "a")]
+    one_run = [
+        "--nproc",
+        "1",
+        "--out-dir",
+        str(tmp_path / "one"),
+        "--ckpt-dir",
+        str(tmp_path / "b"),
+    ]
+    run_on_ranks(_rank_train, 2, [*common, *tp_run])
+    run_on_ranks(_rank_train, 1, [*common, *one_run])
     tp, one = _metrics(tmp_path / "tp"), _metrics(tmp_path / "one")
     assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in one], abs=2e-5)
     assert tp[-1]["validation_loss"] == pytest.approx(one[-1]["validation_loss"], abs=2e-5)
+    exported = checkpoint_to_full_state_dict(latest_checkpoint(tmp_path / "a"))
+    plain = checkpoint_to_full_state_dict(latest_checkpoint(tmp_path / "b"))
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in plain.items()}
+    for name, value in plain.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    GPT(PRESETS["tiny"]).load_state_dict(exported, strict=True)
 
 
 def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float) -> None:

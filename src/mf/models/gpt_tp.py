@@ -149,6 +149,9 @@ class GPTTensorParallel(nn.Module):
             skip_weight_param_allocation=config.tie_embeddings,
             tp_group=tp_group,
         )
+        if config.tie_embeddings:
+            # Registered under both names, as the plain GPT does, so the state dicts match.
+            self.lm_head.weight = self.wte.weight
         nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
