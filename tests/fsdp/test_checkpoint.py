@@ -21,7 +21,9 @@ those entries (only those) then differ by ~1e-4 (measured; 3e-6 with
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 from pathlib import Path
 from unittest import mock
@@ -184,6 +186,12 @@ def _rank_after_crash(rank: int, world: int, root: str) -> None:
         mf_fsdp.load_checkpoint(root_path / ".step_0000002.partial", model, opt)
     with pytest.raises(ValueError, match="is not a checkpoint folder"):
         mf_fsdp.load_checkpoint(root_path / "step_0000099", model)
+    if rank == 0:
+        shutil.copytree(root_path / "step_0000001", root_path / "flat")
+        _make_flat_format(root_path / "flat")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"format version 1 .*reads version 2 \(parameter-shaped"):
+        mf_fsdp.load_checkpoint(root_path / "flat", model, opt)
     _check_wrong_model_and_bad_saves(rank, root_path / "other")
     dist.barrier()
 
@@ -251,6 +259,17 @@ def test_full_state_dict_round_trip_is_bit_exact(tmp_path: Path) -> None:
     assert sorted(torch.load(file)) == sorted(full)
     with pytest.raises(RuntimeError, match="safetensors, which is not installed"):
         mf_fsdp.save_full_state_dict(back, tmp_path / "model.safetensors")
+    # A checkpoint of mf-fsdp 0.1's flat form (record version 1) is refused by name.
+    _make_flat_format(path)
+    with pytest.raises(ValueError, match=r"format version 1 \(1 = the flat form of mf-fsdp 0.1"):
+        mf_fsdp.checkpoint_to_full_state_dict(path)
+
+
+def _make_flat_format(path: Path) -> None:
+    """Turn ``path``'s record into one of the old flat format (version 1)."""
+    record_file = path / mf_fsdp.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    record_file.write_text(json.dumps({**record, "version": 1}))
 
 
 def _rank_sharded_to_full(rank: int, world: int, root: str) -> None:

@@ -65,6 +65,10 @@ _FRESH: dict[tuple[str, str], Callable[[Any, dict[str, Any]], Any]] = {
 """(optimizer class name or "*", state key) -> the value a fresh optimizer starts from."""
 
 
+def _zero_rate(value: Any) -> Any:
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+
+
 def initializing(optimizer: torch.optim.Optimizer) -> bool:
     """True while ``init_optimizer_state`` runs its zero step (engines skip their hooks)."""
     return getattr(optimizer, _INITIALIZING_ATTR, False)
@@ -76,25 +80,27 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     See [Note: eager optimizer state]. A no-op when the optimizer already has state.
     Local only: no collective (the engines' step hooks are skipped).
     """
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if optimizer.state or not params:
+    if optimizer.state:
         return
-    saved = []
-    for group in optimizer.param_groups:
-        saved.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
-        for key, value in saved[-1].items():
-            group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
-    for param in params:
-        param.grad = torch.zeros_like(param)
+    groups = optimizer.param_groups
     setattr(optimizer, _INITIALIZING_ATTR, True)
     try:
-        optimizer.step()
+        # One parameter at a time, so the zero gradient is never more than one
+        # parameter's worth of memory.
+        for group in groups:
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                zeroed = {k: _zero_rate(group[k]) for k in ("lr", "weight_decay") if k in group}
+                optimizer.param_groups = [{**group, **zeroed, "params": [param]}]
+                param.grad = torch.zeros_like(param)
+                try:
+                    optimizer.step()
+                finally:
+                    param.grad = None
     finally:
+        optimizer.param_groups = groups
         setattr(optimizer, _INITIALIZING_ATTR, False)
-        for group, options in zip(optimizer.param_groups, saved, strict=True):
-            group.update(options)
-        for param in params:
-            param.grad = None
     name = type(optimizer).__name__
     unused: list[torch.Tensor] = []
     for group in optimizer.param_groups:

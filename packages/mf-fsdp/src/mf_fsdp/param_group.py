@@ -332,11 +332,6 @@ class ParamGroup:
         first = fp.start + begin * row - self.sub_lo if begin < end else 0
         return buffer[first : first + (end - begin) * row].view(end - begin, *fp.shape[1:])
 
-    @property
-    def names(self) -> list[str]:
-        """Each parameter's canonical name, in bucket order."""
-        return [fp.fqn for fp in self.fsdp_params]
-
     # ------------------------------------------------------------------ ZeRO-3 gather
     def unshard(self, async_op: bool) -> None:
         """Start (or do) the all-gather of the bucket's weights; no-op when gathered."""
