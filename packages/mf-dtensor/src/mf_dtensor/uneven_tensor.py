@@ -28,7 +28,8 @@ Invariants:
 What it must not do: communicate anywhere but in :meth:`UnevenDTensor.full_tensor`,
 :meth:`UnevenDTensor.redistribute` and :func:`uneven_local_piece` with a
 DTensor value; materialise every rank's boxes except where a gather needs
-the boxes of the ranks it gathers from; patch torch.
+the boxes of the ranks it gathers from; patch torch (it only registers the
+class in torch's lists of foreach-capable tensor types, as DTensor does).
 
 [Note: implicit redistribution] Only ops that keep the layout are safe:
 elementwise and foreach ops between tensors of one PieceMap (and scalars),
@@ -258,6 +259,9 @@ class UnevenDTensor(DTensor):
             ValueError: if UnevenDTensors with different PieceMaps would be
                 combined (for a foreach op: at the same list position).
         """
+        fast = _run_locally(func, args, kwargs or {})
+        if fast is not _NOT_LOCAL:
+            return fast
         foreach = func.__name__.startswith("_foreach_")
         shared: list[UnevenDTensor] = []  # inputs that meet every output
         positional: list[list[UnevenDTensor]] = []  # foreach: inputs at list position i
@@ -437,6 +441,131 @@ class UnevenDTensor(DTensor):
         return local.narrow(0, row, box.sizes[0])
 
 
+_NOT_LOCAL = object()
+"""What ``_run_locally`` returns for an op it leaves to DTensor."""
+
+_LAYOUT_KEEPING = frozenset(
+    {
+        "clone",
+        "copy_",
+        "detach",
+        "_to_copy",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "zero_",
+        "fill_",
+    }
+)
+"""Ops that are not tagged pointwise but keep every element where it is."""
+
+_FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+
+
+def _keeps_layout(func: torch._ops.OpOverload) -> bool:
+    """True for ops whose result at each element depends on that element alone (and scalars)."""
+    tags = func.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False  # random ops: DTensor keeps shards' random streams apart
+    name = func.overloadpacket.__name__
+    if name.startswith("_foreach_"):
+        return name not in _FOREACH_REDUCTIONS
+    return torch.Tag.pointwise in tags or name in _LAYOUT_KEEPING
+
+
+def _run_locally(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """[Note: local fast path] Run a layout-keeping op on the local pieces, or return _NOT_LOCAL.
+
+    An elementwise op whose DTensor operands are all UnevenDTensors laid out
+    alike computes, on every rank, exactly the local op DTensor would run; so
+    it is run on the local tensors directly, without DTensor's sharding
+    propagation (the optimizer's hot path: every Adam or SGD op is one). Any
+    other op, or a mix with plain DTensors or with non-scalar plain tensors,
+    goes through DTensor (``_NOT_LOCAL``).
+    """
+    if not _keeps_layout(func) or kwargs.get("device") is not None:
+        return _NOT_LOCAL  # a device move changes more than the elements: DTensor's job
+    foreach = func.__name__.startswith("_foreach_")
+    likes: list[UnevenDTensor | None] = []  # foreach: the layout of each list position
+    reference: list[UnevenDTensor] = []
+
+    def local(value: Any, position: int | None) -> Any:
+        if isinstance(value, UnevenDTensor):
+            like = reference[0] if position is None and reference else None
+            if position is not None:
+                while len(likes) <= position:
+                    likes.append(None)
+                like = likes[position]
+            if like is None:
+                if position is None:
+                    reference.append(value)
+                else:
+                    likes[position] = value
+            elif not _laid_out_alike(like, value):
+                raise _NotLocalError
+            return value._local_tensor
+        if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim()):
+            raise _NotLocalError
+        return value
+
+    def unwrap(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            items = [local(item, i if foreach else None) for i, item in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return local(value, None)
+
+    try:
+        local_args = [unwrap(value) for value in args]
+        local_kwargs = {key: unwrap(value) for key, value in kwargs.items()}
+    except _NotLocalError:
+        return _NOT_LOCAL
+    if foreach and reference:
+        return _NOT_LOCAL  # a tensor shared by every list position: leave it to DTensor
+    if not foreach and not reference:
+        return _NOT_LOCAL
+    out = func(*local_args, **local_kwargs)
+    if foreach:
+        if out is None:
+            return None
+        return type(out)(
+            _wrap_like(item, likes[i] if i < len(likes) else None) for i, item in enumerate(out)
+        )
+    if isinstance(out, list | tuple):
+        return type(out)(_wrap_like(item, reference[0]) for item in out)
+    return _wrap_like(out, reference[0])
+
+
+class _NotLocalError(Exception):
+    """An operand the local fast path does not take: let DTensor run the op."""
+
+
+def _laid_out_alike(a: UnevenDTensor, b: UnevenDTensor) -> bool:
+    sa, sb = a._spec, b._spec
+    return (
+        (sa.mesh is sb.mesh or sa.mesh == sb.mesh)
+        and sa.placements == sb.placements
+        and sa.shape == sb.shape
+        and a._local_tensor.shape == b._local_tensor.shape
+        and _same_pieces(a._pieces, b._pieces)
+    )
+
+
+def _wrap_like(out: Any, like: UnevenDTensor | None) -> Any:
+    """``out`` (a local result) as an UnevenDTensor laid out like ``like``."""
+    if like is None or not isinstance(out, torch.Tensor):
+        return out
+    if out is like._local_tensor:
+        return like  # an in-place op: hand back the very input
+    spec = like._spec
+    if out.dtype != spec.tensor_meta.dtype:
+        meta = spec.tensor_meta
+        spec = DTensorSpec(
+            spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, out.dtype)
+        )
+    return _wrap(out, spec, like._pieces, requires_grad=out.requires_grad)
+
+
 def _wrap(
     local_tensor: torch.Tensor, spec: DTensorSpec, pieces: PieceMap, *, requires_grad: bool
 ) -> UnevenDTensor:
@@ -563,3 +692,26 @@ def uneven_local_piece(value: torch.Tensor, like: UnevenDTensor) -> torch.Tensor
     with torch.no_grad():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         return cut_boxes(full, like.local_boxes(), like._local_tensor.shape)
+
+
+def _register_foreach_support() -> None:
+    """Let torch's optimizers and grad utilities pick their foreach kernels for UnevenDTensors.
+
+    torch keeps a list of the tensor types its foreach paths accept, and
+    ``torch.distributed.tensor`` adds DTensor to it on import; a subclass has to
+    add itself (``type(p) in ...``), or Adam and ``clip_grad_norm_`` fall back to
+    one kernel per tensor on CUDA. Foreach ops on UnevenDTensors take the local
+    fast path ([Note: local fast path]).
+    """
+    from torch.optim import optimizer as optim_module
+    from torch.utils import _foreach_utils
+
+    for registry in (
+        optim_module._foreach_supported_types,
+        _foreach_utils._foreach_supported_types,
+    ):
+        if UnevenDTensor not in registry:
+            registry.append(UnevenDTensor)
+
+
+_register_foreach_support()
