@@ -28,5 +28,7 @@ def test_readme_examples_run() -> None:
     assert [("fully_shard" in code, "ColumnParallelLinear" in code) for code in examples] == [
         (True, False),
         (False, True),
+        (True, False),
     ]
+    assert "get_state_dict" in examples[2]
     run_on_ranks(_rank_examples, 2, examples, timeout=100)

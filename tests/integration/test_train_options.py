@@ -68,17 +68,7 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         assert "Traceback" not in err
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (
-            ["--model", "tiny", "--seq-len", "32"],
-            "was saved with --model small, this run has --model tiny",
-        ),
-        (["--nproc", "4", "--tp", "2"], "was saved with --tp 1, this run has --tp 2"),
-    ],
-)
-def test_resume_refuses_another_model_or_tp(tmp_path, argv: list[str], message: str) -> None:
+def test_resume_refuses_another_model(tmp_path) -> None:
     from mf_fsdp import RECORD_FILE
 
     saved = tmp_path / "step_0000005"
@@ -86,8 +76,9 @@ def test_resume_refuses_another_model_or_tp(tmp_path, argv: list[str], message: 
     (saved / RECORD_FILE).write_text(json.dumps({"step": 5, "extra": {"model": "small", "tp": 1}}))
     common = ["--resume", "--ckpt-dir", str(tmp_path)]
     assert parse_options([*common, "--zero", "1", "--nproc", "4"]).resume  # ZeRO/world may change
-    with pytest.raises(ValueError, match=message):
-        parse_options([*common, *argv])
+    assert parse_options([*common, "--nproc", "4", "--tp", "2"]).resume  # and the tp size
+    with pytest.raises(ValueError, match="was saved with --model small, this run has --model tiny"):
+        parse_options([*common, "--model", "tiny", "--seq-len", "32"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")

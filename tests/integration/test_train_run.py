@@ -82,7 +82,8 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
 
     Its final checkpoint exports (offline) to the plain GPT's state dict, which the
     plain module loads with ``strict=True``: the fused qkv (partition stride 3) and
-    the vocab-parallel embedding come back in their full shapes.
+    the vocab-parallel embedding come back in their full shapes. And the plain run's
+    checkpoint resumes at ``--tp 2``.
     """
     common = [*_TINY, "--steps", "4", "--save-every", "0", "--sample-tokens", "0"]
     tp_run = ["--tp", "2", "--out-dir", str(tmp_path / "tp"), "--ckpt-dir", str(tmp_path / "a")]
@@ -105,6 +106,24 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     for name, value in plain.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=2e-5, msg=name)
     GPT(PRESETS["tiny"]).load_state_dict(exported, strict=True)
+    # The one-process checkpoint resumes at --tp 2 (same data: dp is 1 in both) like
+    # the one-process run itself.
+    shutil.copytree(tmp_path / "b", tmp_path / "b2")  # each continuation saves its own
+    more = [*_TINY, "--steps", "6", "--save-every", "0", "--sample-tokens", "0", "--resume"]
+    tp_more = ["--tp", "2", "--out-dir", str(tmp_path / "c"), "--ckpt-dir", str(tmp_path / "b")]
+    one_more = [
+        "--nproc",
+        "1",
+        "--out-dir",
+        str(tmp_path / "d"),
+        "--ckpt-dir",
+        str(tmp_path / "b2"),
+    ]
+    run_on_ranks(_rank_train, 2, [*more, *tp_more])
+    run_on_ranks(_rank_train, 1, [*more, *one_more])
+    resumed, reference = _metrics(tmp_path / "c"), _metrics(tmp_path / "d")
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=2e-5)
 
 
 def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float) -> None:

@@ -162,10 +162,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
 
 
 def _check_resumable(options: TrainOptions) -> None:
-    """Refuse --resume without a checkpoint, or one saved for another model or TP size.
+    """Refuse --resume without a checkpoint, or one saved for another model.
 
-    ``--zero``, ``--nproc`` and ``--dp-outer`` may change (checkpoints reshard over
-    data parallelism); the model and the TP layout may not.
+    ``--zero``, ``--nproc``, ``--dp-outer`` and ``--tp`` may change (checkpoints
+    hold parameter-shaped, tp-gathered tensors and reshard); the model may not.
     """
     from mf_fsdp import RECORD_FILE, latest_checkpoint
 
@@ -173,7 +173,7 @@ def _check_resumable(options: TrainOptions) -> None:
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
     saved = json.loads((path / RECORD_FILE).read_text()).get("extra", {})
-    for name in ("model", "tp"):
+    for name in ("model",):
         if name in saved and saved[name] != getattr(options, name):
             raise ValueError(
                 f"--resume: {str(path)!r} was saved with --{name} {saved[name]}, this run has "
