@@ -131,7 +131,7 @@ def test_check_local_boxes_errors() -> None:
     check_local_boxes(boxes, shape, shard, (4, 4))
     with pytest.raises(ValueError, match=r"local_tensor: expected shape \(4, 4\) .*got \(3, 4\)"):
         check_local_boxes(boxes, shape, shard, (3, 4))
-    with pytest.raises(ValueError, match=r"lies outside shape \(6, 4\) in dim 0"):
+    with pytest.raises(ValueError, match=r"out of bounds in dim 0 of global shape \(6, 4\)"):
         check_local_boxes([make_chunk((5, 0), (2, 4))], shape, shard, (2, 4))
     with pytest.raises(ValueError, match=r"does not span dim 1"):
         check_local_boxes([make_chunk((0, 1), (2, 3))], shape, shard, (2, 3))
@@ -327,7 +327,7 @@ def _rank_errors_and_local_piece(rank: int, world_size: int) -> None:
         UnevenDTensor.from_local(local, mesh, [strided], shape=shape, pieces=pieces)
     with pytest.raises(ValueError, match=r"placements: expected one placement per mesh dim"):
         UnevenDTensor.from_local(local, mesh, [Shard(0), Shard(1)], shape=shape, pieces=pieces)
-    with pytest.raises(ValueError, match=r"lies outside shape \(4, 4\)"):
+    with pytest.raises(ValueError, match=r"out of bounds in dim \d of global shape \(4, 4\)"):
         UnevenDTensor.from_local(local, mesh, [Shard(0)], shape=(4, 4), pieces=pieces)
     with pytest.raises(ValueError, match=r"pieces: expected boxes for each of the 2 ranks"):
         UnevenDTensor.from_local(

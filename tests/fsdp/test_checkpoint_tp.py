@@ -26,7 +26,7 @@ import mf_tp
 from mf.models import GPTTensorParallel, TensorParallelBlock
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import full_params, make_model
-from tests.fsdp.test_checkpoint import MORE, SAVE_AT, TOL, _local_batch, _optimizer
+from tests.fsdp.test_checkpoint import MORE, SAVE_AT, _check, _local_batch, _optimizer
 
 H, FFN = 8, 16
 
@@ -199,17 +199,8 @@ def _rank_tp_load(rank: int, world: int, root: str, tp_size: int) -> None:
         path = mf_fsdp.latest_checkpoint(Path(root) / opt_name)
         assert mf_fsdp.load_checkpoint(path, model, opt) == {"step": SAVE_AT}
         losses = _train_tp(model, opt, dp_rank, dp_size, range(SAVE_AT, SAVE_AT + MORE))
-        label = f"{opt_name} tp2 x dp2 -> tp{tp_size} x dp{dp_size}"
-        torch.testing.assert_close(
-            torch.tensor(_mean_over_dp(losses)),
-            torch.tensor(ref_losses),
-            **TOL,
-            msg=lambda m, w=label: f"{w} loss: {m}",
-        )
-        for name, value in full_params(model).items():
-            torch.testing.assert_close(
-                value, ref_params[name], **TOL, msg=lambda m, n=name, w=label: f"{w} {n}: {m}"
-            )
+        got = _mean_over_dp(losses), full_params(model)
+        _check(got, (ref_losses, ref_params), f"{opt_name} tp2 x dp2 -> tp{tp_size} x dp{dp_size}")
 
 
 @pytest.mark.multiprocess

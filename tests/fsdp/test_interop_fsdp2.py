@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from mf.models import GPT
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import CONFIG, make_model
-from tests.fsdp.test_checkpoint import _local_batch, _optimizer
-from tests.fsdp.test_torch_contract import _recipe_pair, _recipe_train
+from tests.fsdp.test_checkpoint import _local_batch, _optimizer, _train
+from tests.fsdp.test_torch_contract import _recipe_pair
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 TRAINED = 3
@@ -66,7 +66,7 @@ def _loss(model, rank: int, world: int, step: int) -> float:
 def _after(model, opt, rank: int, world: int) -> dict:
     """What a loader must reproduce: the weights, the next loss, the loss after a step."""
     result = {"params": _full(model), "next": _loss(model, rank, world, TRAINED)}
-    _recipe_train(model, opt, rank, world, range(TRAINED, TRAINED + 1))
+    _train(model, opt, rank, world, range(TRAINED, TRAINED + 1))
     result["stepped"] = _loss(model, rank, world, TRAINED + 1)
     return result
 
@@ -94,7 +94,7 @@ def _rank_save(rank: int, world: int, root: str, engine: str) -> None:
         model, opt = _recipe_pair(3, "adam")
     else:
         model, opt = _fsdp2_pair(world, seed=0)
-    _recipe_train(model, opt, rank, world, range(TRAINED))
+    _train(model, opt, rank, world, range(TRAINED))
     _save(model, opt, f"{root}/{engine}")
     expected = _after(model, opt, rank, world)
     if rank == 0:

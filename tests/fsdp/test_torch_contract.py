@@ -58,7 +58,7 @@ from tests.fsdp._helpers import (
     make_optimizer,
     unit_classes,
 )
-from tests.fsdp.test_checkpoint import _global_batch, _local_batch, _optimizer
+from tests.fsdp.test_checkpoint import _check, _global_batch, _optimizer, _train, _wrap
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}
 EXACT = {"rtol": 1e-6, "atol": 1e-6}
@@ -192,36 +192,17 @@ RECIPE_CASES = [(s, o) for s in (1, 2, 3) for o in ("sgd", "adam")]
 
 
 def _recipe_pair(strategy: int, opt_name: str, seed: int = 0):
-    module = make_model(seed)
-    return mf_fsdp.fully_shard(
-        module,
-        _optimizer(opt_name, module.parameters()),
-        fsdp_unit_modules=unit_classes(),
-        zero_dp_strategy=strategy,
-    )
-
-
-def _recipe_train(model, opt, rank: int, world: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        loss = model(*_local_batch(step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return _wrap(opt_name, strategy, seed)
 
 
 def _rank_recipe_save(rank: int, world: int, root: str) -> None:
     for strategy, opt_name in RECIPE_CASES:
         where = Path(root) / f"w{world}-z{strategy}-{opt_name}"
         model, opt = _recipe_pair(strategy, opt_name)
-        _recipe_train(model, opt, rank, world, range(RECIPE_SAVE_AT))
+        _train(model, opt, rank, world, range(RECIPE_SAVE_AT))
         dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=where)
         more = range(RECIPE_SAVE_AT, RECIPE_SAVE_AT + RECIPE_MORE)
-        expected = (_recipe_train(model, opt, rank, world, more), full_params(model))
+        expected = (_train(model, opt, rank, world, more), full_params(model))
         if rank == 0:
             torch.save(expected, where.with_suffix(".expected.pt"))
 
@@ -237,15 +218,8 @@ def _rank_recipe_load(rank: int, world: int, root: str, saved_world: int) -> Non
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["optimizer"])
         more = range(RECIPE_SAVE_AT, RECIPE_SAVE_AT + RECIPE_MORE)
-        got = _recipe_train(model, opt, rank, world, more)
-        label = f"z{strategy} {opt_name} {saved_world} -> {world} ranks"
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(losses), **EXACT, msg=lambda m, w=label: f"{w}: {m}"
-        )
-        for name, value in full_params(model).items():
-            torch.testing.assert_close(
-                value, params[name], **EXACT, msg=lambda m, n=name, w=label: f"{w} {n}: {m}"
-            )
+        got = _train(model, opt, rank, world, more), full_params(model)
+        _check(got, (losses, params), f"z{strategy} {opt_name} {saved_world} -> {world} ranks")
 
 
 @pytest.mark.multiprocess
@@ -261,7 +235,7 @@ def test_reference_recipe_resumes_exactly(tmp_path: Path) -> None:
 def _rank_dsd(rank: int, world: int, root: str) -> None:
     # get_state_dict / set_state_dict through DCP reproduce training exactly.
     model, opt = _recipe_pair(3, "adam")
-    _recipe_train(model, opt, rank, world, range(RECIPE_SAVE_AT))
+    _train(model, opt, rank, world, range(RECIPE_SAVE_AT))
     model_sd, optim_sd = get_state_dict(model, opt)
     assert sorted(optim_sd["state"]) == sorted(n for n, _ in model.named_parameters())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/dsd")
@@ -273,7 +247,7 @@ def _rank_dsd(rank: int, world: int, root: str) -> None:
     full = copy.deepcopy([full_model, full_optim]) if rank == 0 else [None, None]
     dist.broadcast_object_list(full, src=0)
     more = range(RECIPE_SAVE_AT, RECIPE_SAVE_AT + RECIPE_MORE)
-    expected = _recipe_train(model, opt, rank, world, more), full_params(model)
+    expected = _train(model, opt, rank, world, more), full_params(model)
     if rank == 0:
         plain = GPT(CONFIG)
         plain.load_state_dict(full_model, strict=True)
@@ -302,7 +276,7 @@ def _rank_dsd(rank: int, world: int, root: str) -> None:
                 optim_state_dict=full[1],
                 options=StateDictOptions(full_state_dict=True),
             )
-        got = _recipe_train(fresh, fresh_opt, rank, world, more), full_params(fresh)
+        got = _train(fresh, fresh_opt, rank, world, more), full_params(fresh)
         torch.testing.assert_close(
             torch.tensor(got[0]),
             torch.tensor(expected[0]),

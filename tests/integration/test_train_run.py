@@ -85,19 +85,14 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     the vocab-parallel embedding come back in their full shapes. And the plain run's
     checkpoint resumes at ``--tp 2``.
     """
-    common = [*_TINY, "--steps", "4", "--save-every", "0", "--sample-tokens", "0"]
-    tp_run = ["--tp", "2", "--out-dir", str(tmp_path / "tp"), "--ckpt-dir", str(tmp_path / "a")]
-    one_run = [
-        "--nproc",
-        "1",
-        "--out-dir",
-        str(tmp_path / "one"),
-        "--ckpt-dir",
-        str(tmp_path / "b"),
-    ]
-    run_on_ranks(_rank_train, 2, [*common, *tp_run])
-    run_on_ranks(_rank_train, 1, [*common, *one_run])
-    tp, one = _metrics(tmp_path / "tp"), _metrics(tmp_path / "one")
+
+    def run(out: str, ckpt: str, steps: int, *extra: str) -> list[dict]:
+        argv = [*_TINY, "--steps", str(steps), "--save-every", "0", "--sample-tokens", "0"]
+        argv += ["--out-dir", str(tmp_path / out), "--ckpt-dir", str(tmp_path / ckpt), *extra]
+        run_on_ranks(_rank_train, 1 if "--nproc" in extra else 2, argv)
+        return _metrics(tmp_path / out)
+
+    tp, one = run("tp", "a", 4, "--tp", "2"), run("one", "b", 4, "--nproc", "1")
     assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in one], abs=2e-5)
     assert tp[-1]["validation_loss"] == pytest.approx(one[-1]["validation_loss"], abs=2e-5)
     exported = checkpoint_to_full_state_dict(latest_checkpoint(tmp_path / "a"))
@@ -109,19 +104,8 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     # The one-process checkpoint resumes at --tp 2 (same data: dp is 1 in both) like
     # the one-process run itself.
     shutil.copytree(tmp_path / "b", tmp_path / "b2")  # each continuation saves its own
-    more = [*_TINY, "--steps", "6", "--save-every", "0", "--sample-tokens", "0", "--resume"]
-    tp_more = ["--tp", "2", "--out-dir", str(tmp_path / "c"), "--ckpt-dir", str(tmp_path / "b")]
-    one_more = [
-        "--nproc",
-        "1",
-        "--out-dir",
-        str(tmp_path / "d"),
-        "--ckpt-dir",
-        str(tmp_path / "b2"),
-    ]
-    run_on_ranks(_rank_train, 2, [*more, *tp_more])
-    run_on_ranks(_rank_train, 1, [*more, *one_more])
-    resumed, reference = _metrics(tmp_path / "c"), _metrics(tmp_path / "d")
+    resumed = run("c", "b", 6, "--tp", "2", "--resume")
+    reference = run("d", "b2", 6, "--nproc", "1", "--resume")
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=2e-5)
 

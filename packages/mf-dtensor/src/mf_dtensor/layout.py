@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
+    "check_chunk_fits",
     "check_placements",
     "contiguous_stride",
+    "describe_chunk",
     "make_chunk",
     "mesh_coordinates",
     "narrow_chunk",
@@ -163,8 +165,28 @@ def rank_order_chunks(
     return [make_chunk(offsets[rank], local_shapes[rank]) for rank in range(len(coordinates))]
 
 
-def _describe(chunk: ChunkStorageMetadata) -> str:
+def describe_chunk(chunk: ChunkStorageMetadata) -> str:
+    """``chunk`` for error messages: ``offsets=(...) sizes=(...)``."""
     return f"offsets={tuple(chunk.offsets)} sizes={tuple(chunk.sizes)}"
+
+
+def check_chunk_fits(chunk: ChunkStorageMetadata, shape: Shape, what: str) -> None:
+    """Raise unless ``chunk`` has ``shape``'s dims and lies inside it.
+
+    Raises:
+        ValueError: starting with ``what`` (e.g. ``"all_chunk_info: chunk of rank 1"``).
+    """
+    if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+        raise ValueError(
+            f"{what} ({describe_chunk(chunk)}) does not have {len(shape)} dims like the "
+            f"global shape {shape}"
+        )
+    for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+        if offset < 0 or size < 0 or offset + size > shape[dim]:
+            raise ValueError(
+                f"{what} ({describe_chunk(chunk)}) is out of bounds in dim {dim} of global "
+                f"shape {shape}"
+            )
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
@@ -199,17 +221,7 @@ def validate_chunk_layout(
     """
     shape = tuple(global_shape)
     for rank, chunk in enumerate(chunks):
-        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
-            raise ValueError(
-                f"{name}: chunk of rank {rank} ({_describe(chunk)}) does not have "
-                f"{len(shape)} dims like the global shape {shape}"
-            )
-        for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-            if offset < 0 or size < 0 or offset + size > shape[dim]:
-                raise ValueError(
-                    f"{name}: chunk of rank {rank} ({_describe(chunk)}) is out of bounds "
-                    f"in dim {dim} of global shape {shape}"
-                )
+        check_chunk_fits(chunk, shape, f"{name}: chunk of rank {rank}")
     if mesh_shape is not None and placements is not None:
         _check_replicas(chunks, mesh_shape, placements, name)
     distinct: dict[tuple[Shape, Shape], int] = {}
@@ -220,15 +232,15 @@ def validate_chunk_layout(
     for (rank_a, a), (rank_b, b) in itertools.combinations(boxes, 2):
         if _overlap(a, b):
             raise ValueError(
-                f"{name}: chunks of rank {rank_a} ({_describe(a)}) and rank {rank_b} "
-                f"({_describe(b)}) overlap"
+                f"{name}: chunks of rank {rank_a} ({describe_chunk(a)}) and rank {rank_b} "
+                f"({describe_chunk(b)}) overlap"
             )
     covered = sum(math.prod(chunk.sizes) for _, chunk in boxes)
     if covered != math.prod(shape):
         raise ValueError(
             f"{name}: chunks cover {covered} of the {math.prod(shape)} elements of global "
             f"shape {shape}, leaving gaps; chunks: "
-            + ", ".join(f"rank {rank}: {_describe(c)}" for rank, c in enumerate(chunks))
+            + ", ".join(f"rank {rank}: {describe_chunk(c)}" for rank, c in enumerate(chunks))
         )
 
 
@@ -253,7 +265,7 @@ def _check_replicas(
             raise ValueError(
                 f"{name}: ranks {other} and {rank} are replicas (same coordinates on the "
                 f"sharded mesh dims {shard_dims}) but hold different chunks: "
-                f"{_describe(chunks[other])} vs {_describe(chunks[rank])}"
+                f"{describe_chunk(chunks[other])} vs {describe_chunk(chunks[rank])}"
             )
 
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from mf_dtensor.layout import make_chunk
+from mf_dtensor.layout import check_chunk_fits, describe_chunk, make_chunk
 
 __all__ = [
     "ExplicitPieces",
@@ -31,7 +31,6 @@ __all__ = [
     "boxes_numel",
     "check_local_boxes",
     "cut_boxes",
-    "describe_box",
     "normalize_placements",
     "place_boxes",
 ]
@@ -84,7 +83,7 @@ class ExplicitPieces:
                 ):
                     raise ValueError(
                         f"boxes_per_rank[{rank}]: expected offsets and sizes of one length with "
-                        f"no negative entries, got {describe_box(box)}"
+                        f"no negative entries, got {describe_chunk(box)}"
                     )
                 if (len(box.sizes), box.sizes[1:]) != (
                     len(rank_boxes[0].sizes),
@@ -92,8 +91,8 @@ class ExplicitPieces:
                 ):
                     raise ValueError(
                         f"boxes_per_rank[{rank}]: boxes are stacked along dim 0, so they must "
-                        f"agree in every other dim; got {describe_box(rank_boxes[0])} and "
-                        f"{describe_box(box)}"
+                        f"agree in every other dim; got {describe_chunk(rank_boxes[0])} and "
+                        f"{describe_chunk(box)}"
                     )
             normalized.append(rank_boxes)
         object.__setattr__(self, "boxes_per_rank", tuple(normalized))
@@ -110,11 +109,6 @@ class ExplicitPieces:
                 f"got {mesh_index!r}"
             )
         return self.boxes_per_rank[mesh_index]
-
-
-def describe_box(box: ChunkStorageMetadata) -> str:
-    """``box`` for error messages: ``offsets=(...) sizes=(...)``."""
-    return f"offsets={tuple(box.offsets)} sizes={tuple(box.sizes)}"
 
 
 def box_slices(box: ChunkStorageMetadata) -> tuple[slice, ...]:
@@ -184,32 +178,23 @@ def check_local_boxes(
     ndim = len(shape)
     sharded = {p.dim for p in placements if isinstance(p, Shard)}
     for box in boxes:
-        if len(box.offsets) != ndim or len(box.sizes) != ndim:
-            raise ValueError(
-                f"pieces: box {describe_box(box)} of this rank does not have {ndim} dims like "
-                f"shape {shape}"
-            )
+        check_chunk_fits(box, shape, "pieces: a box of this rank")
         for dim, (offset, size) in enumerate(zip(box.offsets, box.sizes, strict=True)):
-            if offset < 0 or size < 0 or offset + size > shape[dim]:
-                raise ValueError(
-                    f"pieces: box {describe_box(box)} of this rank lies outside shape {shape} in "
-                    f"dim {dim}"
-                )
             if dim > 0 and dim not in sharded and (offset, size) != (0, shape[dim]):
                 raise ValueError(
-                    f"pieces: box {describe_box(box)} of this rank does not span dim {dim}, which "
-                    f"placements {tuple(placements)!r} do not shard (expected offset 0, size "
-                    f"{shape[dim]})"
+                    f"pieces: box {describe_chunk(box)} of this rank does not span dim {dim}, "
+                    f"which placements {tuple(placements)!r} do not shard (expected offset 0, "
+                    f"size {shape[dim]})"
                 )
         if tuple(box.sizes[1:]) != tuple(boxes[0].sizes[1:]):
             raise ValueError(
                 f"pieces: boxes of this rank are stacked along dim 0 and must agree in every "
-                f"other dim, got {describe_box(boxes[0])} and {describe_box(box)}"
+                f"other dim, got {describe_chunk(boxes[0])} and {describe_chunk(box)}"
             )
     if 0 not in sharded and boxes and sum(box.sizes[0] for box in boxes) != shape[0]:
         raise ValueError(
             f"pieces: placements {tuple(placements)!r} do not shard dim 0, so this rank's boxes "
-            f"must hold all {shape[0]} rows, got " + ", ".join(describe_box(b) for b in boxes)
+            f"must hold all {shape[0]} rows, got " + ", ".join(describe_chunk(b) for b in boxes)
         )
     if len(local) != ndim:
         raise ValueError(
@@ -225,7 +210,7 @@ def check_local_boxes(
     if local != expected:
         raise ValueError(
             f"local_tensor: expected shape {expected} (this rank's boxes "
-            + ", ".join(describe_box(b) for b in boxes)
+            + ", ".join(describe_chunk(b) for b in boxes)
             + f" stacked along dim 0), got {local}"
         )
 

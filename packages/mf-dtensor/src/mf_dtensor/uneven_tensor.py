@@ -71,14 +71,13 @@ from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor._collectives import all_gather_over_mesh_dims
 from mf_dtensor.chunk_metadata import local_mesh_index
-from mf_dtensor.layout import contiguous_stride, make_chunk
+from mf_dtensor.layout import contiguous_stride, describe_chunk, make_chunk
 from mf_dtensor.pieces import (
     ExplicitPieces,
     PieceMap,
     boxes_numel,
     check_local_boxes,
     cut_boxes,
-    describe_box,
     normalize_placements,
     place_boxes,
 )
@@ -435,7 +434,7 @@ class UnevenDTensor(DTensor):
         if not candidates:
             raise ValueError(
                 f"index: {index.fqn!r} has no box at offset {index.offset!r} on this rank; it "
-                "holds " + (", ".join(describe_box(box) for box, _ in saved) or "none")
+                "holds " + (", ".join(describe_chunk(box) for box, _ in saved) or "none")
             )
         box, row = candidates[0]
         return local.narrow(0, row, box.sizes[0])
