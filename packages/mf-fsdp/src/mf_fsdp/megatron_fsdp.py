@@ -1,15 +1,21 @@
 """MegatronFSDP: the module wrapper, its construction and its public training controls.
 
 ``MegatronFSDP`` splits the model's parameters into buckets (one per FSDP unit
-and dtype, see ``units.py``), moves them into flat sharded buffers
-(``ParamGroup``) and exposes the Megatron-FSDP controls: gradient sync
+and dtype, split by row size where padding demands it, see ``units.py``),
+moves them into flat sharded buffers (``ParamGroup``, one ``FSDPParam`` per
+parameter) and exposes the Megatron-FSDP controls: gradient sync
 (``no_sync``, ``finish_grad_sync``, ...), parameter sync, broadcasts and
-introspection. The jobs around it live in their own modules:
+introspection. It also keeps the torch contract of the module it wraps:
+which form of each parameter the modules hold (sharded between passes,
+compute during them, see [Note: parameter forms] in ``param.py``), attribute
+access, ``named_parameters()``, ``state_dict()``. The jobs around it live in
+their own modules:
 
 - ``hooks.py``: the per-unit forward/backward hooks and the TrainingState machine;
-- ``optimizer_params.py``: the (DTensor) parameters the optimizer steps on;
-- ``optimizer.py``: rebinding an optimizer, and the unwrapped-optimizer guard;
-- ``engine_state_dict.py``: ``state_dict()`` / ``load_state_dict()``;
+- ``optimizer_params.py``: the parameter-shaped DTensors the optimizer steps on;
+- ``optimizer.py``, ``optimizer_state.py``: binding optimizers, their step hooks
+  and eagerly created state;
+- ``engine_state_dict.py``: ``load_state_dict()`` from any layout;
 - ``meta_init.py``: meta-device materialisation, one unit at a time;
 - ``stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
 
@@ -73,8 +79,10 @@ class MegatronFSDP(nn.Module):
     Raises:
         TypeError: if ``module`` or ``dist_index`` has the wrong type.
         ValueError: for a model without parameters, unknown unit classes, meta init
-            with ``no_shard``, a main-grad dtype that differs from the main dtype, or an
-            outer strategy that does not match ``dist_index.hsdp_outer_dp_shard``.
+            with ``no_shard``, a main-grad dtype that differs from the main dtype, an
+            outer strategy that does not match ``dist_index.hsdp_outer_dp_shard``, a
+            scalar parameter under a sharded strategy, or a TP split without a
+            parameter-shaped form (see ``tp_params.tp_info``).
     """
 
     def __init__(

@@ -1,6 +1,7 @@
 """ParamGroup: one flat bucket of parameters, its buffers and its collectives.
 
-A group owns, for the parameters of one FSDP unit with one dtype:
+A group owns, for the parameters of one FSDP unit with one dtype (or one
+row-size group of them):
 
 ==================  ===========================  =====================================
 buffer              size                         held when
@@ -15,11 +16,14 @@ buffer              size                         held when
                     main dtype                   own region; ZeRO-0: ``grad_local`` itself
 ==================  ===========================  =====================================
 
-Parameters' ``.data`` and ``.grad`` are views of ``model_full`` / ``grad_local``;
-between passes a ZeRO-3 parameter keeps its view of ``model_full`` whose
-storage is resized to zero. Temporary whole-bucket tensors come from a shared
-``BufferPool`` and go back to it, so a training step allocates nothing after
-the first one.
+The layout cuts shards between dim-0 rows only, so each parameter's rows on
+this rank (its ``FSDPParam.main_rows``) are viewed in ``main`` and
+``grad_store`` with the parameter's trailing shape (``main_view``): the
+sharded form the optimizer steps. Compute parameters' ``.data`` and ``.grad``
+are views of ``model_full`` / ``grad_local``; between passes a ZeRO-3
+parameter keeps its view of ``model_full`` whose storage is resized to zero.
+Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
+to it, so a training step allocates nothing after the first one.
 
 Reduction contract (see the README): after ``reduce_outer`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
