@@ -28,6 +28,7 @@ from mf_dtensor.chunk_metadata import (
     validate_uneven_dtensor,
 )
 from mf_dtensor.layout import rank_order_chunks, split_sections, validate_chunk_layout
+from mf_dtensor.pieces import box_slices, boxes_numel, cut_boxes, place_boxes
 from mf_dtensor.uneven import (
     assemble_full_tensor_from_uneven_chunks,
     gather_uneven_dtensor_to_full_tensor,
@@ -43,11 +44,15 @@ __all__ = [
     "UnevenDTensor",
     "assemble_full_tensor_from_uneven_chunks",
     "attach_chunk_metadata",
+    "box_slices",
+    "boxes_numel",
+    "cut_boxes",
     "filter_unflattened_state_dict",
     "gather_and_compute_chunk_metadata",
     "gather_uneven_dtensor_to_full_tensor",
     "get_chunk_metadata",
     "get_unflattened_state_dict",
+    "place_boxes",
     "preprocess_state_dict_for_uneven_dtensor",
     "rank_order_chunks",
     "split_dtensor",

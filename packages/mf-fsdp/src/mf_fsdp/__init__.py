@@ -32,6 +32,7 @@ from mf_fsdp.layout import (
 )
 from mf_fsdp.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.optimizer import fully_shard_optimizer
+from mf_fsdp.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
 from mf_fsdp.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -42,6 +43,7 @@ from mf_fsdp.units import plan_bucket_layouts
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "ELEMENTWISE_OPTIMIZERS",
     "RECORD_FILE",
     "BucketLayout",
     "BucketStats",
@@ -68,6 +70,7 @@ __all__ = [
     "normalize_strategy",
     "partition_bucket",
     "plan_bucket_layouts",
+    "register_elementwise_optimizer",
     "save_checkpoint",
     "save_full_state_dict",
     "set_model_state_dict",

@@ -277,12 +277,17 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
     return max(complete, default=(None, None))[1]
 
 
-def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> dict[str, Any]:
+def _optimizer_target(
+    model: MegatronFSDP, optimizer: torch.optim.Optimizer, metadata: Metadata, path: Path
+) -> dict[str, Any]:
     """Empty optimizer state built from the checkpoint's DCP metadata, in this model's layout.
 
     The keys are DCP's flattened names (``optimizer.state.<fqn>.<key>``), which
-    DCP maps to themselves on load; tensors shaped like their parameter take the
-    parameter's sharded form. Nothing is created by a synthetic step.
+    DCP maps to themselves on load. A tensor takes the layout of the optimizer's
+    own state tensor of that key and shape (eagerly created, so it exists: a
+    parameter's rows, a row statistic's rows, a replicated column statistic),
+    else, shaped like its parameter, the parameter's. Nothing is created by a
+    synthetic step.
     """
     params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
     target: dict[str, Any] = {}
@@ -293,18 +298,23 @@ def _optimizer_target(model: MegatronFSDP, metadata: Metadata, path: Path) -> di
         if not isinstance(item, TensorStorageMetadata):
             target[key] = None  # a pickled object: DCP replaces the placeholder
             continue
-        fqn = key[len(prefix) :].rpartition(".")[0] if key.startswith(prefix) else ""
+        fqn, _, name = (
+            key[len(prefix) :].rpartition(".") if key.startswith(prefix) else ("", "", "")
+        )
         param = params.get(fqn)
         if param is None:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer tensor {key!r} does not belong to a "
                 "parameter of this model"
             )
-        dtype = item.properties.dtype
-        if tuple(item.size) == tuple(param.shape):
-            target[key] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+        dtype, size = item.properties.dtype, tuple(item.size)
+        like = optimizer.state.get(param, {}).get(name)
+        if not (isinstance(like, torch.Tensor) and tuple(like.shape) == size):
+            like = param if size == tuple(param.shape) else None
+        if like is None:
+            target[key] = torch.empty(size, dtype=dtype)
         else:
-            target[key] = torch.empty(tuple(item.size), dtype=dtype)
+            target[key] = torch.empty_like(like, dtype=dtype, requires_grad=False)
     return target
 
 
@@ -356,7 +366,8 @@ def load_checkpoint(
                 "same optimizer class, or optimizer=None to load the model only"
             )
         check_optimizer_binding(model, optimizer)
-        state.update(_optimizer_target(model, FileSystemReader(str(path)).read_metadata(), path))
+        metadata = FileSystemReader(str(path)).read_metadata()
+        state.update(_optimizer_target(model, optimizer, metadata, path))
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

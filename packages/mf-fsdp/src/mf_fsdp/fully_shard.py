@@ -33,6 +33,7 @@ __all__ = ["fully_shard", "fully_shard_model"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
 
 def fully_shard_model(
@@ -157,7 +158,7 @@ def fully_shard_model(
 
 def _adds_optimizer(
     shard_model: Callable[Concatenate[nn.Module, _P], MegatronFSDP],
-) -> Callable[[Callable[..., _R]], Callable[Concatenate[nn.Module, torch.optim.Optimizer, _P], _R]]:
+) -> Callable[[Callable[..., _R]], Callable[Concatenate[nn.Module, Optimizers, _P], _R]]:
     """Declare a ``(module, optimizer, *args, **kwargs)`` function as ``shard_model`` + optimizer.
 
     The function's ``__signature__`` becomes ``shard_model``'s with an ``optimizer``
@@ -166,12 +167,14 @@ def _adds_optimizer(
     """
     params = list(inspect.signature(shard_model).parameters.values())
     optimizer = inspect.Parameter(
-        "optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer"
+        "optimizer",
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        annotation="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
     )
 
     def declare(
         fn: Callable[..., _R],
-    ) -> Callable[Concatenate[nn.Module, torch.optim.Optimizer, _P], _R]:
+    ) -> Callable[Concatenate[nn.Module, Optimizers, _P], _R]:
         own = inspect.signature(fn)
         fn.__signature__ = own.replace(parameters=[params[0], optimizer, *params[1:]])  # type: ignore[attr-defined]
         return fn
@@ -181,8 +184,8 @@ def _adds_optimizer(
 
 @_adds_optimizer(fully_shard_model)
 def fully_shard(
-    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
-) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    module: nn.Module, optimizer: Optimizers, *args: Any, **kwargs: Any
+) -> tuple[MegatronFSDP, Optimizers]:
     """Shard ``module`` and rebind ``optimizer`` so the plain training loop just works.
 
     After it, ``loss = model(x); loss.backward(); optimizer.step(); optimizer.zero_grad()``
@@ -195,12 +198,15 @@ def fully_shard(
 
     Args:
         module: the model (on the meta device with ``init_model_with_meta_device``).
-        optimizer: a torch optimizer built on ``module``'s parameters, not stepped yet.
+        optimizer: a torch optimizer built on ``module``'s parameters, not stepped yet,
+            or a list or tuple of them (e.g. Muon for the matrices, AdamW for the rest).
         *args: ``fully_shard_model``'s arguments after ``module`` (``device_mesh``, ...).
         **kwargs: the same by name.
 
     Returns:
-        ``(model, optimizer)``: the ``MegatronFSDP`` and the same optimizer, rebound.
+        ``(model, optimizer)``: the ``MegatronFSDP`` and the same optimizer(s), rebound.
     """
     model = fully_shard_model(module, *args, **kwargs)
+    if isinstance(optimizer, list | tuple):
+        return model, type(optimizer)(fully_shard_optimizer(o, model) for o in optimizer)
     return model, fully_shard_optimizer(optimizer, model)

@@ -91,6 +91,7 @@ class UnitHooks:
         ddp_config: overlap options (read at each use, so later edits take effect).
         spec: how gradients are scaled and reduced.
         reduce_now: the engine's policy: reduce at this backward's end (else accumulate).
+        on_backward_start: run once per backward, before any gradient is accumulated.
         on_backward_end: run once per backward, after every unit is back to IDLE.
         on_idle: run when an iteration is over (after a backward, or after a forward
             that no backward will follow), to put the sharded parameters back.
@@ -105,6 +106,7 @@ class UnitHooks:
         ddp_config: DistributedDataParallelConfig,
         spec: ReduceSpec,
         reduce_now: Callable[[], bool],
+        on_backward_start: Callable[[], None],
         on_backward_end: Callable[[], None],
         on_idle: Callable[[], None],
     ) -> None:
@@ -115,6 +117,7 @@ class UnitHooks:
         self._ddp_config = ddp_config
         self._spec = spec
         self._reduce_now = reduce_now
+        self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_idle = on_idle
         self._callback_queued = False
@@ -226,6 +229,7 @@ class UnitHooks:
             Variable._execution_engine.queue_callback(self._root_post_backward)
 
     def _root_pre_backward(self, grad: torch.Tensor | None) -> None:
+        self._on_backward_start()
         self._ensure_callback()
         self._root.state = TrainingState.PRE_BACKWARD
         self._gather(self._root, async_op=False)

@@ -27,6 +27,8 @@ collectives belong to ``param_group.py``.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -125,6 +127,9 @@ class MegatronFSDP(nn.Module):
         self.microbatch_count = 0
         self.device = device or get_group_device(dist_index.fsdp_group)
         self._no_sync = False
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._zero_pending = False
         self._spec = ReduceSpec.build(
             dist_index.dp_size,
             calculate_per_token_loss,
@@ -149,6 +154,7 @@ class MegatronFSDP(nn.Module):
             self.ddp_config,
             self._spec,
             reduce_now=self._reduce_now,
+            on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
         )
@@ -229,6 +235,21 @@ class MegatronFSDP(nn.Module):
             return False
         return self.model_auto_sync or self.is_last_microbatch or self.strategy.shards_grads
 
+    def _on_backward_start(self) -> None:
+        """Run the zeroing of the grad buffers deferred by ``request_zero_grad``."""
+        if not self._zero_pending:
+            return
+        kept = [type(o).__name__ for o in self._optimizers if o not in self._zeroed_by]
+        if kept:
+            warnings.warn(
+                f"MegatronFSDP: optimizers {kept} did not call zero_grad since the last step, "
+                "but another optimizer of this model did: the model's gradient buffers are "
+                "shared, so their parameters' gradients start from zero in this backward "
+                "instead of accumulating",
+                stacklevel=2,
+            )
+        self.zero_grad_buffer()
+
     def _on_backward_end(self) -> None:
         """Count the micro-batch; with auto-sync, wait for the reductions and attach grads."""
         self.microbatch_count += 1
@@ -300,7 +321,13 @@ class MegatronFSDP(nn.Module):
         self.microbatch_count = 0
 
     def attach_grad_to_optimizer_state(self) -> None:
-        """Point each sharded parameter's ``.grad`` at its reduced gradient."""
+        """Point each sharded parameter's ``.grad`` at its reduced gradient.
+
+        A no-op while a zeroing is deferred (no backward since an optimizer's
+        ``zero_grad``): the grads it dropped must stay dropped.
+        """
+        if self._zero_pending:
+            return
         for fp in self.fsdp_params:
             if fp.grad is not None:
                 fp.sharded.grad = fp.grad
@@ -323,9 +350,29 @@ class MegatronFSDP(nn.Module):
                     fp.sharded.grad = None
 
     def zero_grad_buffer(self) -> None:
-        """Zero every gradient buffer (call with ``optimizer.zero_grad``; the wrapped one does)."""
+        """Zero every gradient buffer now."""
+        self._zero_pending = False
+        self._zeroed_by = weakref.WeakSet()
         for group in self.groups:
             group.zero_grad()
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer`` among those stepping this model (``fully_shard_optimizer`` does)."""
+        self._optimizers.add(optimizer)
+
+    def request_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` zeroed its parameters' grads: zero the buffers once every optimizer has.
+
+        The buffers hold every parameter's gradient. With several optimizers (Muon
+        and AdamW), one's ``zero_grad`` may run before the other's ``step``: the
+        zeroing then waits until every optimizer of the model asked for it, or at
+        the latest until the next backward starts.
+        """
+        self._zeroed_by.add(optimizer)
+        if all(o in self._zeroed_by for o in self._optimizers):
+            self.zero_grad_buffer()
+        else:
+            self._zero_pending = True
 
     # ------------------------------------------------------------------ params
     def start_param_sync(

@@ -38,7 +38,9 @@ from mf_fsdp.optimizer_state import (
     init_optimizer_state,
     initializing,
     localize_loaded_state,
+    snapshot_state,
 )
+from mf_fsdp.shape_aware import check_supported, serve_step
 
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
@@ -47,6 +49,8 @@ __all__ = ["fully_shard_optimizer", "install_optimizer_hooks"]
 
 _HOOKS_INSTALLED = False
 _LOAD_HOOK_ATTR = "_mf_fsdp_load_hook"
+_CHECKED_ATTR = "_mf_fsdp_checked"
+_HIDDEN_ATTR = "_mf_fsdp_hidden_grads"
 
 
 def install_optimizer_hooks() -> None:
@@ -85,21 +89,43 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     engines = _engines(optimizer)
     if not engines or initializing(optimizer):
         return
-    _ensure_load_hook(optimizer)
+    if not getattr(optimizer, _CHECKED_ATTR, False):  # built after wrapping: check it once
+        check_supported(optimizer, _params(optimizer))
+        setattr(optimizer, _CHECKED_ATTR, True)
+    _ensure_load_hooks(optimizer)
     for engine in engines:
         engine.finish_grad_sync()
     drop_unused_initial_state(optimizer)
+    # Shape-aware optimizers: the engine steps their sharded parameters itself (see
+    # [Note: served optimizers]); torch's step must not see those grads.
+    hidden = [(param, param.grad) for param in serve_step(optimizer)]
+    for param, _ in hidden:
+        param.grad = None
+    setattr(optimizer, _HIDDEN_ATTR, hidden)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if initializing(optimizer):
         return
+    for param, grad in getattr(optimizer, _HIDDEN_ATTR, ()):
+        param.grad = grad
+    setattr(optimizer, _HIDDEN_ATTR, [])
     for engine in _engines(optimizer):
         engine.install_optimized_model_weights()
 
 
-def _ensure_load_hook(optimizer: torch.optim.Optimizer) -> None:
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _remember_layouts(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+    snapshot_state(optimizer)
+
+
+def _ensure_load_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Loaded state of another layout goes into the layout of the state it replaces."""
     if not getattr(optimizer, _LOAD_HOOK_ATTR, False):
+        optimizer.register_load_state_dict_pre_hook(_remember_layouts)
         optimizer.register_load_state_dict_post_hook(localize_loaded_state)
         setattr(optimizer, _LOAD_HOOK_ATTR, True)
 
@@ -122,7 +148,9 @@ def fully_shard_optimizer(
     Raises:
         TypeError: if ``optimizer`` is not a torch optimizer.
         ValueError: if it was already passed through, has state keyed by the original
-            parameters, or holds a parameter that no ``MegatronFSDP`` manages.
+            parameters, holds a parameter that no ``MegatronFSDP`` manages, or is an
+            optimizer the engine cannot step correctly on sharded parameters (see
+            ``mf_fsdp.shape_aware.check_supported``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -134,24 +162,26 @@ def fully_shard_optimizer(
         model = _find_model(optimizer)
     originals = any(
         getattr(p, MANAGED_ATTR, False) or model.optimizer_param(p) is not p
-        for g in optimizer.param_groups
-        for p in g["params"]
+        for p in _params(optimizer)
     )
     if originals and optimizer.state:
         raise ValueError(
             "fully_shard_optimizer: optimizer already has state (it has stepped on the "
             "original parameters); expected a fresh optimizer built on the model's parameters"
         )
+    check_supported(optimizer, [model.optimizer_param(p) for p in _params(optimizer)])
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
+    setattr(optimizer, _CHECKED_ATTR, True)
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
-    _ensure_load_hook(optimizer)
+    _ensure_load_hooks(optimizer)
     plain_zero_grad = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         plain_zero_grad(set_to_none)
-        model.zero_grad_buffer()
+        model.request_zero_grad(optimizer)
 
+    model.add_optimizer(optimizer)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     init_optimizer_state(optimizer)
     return optimizer

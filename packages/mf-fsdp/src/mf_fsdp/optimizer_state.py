@@ -30,11 +30,21 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mf_dtensor import UnevenDTensor, uneven_local_piece
+from mf_fsdp.shape_aware import init_served_state
 
-__all__ = ["drop_unused_initial_state", "init_optimizer_state", "localize_loaded_state"]
+__all__ = [
+    "drop_unused_initial_state",
+    "init_optimizer_state",
+    "localize_loaded_state",
+    "snapshot_state",
+]
 
 _INITIALIZING_ATTR = "_mf_fsdp_initializing"
 _UNUSED_ATTR = "_mf_fsdp_unused_state"
+_SNAPSHOT_ATTR = "_mf_fsdp_state_before_load"
+
+StateLayouts = dict[int, dict[str, torch.Tensor]]
+"""Per parameter (by ``id``): the state tensors whose layout loaded values take."""
 
 
 def _zeros(value: Any, group: dict[str, Any]) -> Any:
@@ -80,7 +90,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     See [Note: eager optimizer state]. A no-op when the optimizer already has state.
     Local only: no collective (the engines' step hooks are skipped).
     """
-    if optimizer.state:
+    if optimizer.state or init_served_state(optimizer):
         return
     groups = optimizer.param_groups
     setattr(optimizer, _INITIALIZING_ATTR, True)
@@ -128,32 +138,57 @@ def drop_unused_initial_state(optimizer: torch.optim.Optimizer) -> None:
     setattr(optimizer, _UNUSED_ATTR, set())
 
 
-def localize_loaded_state(optimizer: torch.optim.Optimizer) -> None:
-    """Turn loaded state tensors shaped like their parameter into the parameter's layout.
+def snapshot_state(optimizer: torch.optim.Optimizer) -> StateLayouts:
+    """Remember the current state tensors (a ``load_state_dict`` pre-hook), and return them."""
+    layouts = {
+        id(param): {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        for param, state in optimizer.state.items()
+    }
+    setattr(optimizer, _SNAPSHOT_ATTR, layouts)
+    return layouts
+
+
+def localize_loaded_state(
+    optimizer: torch.optim.Optimizer, previous: StateLayouts | None = None
+) -> None:
+    """Give loaded state tensors the layout of the state they replace (or of their parameter).
 
     A ``load_state_dict`` post-hook; collective when a value is a DTensor of another
-    layout (every rank loads the same state dict). Loaded buffers are no longer
-    *unused* (see [Note: eager optimizer state]).
+    layout (every rank loads the same state dict). A loaded tensor takes the layout
+    of the tensor of the same key and shape that held the state before (``previous``,
+    or what ``snapshot_state`` remembered): a parameter's rows, or a row statistic's
+    rows; else, shaped like its parameter, the parameter's. Loaded buffers are no
+    longer *unused* (see [Note: eager optimizer state]).
     """
+    if previous is None:
+        previous = getattr(optimizer, _SNAPSHOT_ATTR, None) or {}
+    setattr(optimizer, _SNAPSHOT_ATTR, {})
     setattr(optimizer, _UNUSED_ATTR, set())
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param)
             if not state:
                 continue
+            before = previous.get(id(param), {})
             for key, value in list(state.items()):
-                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                if not isinstance(value, torch.Tensor):
                     continue
-                if isinstance(param, UnevenDTensor):
-                    if isinstance(value, UnevenDTensor) and value.pieces is param.pieces:
-                        continue
-                    local = uneven_local_piece(value, param).to(value.dtype).clone()
-                    state[key] = UnevenDTensor.from_local(
-                        local,
-                        param.device_mesh,
-                        param.placements,
-                        shape=param.shape,
-                        pieces=param.pieces,
-                    )
-                elif isinstance(value, DTensor):
-                    state[key] = value.full_tensor().to(param.device)
+                like = before.get(key)
+                if like is None or like.shape != value.shape:
+                    like = param if value.shape == param.shape else None
+                if like is not None:
+                    state[key] = _in_layout_of(value, like)
+
+
+def _in_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` laid out like ``like`` (same shape): its rows, or whole."""
+    if isinstance(like, UnevenDTensor):
+        if isinstance(value, UnevenDTensor) and value.pieces is like.pieces:
+            return value
+        local = uneven_local_piece(value, like).to(value.dtype).clone()
+        return UnevenDTensor.from_local(
+            local, like.device_mesh, like.placements, shape=like.shape, pieces=like.pieces
+        )
+    if isinstance(value, DTensor):
+        return value.full_tensor().to(like.device)
+    return value

@@ -27,7 +27,7 @@ import torch
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
 from mf_fsdp.optimizer_params import owner_of
-from mf_fsdp.optimizer_state import localize_loaded_state
+from mf_fsdp.optimizer_state import localize_loaded_state, snapshot_state
 
 __all__ = [
     "get_model_state_dict",
@@ -174,6 +174,7 @@ def apply_optimizer_state(
         raise ValueError(
             f"state_dict['state']: unknown parameters {unknown!r}; expected FQNs of the model"
         )
+    previous = snapshot_state(optimizer)
     optimizer.state.clear()
     for fqn, values in state_dict["state"].items():
         optimizer.state[params[fqn]] = {
@@ -182,4 +183,4 @@ def apply_optimizer_state(
         }
     for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    localize_loaded_state(optimizer)
+    localize_loaded_state(optimizer, previous)

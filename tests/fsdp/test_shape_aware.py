@@ -1,0 +1,251 @@
+"""Shape-aware optimizers on sharded parameters: torch's Muon and Adafactor against one process.
+
+Start with ``test_muon_and_adamw_zero1_to_3``: the tiny GPT with torch's recipe,
+``torch.optim.Muon`` for the blocks' weight matrices and ``AdamW`` for the rest,
+passed to ``fully_shard`` as a list; 5 steps under ZeRO-1, -2 and -3 on 2 and
+3 ranks. The same under mf-tp TP 2 x DP 2 (fused qkv of stride 3: Muon sees the
+full matrix, gathered from 4 ranks), and ``torch.optim.Adafactor`` under
+ZeRO-3. Also: an optimizer the engine cannot serve is refused by name.
+
+Two checks per run:
+
+- Every step against torch's own optimizers (``_Shadow``): one process holds
+  the gathered parameters, gets the engine's reduced gradients, and steps
+  torch's optimizers; the engine's step must give the same parameters (1e-6
+  relative). This is the served step's parity, free of the chaos below.
+- The 5 losses against a single-process run on the global batch, 1e-4
+  relative. Muon's Newton-Schulz runs in bf16: a rounding-level difference of
+  the fp32 gradient (ranks' sums in another order) rounds some input element
+  to the neighbouring bf16 value, and training amplifies it. One process
+  against itself with the ranks' losses accumulated in reverse order drifts
+  as much (3 ranks: losses 4.4e-6 relative, parameters 1.4e-2 in relative
+  norm after 5 steps; mf: 1.3e-5 and 1.8e-2), so parameters after 5 steps
+  are not compared, and a wrong step (a gradient zeroed early, a matrix
+  assembled wrongly) moves the losses by 1e-3 and more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mf_fsdp
+from tests._multiprocess import cpu_mesh, run_on_ranks
+from tests.fsdp import test_tensor_parallel as tp
+from tests.fsdp._helpers import batch, full_params, make_model, unit_classes
+
+STEPS = 5
+LOSS_RTOL = 1e-4
+STEP_RTOL = 1e-6
+
+
+def muon_and_adamw(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's recipe: Muon for the hidden weight matrices, AdamW for everything else."""
+    matrices = [p for n, p in module.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [
+        p for n, p in module.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))
+    ]
+    return [
+        torch.optim.Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.01),
+        torch.optim.AdamW(rest, lr=1e-2, eps=1e-4),  # eps: see test_checkpoint (key bias)
+    ]
+
+
+def adafactor(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adafactor(module.parameters(), lr=1e-2, weight_decay=0.01)]
+
+
+def _reference_losses(build, optimizers, world: int, data=batch) -> list[float]:
+    model = build()
+    opts = optimizers(model)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for r in range(world):
+            loss = model(*data(step, r, 0)) / world
+            loss.backward()
+            total += loss.item()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value - reference).norm() / reference.norm().clamp(min=1e-30)).item()
+
+
+class _Shadow:
+    """One process stepping torch's optimizers on the engine's gathered parameters and grads."""
+
+    def __init__(self, build, optimizers) -> None:
+        self.model = build()
+        self.params = dict(self.model.named_parameters())
+        self.opts = optimizers(self.model)
+
+    def step(self, model: mf_fsdp.MegatronFSDP) -> None:
+        """Take the engine's parameters and reduced grads (collective), step torch's optimizers."""
+        model.finish_grad_sync()
+        with torch.no_grad():
+            for name, value in full_params(model).items():
+                self.params[name].copy_(value)
+        for name, param in model.named_parameters():
+            self.params[name].grad = param.grad.full_tensor()
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad()
+
+    def check(self, model: mf_fsdp.MegatronFSDP, label: str) -> None:
+        for name, value in full_params(model).items():
+            error = _relative_error(value, self.params[name].detach())
+            assert error <= STEP_RTOL, f"{label} {name}: step differs from torch's by {error:.2e}"
+
+
+def _train(model, opts, shadow: _Shadow, data_rank: int, label: str, data=batch) -> list[float]:
+    """5 steps, each checked against ``shadow``; the losses averaged over the ranks."""
+    losses = []
+    for step in range(STEPS):
+        loss = model(*data(step, data_rank, 0))
+        loss.backward()
+        shadow.step(model)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        shadow.check(model, f"{label} step {step}")
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def _check_losses(losses: list[float], reference: list[float], label: str) -> None:
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(reference),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+        msg=lambda message: f"{label}: {message}",
+    )
+
+
+def _rank_muon(rank: int, world: int, reference: list[float]) -> None:
+    for strategy in (1, 2, 3):
+        module = make_model()
+        model, opts = mf_fsdp.fully_shard(
+            module,
+            muon_and_adamw(module),
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+        )
+        label = f"muon z{strategy} x{world}"
+        shadow = _Shadow(make_model, muon_and_adamw)
+        _check_losses(_train(model, opts, shadow, rank, label), reference, label)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_and_adamw_zero1_to_3(world: int) -> None:
+    reference = _reference_losses(make_model, muon_and_adamw, world)
+    run_on_ranks(_rank_muon, world, reference, timeout=240)
+
+
+def _rank_muon_tp(rank: int, world: int, reference: list[float]) -> None:
+    mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
+    module = tp.mf_tp_model(mesh["tp"])
+    model, opts = mf_fsdp.fully_shard(
+        module,
+        muon_and_adamw(module),
+        device_mesh=mesh,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[tp.TPBlock],
+    )
+    shadow = _Shadow(tp.reference_model, muon_and_adamw)
+    losses = _train(model, opts, shadow, mesh.get_local_rank("dp"), "muon tp2 x dp2", tp.batch)
+    _check_losses(losses, reference, "muon tp2 x dp2")
+    module = tp.mf_tp_model(mesh["tp"])
+    with pytest.raises(ValueError, match=r"Adafactor cannot step a parameter .* split along dim 1"):
+        mf_fsdp.fully_shard(
+            module, adafactor(module), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp"
+        )
+
+
+@pytest.mark.multiprocess
+def test_muon_tensor_parallel() -> None:
+    reference = _reference_losses(tp.reference_model, muon_and_adamw, tp.DP, data=tp.batch)
+    run_on_ranks(_rank_muon_tp, tp.DP * tp.TP, reference, timeout=240)
+
+
+def _rank_adafactor(rank: int, world: int, reference: list[float]) -> None:
+    module = make_model()
+    model, opts = mf_fsdp.fully_shard(
+        module, adafactor(module), fsdp_unit_modules=unit_classes(), zero_dp_strategy=3
+    )
+    shadow = _Shadow(make_model, adafactor)
+    _check_losses(_train(model, opts, shadow, rank, "adafactor z3"), reference, "adafactor z3")
+
+
+@pytest.mark.multiprocess
+def test_adafactor_zero3() -> None:
+    run_on_ranks(_rank_adafactor, 2, _reference_losses(make_model, adafactor, 2), timeout=240)
+
+
+class _RowMixer(torch.optim.Optimizer):
+    """An optimizer mf knows nothing about (its step could mix rows)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def _wrap(module, optimizers):
+    return mf_fsdp.fully_shard(module, optimizers, fsdp_unit_modules=unit_classes())
+
+
+def _rank_refusals(rank: int, world: int) -> None:
+    for optimizer, name in (
+        (lambda m: torch.optim.LBFGS(m.parameters()), "torch.optim.lbfgs.LBFGS"),
+        (lambda m: _RowMixer(m.parameters()), "tests.fsdp.test_shape_aware._RowMixer"),
+    ):
+        module = make_model()
+        with pytest.raises(ValueError, match=rf"optimizer: {name} is not known to work"):
+            _wrap(module, optimizer(module))
+    # Built after wrapping: refused at its first step, before it touches a parameter.
+    model, _ = _wrap(make_model(), [])
+    late = _RowMixer(model.parameters())
+    model(*batch(0, rank)).backward()
+    with pytest.raises(ValueError, match="_RowMixer is not known to work"):
+        late.step()
+    mf_fsdp.register_elementwise_optimizer(_RowMixer)
+    module = make_model()
+    _wrap(module, _RowMixer(module.parameters()))
+    with pytest.raises(TypeError, match="cls: expected a torch.optim.Optimizer subclass"):
+        mf_fsdp.register_elementwise_optimizer(len)
+
+
+def _rank_partial_zero_grad(rank: int, world: int) -> None:
+    module = make_model()
+    params = list(module.parameters())
+    model, (first, second) = _wrap(
+        module, [torch.optim.SGD(params[:3], lr=0.1), torch.optim.SGD(params[3:], lr=0.1)]
+    )
+    model(*batch(0, rank)).backward()
+    first.step()
+    second.step()
+    first.zero_grad()
+    with pytest.warns(UserWarning, match=r"optimizers \['SGD'\] did not call zero_grad"):
+        model(*batch(1, rank)).backward()
+
+
+@pytest.mark.multiprocess
+def test_refusals_and_zero_grad_of_one_optimizer() -> None:
+    run_on_ranks(_rank_refusals, 2, timeout=120)
+    run_on_ranks(_rank_partial_zero_grad, 2, timeout=120)
