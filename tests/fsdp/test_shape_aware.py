@@ -26,9 +26,15 @@ Two checks per run:
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
@@ -97,10 +103,34 @@ class _Shadow:
             opt.step()
             opt.zero_grad()
 
+    def load_state(self, state: dict[str, dict]) -> None:
+        """Give torch's optimizers the state ``state`` (by FQN, full tensors)."""
+        names = {id(p): n for n, p in self.params.items()}
+        for opt in self.opts:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    values = state[names[id(param)]]
+                    opt.state[param] = {k: _copy(v) for k, v in values.items()}
+
     def check(self, model: mf_fsdp.MegatronFSDP, label: str) -> None:
         for name, value in full_params(model).items():
             error = _relative_error(value, self.params[name].detach())
             assert error <= STEP_RTOL, f"{label} {name}: step differs from torch's by {error:.2e}"
+
+
+def _copy(value):
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _full_state(model, opts) -> dict:
+    """Parameters and optimizer state, gathered, by FQN (collective)."""
+    saved = mf_fsdp.get_optimizer_state_dict(model, opts)
+    state = {
+        fqn: {k: _copy(v) for k, v in values.items()} for fqn, values in saved["state"].items()
+    }
+    return {"params": full_params(model), "state": state}
 
 
 def _train(model, opts, shadow: _Shadow, data_rank: int, label: str, data=batch) -> list[float]:
@@ -249,3 +279,66 @@ def _rank_partial_zero_grad(rank: int, world: int) -> None:
 def test_refusals_and_zero_grad_of_one_optimizer() -> None:
     run_on_ranks(_rank_refusals, 2, timeout=120)
     run_on_ranks(_rank_partial_zero_grad, 2, timeout=120)
+
+
+RECIPES = {"muon": muon_and_adamw, "adafactor": adafactor}
+
+
+def _step(model, opts, rank: int, step: int) -> None:
+    model(*batch(step, rank)).backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
+def _rank_save(rank: int, world: int, root: str) -> None:
+    for name, recipe in RECIPES.items():
+        module = make_model()
+        model, opts = _wrap(module, recipe(module))
+        for step in range(2):
+            _step(model, opts, rank, step)
+        mf_fsdp.save_checkpoint(Path(root) / name, model, opts, step=2)
+        model_sd, optim_sd = get_state_dict(model, opts)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(root) / f"{name}-dsd")
+        expected = _full_state(model, opts)
+        if rank == 0:
+            torch.save(expected, Path(root) / f"{name}.pt")
+
+
+def _load_mf(model, opts, root: Path, name: str) -> None:
+    mf_fsdp.load_checkpoint(mf_fsdp.latest_checkpoint(root / name), model, opts)
+
+
+def _load_dsd(model, opts, root: Path, name: str) -> None:
+    model_sd, optim_sd = get_state_dict(model, opts)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"{name}-dsd")
+    set_state_dict(model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _rank_resume(rank: int, world: int, root: str) -> None:
+    """Load into another world size (mf's checkpoint, and torch's DSD + DCP): the same
+    state, then a step as torch's would be."""
+    for (name, recipe), load in itertools.product(RECIPES.items(), (_load_mf, _load_dsd)):
+        module = make_model(seed=1)
+        model, opts = _wrap(module, recipe(module))
+        load(model, opts, Path(root), name)
+        expected = torch.load(Path(root) / f"{name}.pt", weights_only=True)
+        label = f"{name} {load.__name__} x{world}"
+        loaded = _full_state(model, opts)
+        torch.testing.assert_close(
+            loaded, expected, rtol=0, atol=0, msg=lambda m, label=label: f"{label}: {m}"
+        )
+        shadow = _Shadow(make_model, recipe)
+        shadow.load_state(expected["state"])
+        model(*batch(2, rank)).backward()
+        shadow.step(model)
+        for opt in opts:
+            opt.step()
+        shadow.check(model, label)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_resume_across_world_sizes(tmp_path: Path, saved: int, resumed: int) -> None:
+    run_on_ranks(_rank_save, saved, str(tmp_path), timeout=180)
+    run_on_ranks(_rank_resume, resumed, str(tmp_path), timeout=180)

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optimizer import Optimizers, optimizer_list
 from mf_fsdp.state_dict import (
     alias_names,
     apply_optimizer_state,
@@ -218,7 +219,7 @@ def _on_rank0(action: Callable[[], None], what: str) -> None:
 def save_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     model: MegatronFSDP,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     *,
     step: int,
     extra: Mapping[str, Any] | None = None,
@@ -233,7 +234,8 @@ def save_checkpoint(
         checkpoint_dir: folder holding the checkpoints (created if needed; shared by
             all ranks).
         model: the wrapped model.
-        optimizer: its optimizer (bound by ``fully_shard_optimizer``), or None.
+        optimizer: its optimizer (bound by ``fully_shard_optimizer``), a list or tuple of
+            them (stored as one state dict, see ``get_optimizer_state_dict``), or None.
         step: the training step, recorded and used in the folder name.
         extra: JSON-serialisable values returned by :func:`load_checkpoint`.
 
@@ -245,8 +247,8 @@ def save_checkpoint(
         RuntimeError: on every rank, if rank 0 could not create the partial folder or
             publish the checkpoint (the partial folder is then left as it is).
     """
-    optimizer_class = None if optimizer is None else type(optimizer).__name__
-    record = _record(step, extra, _model_fingerprint(model), optimizer=optimizer_class)
+    classes = None if optimizer is None else _class_names(optimizer)
+    record = _record(step, extra, _model_fingerprint(model), optimizer=classes)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         optim = get_optimizer_state_dict(model, optimizer)
@@ -259,6 +261,10 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=str(partial))
     _on_rank0(lambda: _publish(partial, final, record), f"publish {str(final)!r}")
     return final
+
+
+def _class_names(optimizer: Optimizers) -> list[str]:
+    return [type(opt).__name__ for opt in optimizer_list(optimizer)]
 
 
 def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
@@ -278,7 +284,7 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def _optimizer_target(
-    model: MegatronFSDP, optimizer: torch.optim.Optimizer, metadata: Metadata, path: Path
+    model: MegatronFSDP, optimizer: Optimizers, metadata: Metadata, path: Path
 ) -> dict[str, Any]:
     """Empty optimizer state built from the checkpoint's DCP metadata, in this model's layout.
 
@@ -290,6 +296,7 @@ def _optimizer_target(
     synthetic step.
     """
     params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
+    states = {id(p): state for opt in optimizer_list(optimizer) for p, state in opt.state.items()}
     target: dict[str, Any] = {}
     prefix = "optimizer.state."
     for key, item in metadata.state_dict_metadata.items():
@@ -308,7 +315,7 @@ def _optimizer_target(
                 "parameter of this model"
             )
         dtype, size = item.properties.dtype, tuple(item.size)
-        like = optimizer.state.get(param, {}).get(name)
+        like = states.get(id(param), {}).get(name)
         if not (isinstance(like, torch.Tensor) and tuple(like.shape) == size):
             like = param if size == tuple(param.shape) else None
         if like is None:
@@ -332,7 +339,7 @@ def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: MegatronFSDP,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
 ) -> dict[str, Any]:
     """Load a complete checkpoint into ``model`` (and ``optimizer``); collective.
 
@@ -343,7 +350,8 @@ def load_checkpoint(
     Args:
         path: a checkpoint folder (e.g. from :func:`latest_checkpoint`).
         model: the wrapped model; its weights are replaced and installed.
-        optimizer: its optimizer, whose state and options are replaced, or None.
+        optimizer: its optimizer, whose state and options are replaced, a list or tuple
+            of them (the classes, in order, of the save), or None.
 
     Returns:
         The ``extra`` values saved with the checkpoint, plus ``"step"``.
@@ -351,19 +359,21 @@ def load_checkpoint(
     Raises:
         ValueError: on every rank, before any collective, if ``path`` is absent or
             incomplete, was saved from a different model (listing the
-            differences), or holds no state of ``optimizer``'s class.
+            differences), or holds no state of ``optimizer``'s classes.
     """
     path = Path(path)
     record = _read_record(path)
     _compare(path, record, _model_fingerprint(model))
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        saved_class = record["optimizer"]
-        if saved_class != type(optimizer).__name__:
+        saved = record["optimizer"]
+        saved = [saved] if isinstance(saved, str) else saved
+        if saved != _class_names(optimizer):
             raise ValueError(
                 f"optimizer: checkpoint {str(path)!r} holds the state of "
-                f"{saved_class or 'no optimizer'}, not of {type(optimizer).__name__}; pass the "
-                "same optimizer class, or optimizer=None to load the model only"
+                f"{', '.join(saved or ['no optimizer'])}, not of "
+                f"{', '.join(_class_names(optimizer))}; pass the same optimizer classes in "
+                "the same order, or optimizer=None to load the model only"
             )
         check_optimizer_binding(model, optimizer)
         metadata = FileSystemReader(str(path)).read_metadata()

@@ -26,14 +26,13 @@ from mf_fsdp.config import (
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.megatron_fsdp import MegatronFSDP
-from mf_fsdp.optimizer import fully_shard_optimizer
+from mf_fsdp.optimizer import Optimizers, fully_shard_optimizer
 from mf_utils import get_group_device
 
 __all__ = ["fully_shard", "fully_shard_model"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
 
 def fully_shard_model(

@@ -45,12 +45,20 @@ from mf_fsdp.shape_aware import check_supported, serve_step
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
 
-__all__ = ["fully_shard_optimizer", "install_optimizer_hooks"]
+__all__ = ["Optimizers", "fully_shard_optimizer", "install_optimizer_hooks", "optimizer_list"]
+
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
+"""One optimizer, or several stepping one model together (Muon for matrices, AdamW for the rest)."""
 
 _HOOKS_INSTALLED = False
 _LOAD_HOOK_ATTR = "_mf_fsdp_load_hook"
 _CHECKED_ATTR = "_mf_fsdp_checked"
 _HIDDEN_ATTR = "_mf_fsdp_hidden_grads"
+
+
+def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list: itself, or the optimizers of a list or tuple."""
+    return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
 
 
 def install_optimizer_hooks() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optimizer import Optimizers, optimizer_list
 from mf_fsdp.optimizer_params import owner_of
 from mf_fsdp.optimizer_state import localize_loaded_state, snapshot_state
 
@@ -85,61 +86,81 @@ def set_model_state_dict(model: MegatronFSDP, state_dict: Mapping[str, Any]) -> 
     model.load_state_dict(state_dict, strict=False)
 
 
-def check_optimizer_binding(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> None:
-    """Raise unless every parameter of ``optimizer`` is one of ``model``'s sharded parameters."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {optimizer!r}")
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if owner_of(param) is not model or model.optimizer_param(param) is not param:
-                raise ValueError(
-                    "optimizer: it does not step this model's sharded parameters; pass it "
-                    "through mf_fsdp.fully_shard_optimizer(optimizer, model) (or fully_shard), "
-                    "or build it on model.parameters() after wrapping"
-                )
+def check_optimizer_binding(
+    model: MegatronFSDP, optimizer: Optimizers
+) -> list[torch.optim.Optimizer]:
+    """Raise unless every parameter of the optimizer(s) is one of ``model``'s sharded parameters.
+
+    Returns:
+        The optimizers as a list.
+    """
+    optimizers = optimizer_list(optimizer)
+    if not optimizers:
+        raise ValueError("optimizer: expected a torch.optim.Optimizer or a non-empty list of them")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {opt!r}")
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if owner_of(param) is not model or model.optimizer_param(param) is not param:
+                    raise ValueError(
+                        "optimizer: it does not step this model's sharded parameters; pass it "
+                        "through mf_fsdp.fully_shard_optimizer(optimizer, model) (or "
+                        "fully_shard), or build it on model.parameters() after wrapping"
+                    )
+    return optimizers
 
 
 def _fqn_by_param(model: MegatronFSDP) -> dict[int, str]:
     return {id(fp.sharded): fp.fqn for fp in model.fsdp_params}
 
 
-def group_fqns(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The FQNs of each of ``optimizer``'s param groups."""
+def _groups(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    """Every param group of the optimizers, in order (as one optimizer's list)."""
+    return [group for opt in optimizers for group in opt.param_groups]
+
+
+def group_fqns(model: MegatronFSDP, optimizer: Optimizers) -> list[list[str]]:
+    """The FQNs of each param group of the optimizer(s), in order."""
     names = _fqn_by_param(model)
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    groups = _groups(optimizer_list(optimizer))
+    return [[names[id(p)] for p in group["params"]] for group in groups]
 
 
-def get_optimizer_state_dict(
-    model: MegatronFSDP, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
+def get_optimizer_state_dict(model: MegatronFSDP, optimizer: Optimizers) -> dict[str, Any]:
     """The optimizer's state keyed by parameter FQN (see [Note: checkpoint form]).
+
+    Several optimizers of one model (a list or tuple) give one state dict, as
+    torch's ``get_optimizer_state_dict`` does: their states by FQN together and
+    their param groups one after the other.
 
     Returns:
         ``{"state": {fqn: {key: value}}, "param_groups": [{option: value, "params":
         [fqn, ...]}, ...]}``; the state tensors are the optimizer's own (no copy).
 
     Raises:
-        TypeError / ValueError: if ``optimizer`` does not step ``model``'s sharded parameters.
+        TypeError / ValueError: if an optimizer does not step ``model``'s sharded parameters.
     """
-    check_optimizer_binding(_require_model(model), optimizer)
+    optimizers = check_optimizer_binding(_require_model(model), optimizer)
     names = _fqn_by_param(model)
-    state = {names[id(p)]: dict(values) for p, values in optimizer.state.items()}
+    state = {names[id(p)]: dict(values) for opt in optimizers for p, values in opt.state.items()}
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": fqns}
-        for group, fqns in zip(optimizer.param_groups, group_fqns(model, optimizer), strict=True)
+        for group, fqns in zip(_groups(optimizers), group_fqns(model, optimizers), strict=True)
     ]
     return {"state": state, "param_groups": groups}
 
 
 def set_optimizer_state_dict(
-    model: MegatronFSDP, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    model: MegatronFSDP, optimizer: Optimizers, state_dict: Mapping[str, Any]
 ) -> None:
     """Replace the optimizer's state and options with those of ``state_dict``; collective.
 
     State tensors shaped like their parameter may be in any layout (this model's
     own, another world size's via ``dcp.load``, or full tensors); each rank keeps
     its rows. Tensors are copied (the optimizer never shares storage with
-    ``state_dict``); anything else is taken as it is.
+    ``state_dict``); anything else is taken as it is. Several optimizers take
+    the groups in order and each parameter's state goes to the one stepping it.
 
     Raises:
         ValueError: if the param groups or their parameters differ, or a state entry
@@ -150,7 +171,7 @@ def set_optimizer_state_dict(
 
 def apply_optimizer_state(
     model: MegatronFSDP,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     state_dict: Mapping[str, Any],
     *,
     owned: bool,
@@ -159,28 +180,32 @@ def apply_optimizer_state(
 
     ``owned`` is for a state dict nobody else holds (a checkpoint just loaded): no copy.
     """
-    check_optimizer_binding(_require_model(model), optimizer)
+    optimizers = check_optimizer_binding(_require_model(model), optimizer)
     params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
     saved_groups = state_dict["param_groups"]
-    current = group_fqns(model, optimizer)
+    current = group_fqns(model, optimizers)
     saved = [list(g["params"]) for g in saved_groups]
     if saved != current:
         raise ValueError(
             f"state_dict['param_groups']: parameters per group {saved!r} do not match the "
             f"optimizer's {current!r}; expected the same groups in the same order"
         )
-    unknown = [fqn for fqn in state_dict["state"] if fqn not in params]
+    unknown = [fqn for fqn in state_dict["state"] if not any(fqn in g for g in current)]
     if unknown:
         raise ValueError(
-            f"state_dict['state']: unknown parameters {unknown!r}; expected FQNs of the model"
+            f"state_dict['state']: unknown parameters {unknown!r}; expected FQNs of the "
+            "optimizer's parameters"
         )
-    previous = snapshot_state(optimizer)
-    optimizer.state.clear()
+    stepping = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    previous = {id(opt): snapshot_state(opt) for opt in optimizers}
+    for opt in optimizers:
+        opt.state.clear()
     for fqn, values in state_dict["state"].items():
-        optimizer.state[params[fqn]] = {
+        stepping[id(params[fqn])].state[params[fqn]] = {
             key: value.detach().clone() if isinstance(value, torch.Tensor) and not owned else value
             for key, value in values.items()
         }
-    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
+    for group, saved_group in zip(_groups(optimizers), saved_groups, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    localize_loaded_state(optimizer, previous)
+    for opt in optimizers:
+        localize_loaded_state(opt, previous[id(opt)])
