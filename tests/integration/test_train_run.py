@@ -33,9 +33,10 @@ def _metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _rank_train_then_resume(rank: int, world_size: int, tmp: str, zero: str) -> None:
+def _rank_train_then_resume(rank: int, world_size: int, tmp: str, zero: str, *extra: str) -> None:
     tmp_path = Path(tmp)
     common = [*_TINY, "--zero", zero, "--ckpt-dir", str(tmp_path / "ckpt"), "--sample-tokens", "8"]
+    common += extra
     full = parse_options([*common, "--steps", "6", "--save-every", "3", "--out-dir", tmp + "/a"])
     summary = train(full)
     assert dist.is_initialized()  # train leaves the caller's process group alone
@@ -69,6 +70,21 @@ def test_train_and_resume_continue_exactly_zero0(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_train_and_resume_continue_exactly_zero3(tmp_path: Path) -> None:
     run_on_ranks(_rank_train_then_resume, 2, str(tmp_path), "3", timeout=100)
+
+
+def _rank_muon_then_resume(rank: int, world_size: int, tmp: str) -> None:
+    _rank_train_then_resume(rank, world_size, tmp, "3", "--optimizer", "muon")
+    adamw = parse_options([*_TINY, "--ckpt-dir", tmp + "/ckpt", "--resume", "--out-dir", tmp])
+    with pytest.raises(ValueError, match="holds the state of Muon, AdamW, not of AdamW"):
+        train(adamw)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_train_and_resume_continue_exactly_muon(tmp_path: Path) -> None:
+    """``--optimizer muon`` (Muon on the blocks' matrices, AdamW on the rest) learns and
+    resumes exactly; resuming it with ``--optimizer adamw`` is refused by name."""
+    run_on_ranks(_rank_muon_then_resume, 2, str(tmp_path), timeout=100)
 
 
 def _rank_train(rank: int, world_size: int, argv: list[str]) -> None:

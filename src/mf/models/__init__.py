@@ -2,5 +2,16 @@
 
 from mf.models.gpt import GPT, PRESETS, Block, GPTConfig
 from mf.models.gpt_tp import GPTTensorParallel, TensorParallelBlock
+from mf.models.optimizers import OPTIMIZER_RECIPES, build_optimizers, hidden_matrices
 
-__all__ = ["GPT", "PRESETS", "Block", "GPTConfig", "GPTTensorParallel", "TensorParallelBlock"]
+__all__ = [
+    "GPT",
+    "OPTIMIZER_RECIPES",
+    "PRESETS",
+    "Block",
+    "GPTConfig",
+    "GPTTensorParallel",
+    "TensorParallelBlock",
+    "build_optimizers",
+    "hidden_matrices",
+]

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import torch
 
-from mf.models import PRESETS
+from mf.models import OPTIMIZER_RECIPES, PRESETS
 from mf.train.data import VOCAB_SIZE
 
 __all__ = ["TrainOptions", "parse_options"]
@@ -37,6 +37,7 @@ class TrainOptions:
     grad_accum: int
     seq_len: int
     lr: float
+    optimizer: str
     precision: str
     device: str
     data: str | None
@@ -93,7 +94,13 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--seq-len", type=int, default=128, help="tokens per sequence")
-    add("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine decay)")
+    add("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, cosine decay)")
+    add(
+        "--optimizer",
+        choices=OPTIMIZER_RECIPES,
+        default="adamw",
+        help="adamw; or muon: torch.optim.Muon on the blocks' matrices, AdamW on the rest",
+    )
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute precision")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")

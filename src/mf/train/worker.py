@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mf.models import GPT, PRESETS, Block, GPTTensorParallel, TensorParallelBlock
+from mf.models import (
+    GPT,
+    PRESETS,
+    Block,
+    GPTTensorParallel,
+    TensorParallelBlock,
+    build_optimizers,
+)
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import TrainOptions
 from mf.train.report import Reporter
@@ -92,7 +99,10 @@ def _dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
-    """The GPT of the preset (tensor-parallel when --tp > 1), sharded by mf-fsdp, and AdamW."""
+    """The GPT of the preset (tensor-parallel when --tp > 1), sharded, and its optimizers.
+
+    The optimizers are ``--optimizer``'s recipe, a list (AdamW; or Muon and AdamW).
+    """
     from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(options.seed)  # the same full weights on every rank
@@ -104,11 +114,11 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         module.load_full_weights(full_weights)
         unit = TensorParallelBlock
     module.to(device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, weight_decay=0.1)
+    optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
     return fully_shard(
         module,
-        optimizer,
+        optimizers,
         device_mesh=mesh,
         dp_shard_dim="dp",
         dp_outer_dim="dp_outer",
@@ -124,21 +134,22 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 # --- checkpoints: the only place that saves or loads training state ---------------------------
 
 
-def _save(ckpt_dir: Path, step: int, model, optimizer, info: dict[str, Any]) -> Path:
+def _save(ckpt_dir: Path, step: int, model, optimizers, info: dict[str, Any]) -> Path:
     """Save model and optimizer state as the checkpoint of ``step`` (every rank calls this)."""
-    return save_checkpoint(ckpt_dir, model, optimizer, step=step, extra=info)
+    return save_checkpoint(ckpt_dir, model, optimizers, step=step, extra=info)
 
 
-def _resume(ckpt_dir: Path, model, optimizer, info: dict[str, Any]) -> int:
+def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
     """Load the newest complete checkpoint in ``ckpt_dir``; return the step it was saved at.
 
-    Any ``--zero`` or world size may resume (the checkpoint reshards); the optimizer
-    state is built from the checkpoint, never by a synthetic step.
+    Any ``--zero``, ``--tp`` or world size may resume (the checkpoint reshards); the
+    optimizer state is built from the checkpoint, never by a synthetic step. The
+    ``--optimizer`` must be the one saved (else load_checkpoint names both).
     """
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
-    return load_checkpoint(path, model, optimizer)["step"]
+    return load_checkpoint(path, model, optimizers)["step"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -196,12 +207,13 @@ def _sample(model, prompt: str, options: TrainOptions, device: torch.device) -> 
 
 
 def _train_step(
-    model, optimizer, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
+    model, optimizers, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
 ) -> float:
     """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss over ranks."""
     dp_rank, dp_size = _dp_coordinates(mesh)
-    for group in optimizer.param_groups:
-        group["lr"] = _learning_rate(options, step)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(options, step)
     losses = []
     for micro in range(options.grad_accum):
         inputs, targets = data.batch(
@@ -218,18 +230,26 @@ def _train_step(
             loss = model(inputs.to(device), targets.to(device)) / options.grad_accum
             loss.backward()
         losses.append(loss.detach())
-    optimizer.step()
-    optimizer.zero_grad()
+    for optimizer in optimizers:
+        optimizer.step()
+    for optimizer in optimizers:
+        optimizer.zero_grad()
     return _mean_over(torch.stack(losses).sum(), mesh)
 
 
 def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[str, Any]:
     text, corpus_name = load_corpus(options.data)
     data = TextData.from_text(text, options.seq_len)
-    model, optimizer = _build(options, mesh, device)
-    info = {"model": options.model, "tp": options.tp, "zero": options.zero, "seed": options.seed}
+    model, optimizers = _build(options, mesh, device)
+    info = {
+        "model": options.model,
+        "tp": options.tp,
+        "zero": options.zero,
+        "seed": options.seed,
+        "optimizer": options.optimizer,
+    }
     ckpt_dir = Path(options.ckpt_dir)
-    start_step = _resume(ckpt_dir, model, optimizer, info) if options.resume else 0
+    start_step = _resume(ckpt_dir, model, optimizers, info) if options.resume else 0
     reporter = Reporter(
         options,
         dist.get_rank() == 0,
@@ -246,7 +266,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     with _StopFlag() as stop:
         while step < options.steps:
             started = time.perf_counter()
-            train_loss = _train_step(model, optimizer, data, options, step, mesh, device)
+            train_loss = _train_step(model, optimizers, data, options, step, mesh, device)
             step += 1
             elapsed = time.perf_counter() - started
             validation = None
@@ -256,7 +276,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
             interrupted = stop.agreed(device)
             periodic = options.save_every and step % options.save_every == 0
             if periodic or step == options.steps or interrupted:
-                saved_path = _save(ckpt_dir, step, model, optimizer, info)
+                saved_path = _save(ckpt_dir, step, model, optimizers, info)
                 reporter.saved(saved_path)
             if interrupted:
                 reporter.interrupted(step)
