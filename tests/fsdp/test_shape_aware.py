@@ -4,7 +4,8 @@ Start with ``test_muon_and_adamw_zero1_to_3``: the tiny GPT with torch's recipe,
 ``torch.optim.Muon`` for the blocks' weight matrices and ``AdamW`` for the rest,
 passed to ``fully_shard`` as a list; 5 steps under ZeRO-1, -2 and -3 on 2 and
 3 ranks. The same under mf-tp TP 2 x DP 2 (fused qkv of stride 3: Muon sees the
-full matrix, gathered from 4 ranks), and ``torch.optim.Adafactor`` under
+full matrix, gathered from 4 ranks), under HSDP 2 x 2 (replicas orthogonalise
+their own copies) and hybrid-sharded HSDP, and ``torch.optim.Adafactor`` under
 ZeRO-3. Also: an optimizer the engine cannot serve is refused by name.
 
 Two checks per run:
@@ -181,7 +182,27 @@ def test_muon_and_adamw_zero1_to_3(world: int) -> None:
     run_on_ranks(_rank_muon, world, reference, timeout=240)
 
 
-def _rank_muon_tp(rank: int, world: int, reference: list[float]) -> None:
+def _rank_muon_4(rank: int, world: int, tp_reference: list[float], reference: list[float]) -> None:
+    """TP 2 x DP 2, then HSDP 2 x 2 (replicated, and hybrid-sharded) on the same 4 ranks."""
+    _muon_tp(tp_reference)
+    mesh = cpu_mesh((2, 2), ("dp_outer", "dp_shard"))
+    for outer in ("no_shard", "optim"):
+        module = make_model()
+        model, opts = mf_fsdp.fully_shard(
+            module,
+            muon_and_adamw(module),
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer",
+            outer_dp_sharding_strategy=outer,
+            fsdp_unit_modules=unit_classes(),
+        )
+        label = f"muon hsdp outer {outer}"
+        shadow = _Shadow(make_model, muon_and_adamw)
+        _check_losses(_train(model, opts, shadow, rank, label), reference, label)
+
+
+def _muon_tp(reference: list[float]) -> None:
     mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
     module = tp.mf_tp_model(mesh["tp"])
     model, opts = mf_fsdp.fully_shard(
@@ -203,9 +224,10 @@ def _rank_muon_tp(rank: int, world: int, reference: list[float]) -> None:
 
 
 @pytest.mark.multiprocess
-def test_muon_tensor_parallel() -> None:
-    reference = _reference_losses(tp.reference_model, muon_and_adamw, tp.DP, data=tp.batch)
-    run_on_ranks(_rank_muon_tp, tp.DP * tp.TP, reference, timeout=240)
+def test_muon_tensor_parallel_and_hsdp() -> None:
+    tp_reference = _reference_losses(tp.reference_model, muon_and_adamw, tp.DP, data=tp.batch)
+    reference = _reference_losses(make_model, muon_and_adamw, 4)
+    run_on_ranks(_rank_muon_4, 4, tp_reference, reference, timeout=300)
 
 
 def _rank_adafactor(rank: int, world: int, reference: list[float]) -> None:

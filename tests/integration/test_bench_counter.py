@@ -23,11 +23,23 @@ def _rank_counts(rank: int, world_size: int) -> None:
         dist.all_reduce(shard)
         work = dist.all_reduce(shard, async_op=True)
         work.wait()
+        # Uneven: rank r sends r + 1 elements to every rank, its own segment stays.
+        splits = [rank + 1] * world_size
+        received = torch.empty(sum(r + 1 for r in range(world_size)))
+        dist.all_to_all_single(
+            received, torch.ones(sum(splits)), [r + 1 for r in range(world_size)], splits
+        )
     dist.all_reduce(shard)  # uninstalled: not counted
-    assert counter.calls == {"all_gather_single": 1, "reduce_scatter_single": 1, "all_reduce": 2}
+    assert counter.calls == {
+        "all_gather_single": 1,
+        "reduce_scatter_single": 1,
+        "all_reduce": 2,
+        "all_to_all_single": 1,
+    }
     scale = (world_size - 1) / world_size
     element = 4
     expected = (6 * world_size * element) * scale * 2 + 2 * (6 * element) * scale * 2
+    expected += (rank + 1) * (world_size - 1) * element
     assert counter.bytes_sent == pytest.approx(expected)
     assert dist.all_reduce is original  # the originals are back
 

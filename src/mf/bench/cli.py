@@ -5,12 +5,15 @@ elastic launcher, so peak memory is that engine's alone; rounds rotate the
 engine order to spread machine noise over all engines. A single-process run
 of the same global batch gives the reference loss curve.
 
-Printed per model preset and engine: median step time and its ratio to
-FSDP2, peak memory per rank, model-state bytes per rank against
-16 * params / world (fp32 weights, grads and two Adam moments), collectives
-per step and bytes each rank sends against the ZeRO-3 minimum of
-3 * params * (world - 1) / world elements, and the largest loss difference
-to the single-process run.
+Printed per model preset, engine and optimizer recipe (``--optimizers``):
+median step time, its ratio to FSDP2 with the same optimizers and to the
+same engine with the first recipe, the median time of the optimizers'
+``step()`` (with the engine's step hooks: the last gradient reduction's wait,
+the weights' install) and its share of the step, peak memory per rank,
+model-state bytes per rank against 16 * params / world (fp32 weights, grads
+and two Adam moments), collectives per step and bytes each rank sends
+against the ZeRO-3 minimum of 3 * params * (world - 1) / world elements, and
+the largest loss difference to the single-process run of the same recipe.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mf.bench.engines import ENGINES
+from mf.bench.engines import ENGINES, OPTIMIZERS
 from mf.bench.worker import RunSpec, run
 from mf.models import PRESETS
 
@@ -61,6 +64,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mf-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="25m", help="comma-separated model presets")
     parser.add_argument("--engines", default="ddp,fsdp2,mf-zero3,mf-zero0")
+    parser.add_argument(
+        "--optimizers",
+        default="adam",
+        help=f"comma-separated optimizer recipes, each run with every engine: {OPTIMIZERS}",
+    )
     parser.add_argument("--world", type=int, default=2, help="processes per run")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
@@ -77,6 +85,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if engine not in ENGINES or engine == "single":
             choices = sorted(set(ENGINES) - {"single"})
             parser.error(f"--engines: unknown engine {engine!r}; choose from {choices}")
+    for recipe in args.optimizers.split(","):
+        if recipe not in OPTIMIZERS:
+            parser.error(f"--optimizers: unknown recipe {recipe!r}; choose from {OPTIMIZERS}")
     if args.world < 2:
         parser.error(f"--world must be at least 2, got {args.world}")
     if args.device == "auto":
@@ -84,36 +95,47 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _summarise(
-    preset: str, runs: dict[str, list[dict[str, Any]]], reference: list[float]
-) -> list[str]:
-    rows = []
-    fsdp2 = runs.get("fsdp2")
-    fsdp2_step = (
-        statistics.median(statistics.median(r["step_seconds"]) for r in fsdp2) if fsdp2 else None
-    )
+Runs = dict[tuple[str, str], list[dict[str, Any]]]
+"""Every run's results, by (engine, optimizer recipe)."""
+
+
+def _median_step(results: list[dict[str, Any]], key: str = "step_seconds") -> float:
+    return statistics.median(statistics.median(r[key]) for r in results)
+
+
+def _ratio(value: float, base: list[dict[str, Any]] | None) -> str:
+    return f"{value / _median_step(base):8.2f}" if base else f"{'-':>8}"
+
+
+def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> list[str]:
+    first_recipe = next(iter(references))
     header = (
-        f"{'engine':<10} {'step ms':>8} {'vs fsdp2':>8} {'peak MiB':>9} {'state MiB':>9} "
-        f"{'vs 16P/w':>8} {'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'max dloss':>10}"
+        f"{'engine':<10} {'optim':<6} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
+        f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
+        f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'max dloss':>10}"
     )
-    rows.append(header)
-    for engine, results in runs.items():
+    rows = [header]
+    for (engine, recipe), results in runs.items():
         first = results[0]
         world, params = first["world_size"], first["num_params"]
-        step = statistics.median(statistics.median(r["step_seconds"]) for r in results)
+        step = _median_step(results)
+        optimizer = _median_step(results, "optimizer_seconds")
         peak = max(r["peak_bytes"] for r in results)
         state = first["state_bytes"]
-        ideal_state = 16 * params / world
         sent = first["bytes_sent_per_step"]
         ideal_sent = 3 * params * (world - 1) / world * 4
+        reference = references[recipe]
         dloss = max(
             max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True)) for r in results
         )
-        ratio = f"{step / fsdp2_step:8.2f}" if fsdp2_step else f"{'-':>8}"
+        vs_fsdp2 = _ratio(step, runs.get(("fsdp2", recipe)))
+        vs_first = _ratio(step, runs.get((engine, first_recipe)))
         rows.append(
-            f"{engine:<10} {step * 1e3:8.1f} {ratio} {peak / _MIB:9.1f} {state / _MIB:9.1f} "
-            f"{state / ideal_state:8.2f} {first['calls_per_step']:9.1f} {sent / _MIB:9.1f} "
-            f"{sent / ideal_sent:12.3f} {dloss:10.2e}"
+            f"{engine:<10} {recipe:<6} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
+            f"{optimizer * 1e3:7.1f} {100 * optimizer / step:6.1f} "
+            f"{peak / _MIB:9.1f} {state / _MIB:9.1f} "
+            f"{state / (16 * params / world):8.2f} {first['calls_per_step']:9.1f} "
+            f"{sent / _MIB:9.1f} {sent / ideal_sent:12.3f} {dloss:10.2e}"
         )
     return [f"== preset {preset}: {params / 1e6:.1f}M params, world {world} ==", *rows]
 
@@ -122,49 +144,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one table per preset."""
     args = _parse(argv)
     engines = args.engines.split(",")
+    recipes = args.optimizers.split(",")
     everything: list[dict[str, Any]] = []
     print(
         f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
         f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
-        f"{args.rounds} rounds, Adam fp32",
+        f"{args.rounds} rounds, optimizers {'/'.join(recipes)}, fp32",
         flush=True,
     )
     for preset in args.presets.split(","):
 
-        def spec(engine: str, preset: str = preset) -> RunSpec:
+        def spec(engine: str, recipe: str, micro_batch: int, preset: str = preset) -> RunSpec:
             return RunSpec(
                 engine,
                 preset,
-                args.micro_batch,
+                micro_batch,
                 args.seq_len,
                 args.steps,
                 args.warmup,
+                optimizer=recipe,
                 device=args.device,
             )
 
-        reference_spec = RunSpec(
-            "single",
-            preset,
-            args.micro_batch * args.world,
-            args.seq_len,
-            args.steps,
-            args.warmup,
-            device=args.device,
-        )
-        reference = _launch(reference_spec, 1)["losses"]
-        runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+        references = {
+            recipe: _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
+            for recipe in recipes
+        }
+        cases = [(engine, recipe) for recipe in recipes for engine in engines]
+        runs: Runs = {case: [] for case in cases}
         for round_index in range(args.rounds):
-            shift = round_index % len(engines)
-            for engine in engines[shift:] + engines[:shift]:
-                result = _launch(spec(engine), args.world)
-                runs[engine].append(result)
+            shift = round_index % len(cases)
+            for engine, recipe in cases[shift:] + cases[:shift]:
+                result = _launch(spec(engine, recipe, args.micro_batch), args.world)
+                runs[(engine, recipe)].append(result)
                 everything.append(result)
                 print(
-                    f"  round {round_index} {engine:<9} median step "
+                    f"  round {round_index} {engine:<9} {recipe:<6} median step "
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
                     flush=True,
                 )
-        print("\n".join(_summarise(preset, runs, reference)), flush=True)
+        print("\n".join(_summarise(preset, runs, references)), flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(everything, out, indent=1)

@@ -10,6 +10,7 @@ figures compare across engines and against the theoretical minimum:
 | all-reduce, N                | 2 * N * (w - 1) / w          |
 | broadcast, N                 | N * (w - 1) / w              |
 | all-to-all, input N          | N * (w - 1) / w              |
+| all-to-all with input splits | the splits for other ranks   |
 
 The Python-level collectives are wrapped where both ``torch.distributed``
 and its ``distributed_c10d`` module look them up (the deprecated aliases
@@ -57,12 +58,12 @@ class CommCounter:
     bytes_sent: float = 0.0
     enabled: bool = False
 
-    def record(self, name: str, total_bytes: int, world_size: int) -> None:
-        """Add one collective of ``total_bytes`` (as in the table) over ``world_size`` ranks."""
-        if not self.enabled or world_size <= 1:
+    def record(self, name: str, sent_bytes: float) -> None:
+        """Add one collective in which this rank sends ``sent_bytes``."""
+        if not self.enabled:
             return
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.bytes_sent += total_bytes * (world_size - 1) / world_size
+        self.bytes_sent += sent_bytes
 
     def reset(self) -> None:
         """Forget everything counted so far."""
@@ -84,9 +85,17 @@ class CommCounter:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 group = bound.arguments.get("group")
-                self.record(
-                    name, byte_model(list(bound.arguments.values())), dist.get_world_size(group)
-                )
+                world = dist.get_world_size(group)
+                splits = bound.arguments.get("input_split_sizes")
+                if world <= 1:
+                    pass
+                elif splits:  # an uneven all-to-all: exactly what goes to the other ranks
+                    element = bound.arguments["input"].element_size()
+                    me = dist.get_rank(group)
+                    self.record(name, sum(n for r, n in enumerate(splits) if r != me) * element)
+                else:
+                    total = byte_model(list(bound.arguments.values()))
+                    self.record(name, total * (world - 1) / world)
             return original(*args, **kwargs)
 
         return counted

@@ -35,6 +35,7 @@ class RunSpec:
     seq_len: int
     steps: int
     warmup: int
+    optimizer: str = "adam"
     lr: float = 1e-3
     seed: int = 0
     device: str = "cpu"
@@ -45,10 +46,12 @@ class RunResult:
     """What one run measured on one rank (times are the max over ranks of each step)."""
 
     engine: str
+    optimizer: str
     preset: str
     world_size: int
     num_params: int
     step_seconds: list[float] = field(default_factory=list)
+    optimizer_seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     state_bytes: int = 0
@@ -78,21 +81,26 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def model_state_bytes(
+    model: nn.Module, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]
+) -> int:
     """Bytes of distinct storages held by parameters, gradients, buffers and optimizer state."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
     tensors: list[torch.Tensor] = []
     for param in model.parameters():
         tensors.append(_local(param))
         if param.grad is not None:
             tensors.append(_local(param.grad))
     tensors.extend(model.buffers())
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            tensors.append(_local(param))
-            if param.grad is not None:
-                tensors.append(_local(param.grad))
-    for state in optimizer.state.values():
-        tensors.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                tensors.append(_local(param))
+                if param.grad is not None:
+                    tensors.append(_local(param.grad))
+        for state in optimizer.state.values():
+            tensors.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
     seen: dict[int, int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -161,10 +169,13 @@ def run(spec: RunSpec) -> dict[str, Any]:
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmRSS")
     torch.manual_seed(spec.seed)
     model = GPT(config).to(device)
-    result = RunResult(spec.engine, spec.preset, world_size, config.num_parameters())
-    model, optimizer = build_engine(spec.engine, model, mesh, spec.lr)
+    result = RunResult(
+        spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
+    )
+    model, optimizers = build_engine(spec.engine, model, mesh, spec.lr, spec.optimizer)
     counter = CommCounter()
     step_local: list[float] = []
+    optimizer_local: list[float] = []
     with counter.installed():
         for step in range(spec.warmup + spec.steps):
             tokens, targets = _batch(spec, step, rank, world_size, config.vocab_size, device)
@@ -178,17 +189,25 @@ def run(spec: RunSpec) -> dict[str, Any]:
             start = time.perf_counter()
             loss = model(tokens, targets)
             loss.backward()
-            optimizer.step()
+            _sync(device)
+            optimizer_start = time.perf_counter()
+            for optimizer in optimizers:
+                optimizer.step()
+            _sync(device)
+            optimizer_elapsed = time.perf_counter() - optimizer_start
             if step == spec.warmup + spec.steps - 1:
-                result.state_bytes = model_state_bytes(model, optimizer)
-            optimizer.zero_grad(set_to_none=True)
+                result.state_bytes = model_state_bytes(model, optimizers)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
             _sync(device)
             elapsed = time.perf_counter() - start
             counter.enabled = False
             result.losses.append(_mean_over_ranks(loss.item(), device))
             if measured:
                 step_local.append(elapsed)
+                optimizer_local.append(optimizer_elapsed)
     result.step_seconds = [_max_over_ranks(t, device) for t in step_local]
+    result.optimizer_seconds = [_max_over_ranks(t, device) for t in optimizer_local]
     result.calls_per_step = counter.num_calls / spec.steps
     result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps

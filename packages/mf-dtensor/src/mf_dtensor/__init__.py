@@ -28,7 +28,7 @@ from mf_dtensor.chunk_metadata import (
     validate_uneven_dtensor,
 )
 from mf_dtensor.layout import rank_order_chunks, split_sections, validate_chunk_layout
-from mf_dtensor.pieces import box_slices, boxes_numel, cut_boxes, place_boxes
+from mf_dtensor.pieces import boxes_numel, place_boxes, take_boxes
 from mf_dtensor.uneven import (
     assemble_full_tensor_from_uneven_chunks,
     gather_uneven_dtensor_to_full_tensor,
@@ -44,9 +44,7 @@ __all__ = [
     "UnevenDTensor",
     "assemble_full_tensor_from_uneven_chunks",
     "attach_chunk_metadata",
-    "box_slices",
     "boxes_numel",
-    "cut_boxes",
     "filter_unflattened_state_dict",
     "gather_and_compute_chunk_metadata",
     "gather_uneven_dtensor_to_full_tensor",
@@ -57,6 +55,7 @@ __all__ = [
     "rank_order_chunks",
     "split_dtensor",
     "split_sections",
+    "take_boxes",
     "uneven_dtensor_from_local",
     "uneven_local_piece",
     "update_uneven_dtensor_chunk_metadata",

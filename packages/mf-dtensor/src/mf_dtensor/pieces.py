@@ -33,6 +33,7 @@ __all__ = [
     "cut_boxes",
     "normalize_placements",
     "place_boxes",
+    "take_boxes",
 ]
 
 
@@ -244,6 +245,21 @@ def place_boxes(
         numel = math.prod(box.sizes)
         if numel:
             full[box_slices(box)] = flat[start : start + numel].view(tuple(box.sizes))
+        start += numel
+
+
+def take_boxes(
+    full: torch.Tensor, boxes: Sequence[ChunkStorageMetadata], flat: torch.Tensor
+) -> None:
+    """Write ``full``'s boxes, stacked and flattened, into ``flat`` (``place_boxes`` undone).
+
+    One copy per box, converting to ``flat``'s dtype on the way.
+    """
+    start = 0
+    for box in boxes:
+        numel = math.prod(box.sizes)
+        if numel:
+            flat[start : start + numel].view(tuple(box.sizes)).copy_(full[box_slices(box)])
         start += numel
 
 
