@@ -34,7 +34,13 @@ from mf_dtensor import (
 )
 from mf_dtensor.chunk_metadata import local_mesh_index
 from mf_dtensor.layout import make_chunk, mesh_coordinates
-from mf_dtensor.pieces import check_local_boxes, cut_boxes, normalize_placements, place_boxes
+from mf_dtensor.pieces import (
+    check_local_boxes,
+    cut_boxes,
+    normalize_placements,
+    place_boxes,
+    take_boxes,
+)
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.dtensor._cases import LayoutCase, compositions, layout_cases
 
@@ -193,6 +199,9 @@ def test_cut_and_place_boxes_round_trip(layout, seed: int) -> None:
         assert torch.equal(local, torch.cat([full[:0], *expected_rows]))
         padded = torch.cat([local.reshape(-1), torch.zeros(3)])
         place_boxes(rebuilt, padded, boxes)
+        taken = torch.full((local.numel(),), float("nan"), dtype=torch.float64)
+        take_boxes(full, boxes, taken)  # the inverse, converting the dtype on the way
+        assert torch.equal(taken, local.reshape(-1).double())
     assert torch.equal(rebuilt, full)
 
 
