@@ -161,18 +161,33 @@ def _check_losses(losses: list[float], reference: list[float], label: str) -> No
     )
 
 
+def _parity(
+    recipe,
+    reference: list[float],
+    label: str,
+    data_rank: int,
+    *,
+    build=make_model,
+    reference_build=make_model,
+    data=batch,
+    **wrap,
+) -> None:
+    """Train ``build()`` wrapped by ``fully_shard(..., **wrap)`` with ``recipe``'s optimizers.
+
+    Each step is checked against torch's optimizers (``_Shadow``), the losses
+    against ``reference``.
+    """
+    wrap.setdefault("fsdp_unit_modules", unit_classes())
+    module = build()
+    model, opts = mf_fsdp.fully_shard(module, recipe(module), **wrap)
+    shadow = _Shadow(reference_build, recipe)
+    _check_losses(_train(model, opts, shadow, data_rank, label, data), reference, label)
+
+
 def _rank_muon(rank: int, world: int, reference: list[float]) -> None:
     for strategy in (1, 2, 3):
-        module = make_model()
-        model, opts = mf_fsdp.fully_shard(
-            module,
-            muon_and_adamw(module),
-            fsdp_unit_modules=unit_classes(),
-            zero_dp_strategy=strategy,
-        )
         label = f"muon z{strategy} x{world}"
-        shadow = _Shadow(make_model, muon_and_adamw)
-        _check_losses(_train(model, opts, shadow, rank, label), reference, label)
+        _parity(muon_and_adamw, reference, label, rank, zero_dp_strategy=strategy)
 
 
 @pytest.mark.multiprocess
@@ -184,42 +199,33 @@ def test_muon_and_adamw_zero1_to_3(world: int) -> None:
 
 def _rank_muon_4(rank: int, world: int, tp_reference: list[float], reference: list[float]) -> None:
     """TP 2 x DP 2, then HSDP 2 x 2 (replicated, and hybrid-sharded) on the same 4 ranks."""
-    _muon_tp(tp_reference)
-    mesh = cpu_mesh((2, 2), ("dp_outer", "dp_shard"))
+    mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
+    tp_wrap = {"device_mesh": mesh, "dp_shard_dim": "dp", "tp_dim": "tp"}
+    _parity(
+        muon_and_adamw,
+        tp_reference,
+        "muon tp2 x dp2",
+        mesh.get_local_rank("dp"),
+        build=lambda: tp.mf_tp_model(mesh["tp"]),
+        reference_build=tp.reference_model,
+        data=tp.batch,
+        fsdp_unit_modules=[tp.TPBlock],
+        **tp_wrap,
+    )
+    module = tp.mf_tp_model(mesh["tp"])
+    with pytest.raises(ValueError, match=r"Adafactor cannot step a parameter .* split along dim 1"):
+        mf_fsdp.fully_shard(module, adafactor(module), **tp_wrap)
+    hsdp_mesh = cpu_mesh((2, 2), ("dp_outer", "dp_shard"))
     for outer in ("no_shard", "optim"):
-        module = make_model()
-        model, opts = mf_fsdp.fully_shard(
-            module,
-            muon_and_adamw(module),
-            device_mesh=mesh,
+        _parity(
+            muon_and_adamw,
+            reference,
+            f"muon hsdp outer {outer}",
+            rank,
+            device_mesh=hsdp_mesh,
             dp_shard_dim="dp_shard",
             dp_outer_dim="dp_outer",
             outer_dp_sharding_strategy=outer,
-            fsdp_unit_modules=unit_classes(),
-        )
-        label = f"muon hsdp outer {outer}"
-        shadow = _Shadow(make_model, muon_and_adamw)
-        _check_losses(_train(model, opts, shadow, rank, label), reference, label)
-
-
-def _muon_tp(reference: list[float]) -> None:
-    mesh = cpu_mesh((tp.DP, tp.TP), ("dp", "tp"))
-    module = tp.mf_tp_model(mesh["tp"])
-    model, opts = mf_fsdp.fully_shard(
-        module,
-        muon_and_adamw(module),
-        device_mesh=mesh,
-        dp_shard_dim="dp",
-        tp_dim="tp",
-        fsdp_unit_modules=[tp.TPBlock],
-    )
-    shadow = _Shadow(tp.reference_model, muon_and_adamw)
-    losses = _train(model, opts, shadow, mesh.get_local_rank("dp"), "muon tp2 x dp2", tp.batch)
-    _check_losses(losses, reference, "muon tp2 x dp2")
-    module = tp.mf_tp_model(mesh["tp"])
-    with pytest.raises(ValueError, match=r"Adafactor cannot step a parameter .* split along dim 1"):
-        mf_fsdp.fully_shard(
-            module, adafactor(module), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp"
         )
 
 
@@ -231,12 +237,7 @@ def test_muon_tensor_parallel_and_hsdp() -> None:
 
 
 def _rank_adafactor(rank: int, world: int, reference: list[float]) -> None:
-    module = make_model()
-    model, opts = mf_fsdp.fully_shard(
-        module, adafactor(module), fsdp_unit_modules=unit_classes(), zero_dp_strategy=3
-    )
-    shadow = _Shadow(make_model, adafactor)
-    _check_losses(_train(model, opts, shadow, rank, "adafactor z3"), reference, "adafactor z3")
+    _parity(adafactor, reference, "adafactor z3", rank, zero_dp_strategy=3)
 
 
 @pytest.mark.multiprocess
