@@ -1,12 +1,13 @@
 """Shape-aware optimizers on sharded parameters: torch's Muon and Adafactor against one process.
 
-Start with ``test_muon_and_adamw_zero1_to_3``: the tiny GPT with torch's recipe,
+Start with ``test_muon_and_adamw_zero0_to_3``: the tiny GPT with torch's recipe,
 ``torch.optim.Muon`` for the blocks' weight matrices and ``AdamW`` for the rest,
-passed to ``fully_shard`` as a list; 5 steps under ZeRO-1, -2 and -3 on 2 and
-3 ranks. The same under mf-tp TP 2 x DP 2 (fused qkv of stride 3: Muon sees the
-full matrix, gathered from 4 ranks), under HSDP 2 x 2 (replicas orthogonalise
-their own copies) and hybrid-sharded HSDP, and ``torch.optim.Adafactor`` under
-ZeRO-3. Also: an optimizer the engine cannot serve is refused by name.
+passed to ``fully_shard`` as a list; 5 steps under ZeRO-0 (torch's own step on
+the full parameters), -1, -2 and -3 on 2 and 3 ranks. The same under mf-tp TP 2
+x DP 2 (fused qkv of stride 3: Muon sees the full matrix, gathered from 4
+ranks), under HSDP 2 x 2 (replicas orthogonalise their own copies) and
+hybrid-sharded HSDP, and ``torch.optim.Adafactor`` under ZeRO-3. Also: an
+optimizer the engine cannot serve is refused by name.
 
 Two checks per run:
 
@@ -99,7 +100,7 @@ class _Shadow:
             for name, value in full_params(model).items():
                 self.params[name].copy_(value)
         for name, param in model.named_parameters():
-            self.params[name].grad = param.grad.full_tensor()
+            self.params[name].grad = _copy(param.grad)
         for opt in self.opts:
             opt.step()
             opt.zero_grad()
@@ -185,14 +186,14 @@ def _parity(
 
 
 def _rank_muon(rank: int, world: int, reference: list[float]) -> None:
-    for strategy in (1, 2, 3):
+    for strategy in (0, 1, 2, 3):  # ZeRO-0: full parameters, torch's own Muon step
         label = f"muon z{strategy} x{world}"
         _parity(muon_and_adamw, reference, label, rank, zero_dp_strategy=strategy)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
-def test_muon_and_adamw_zero1_to_3(world: int) -> None:
+def test_muon_and_adamw_zero0_to_3(world: int) -> None:
     reference = _reference_losses(make_model, muon_and_adamw, world)
     run_on_ranks(_rank_muon, world, reference, timeout=240)
 
