@@ -237,13 +237,45 @@ def test_muon_tensor_parallel_and_hsdp() -> None:
     run_on_ranks(_rank_muon_4, 4, tp_reference, reference, timeout=300)
 
 
-def _rank_adafactor(rank: int, world: int, reference: list[float]) -> None:
+class _Mixer(torch.nn.Module):
+    """A 3-D weight (Adafactor's column statistic then has rows too) on a tiny regression."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(5, 4, 3))
+        self.bias = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.einsum("bhi,hij->bj", x, self.weight) + self.bias
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def _regression(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 5, 4, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+def _rank_adafactor(rank: int, world: int, reference: list[float], reference_3d) -> None:
     _parity(adafactor, reference, "adafactor z3", rank, zero_dp_strategy=3)
+    _parity(
+        adafactor,
+        reference_3d,
+        "adafactor 3-d z3",
+        rank,
+        build=_Mixer,
+        reference_build=_Mixer,
+        data=_regression,
+        fsdp_unit_modules=None,
+        zero_dp_strategy=3,
+    )
 
 
 @pytest.mark.multiprocess
 def test_adafactor_zero3() -> None:
-    run_on_ranks(_rank_adafactor, 2, _reference_losses(make_model, adafactor, 2), timeout=240)
+    reference = _reference_losses(make_model, adafactor, 2)
+    reference_3d = _reference_losses(_Mixer, adafactor, 2, data=_regression)
+    run_on_ranks(_rank_adafactor, 2, reference, reference_3d, timeout=240)
 
 
 class _RowMixer(torch.optim.Optimizer):
