@@ -1,29 +1,38 @@
-"""Crash-safe distributed checkpoints of a ``MegatronFSDP`` model and its optimizer.
+"""Crash-safe, verified distributed checkpoints of a ``MegatronFSDP`` model and its optimizers.
 
 A checkpoint is a folder ``step_NNNNNNN`` holding a torch.distributed.checkpoint
-(DCP) save of ``{"model": ..., "optimizer": ...}`` in the form of
+(DCP) save of the model's and the optimizers' *tensors* in the form of
 ``mf_fsdp.state_dict`` (see [Note: checkpoint form]: parameter-shaped,
 tp-gathered global shapes), so it loads into any ZeRO strategy, data-parallel
-world size, HSDP layout and tp size, plus a record file ``mf_checkpoint.json``
-(format version, step, the caller's ``extra``, and the model's fingerprint:
-FQN, global shape and dtype of every tensor, and tied names). A checkpoint of
-the flat format of mf-fsdp 0.1 (version 1: every tensor stored as ``(numel,)``)
-is refused with one error naming that format.
+world size, HSDP layout and tp size, plus the record ``mf_checkpoint.json``
+(``checkpoint_record.py``: format version, step, the caller's ``extra``, the
+model's fingerprint, every non-tensor value of the optimizers' state as JSON,
+and the size and SHA-256 of every data file). Checkpoints of older formats
+are refused with one error naming the format.
+
+Loading never runs code from the checkpoint (see [Note: loading never runs
+code] in ``safe_reader.py``) and verifies every file against the record
+first (see [Note: checkpoint integrity]; ``verify=False`` skips that for a
+trusted local resume).
 
 [Note: crash-safe save]
 Every rank writes into ``.step_NNNNNNN.partial``. Only after DCP finished on
-all ranks (its metadata is written last) does rank 0 write the record file
-(fsynced, then renamed into place) and rename the folder to ``step_NNNNNNN``,
-an atomic rename on one file system. A save killed at any point therefore
-leaves either the finished folder or a ``.partial`` folder without a record,
-which :func:`latest_checkpoint` ignores, :func:`load_checkpoint` refuses and
-the next save of that step replaces. Other checkpoints are never touched.
+all ranks (its metadata is written last) and the files are hashed does rank
+0 write the record (fsynced, then renamed into place) and rename the folder
+to ``step_NNNNNNN``, an atomic rename on one file system. A save that fails
+(a full disk, an unwritable folder) removes its partial folder on every
+rank's behalf and raises ``RuntimeError`` on every rank, the first line
+naming the cause and the file ("No space left on device while writing
+..."). A save killed at any point leaves either the finished folder or a
+``.partial`` folder without a record, which :func:`latest_checkpoint`
+ignores, :func:`load_checkpoint` refuses and the next save of that step
+replaces. Other checkpoints are never touched.
 
 Loading checks the record before any collective, on every rank alike, so a
-partial checkpoint or one of another model raises the same ``ValueError``
-everywhere and no rank is left waiting. The offline converters
-(:func:`checkpoint_to_full_state_dict`, :func:`full_state_dict_to_checkpoint`)
-need no process group.
+partial or damaged checkpoint or one of another model raises the same
+``ValueError`` everywhere and no rank is left waiting. The offline
+converters (:func:`checkpoint_to_full_state_dict`,
+:func:`full_state_dict_to_checkpoint`) need no process group.
 """
 
 from __future__ import annotations
@@ -34,18 +43,29 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from mf_fsdp.checkpoint_integrity import FileDigest, data_files, digest_folder, find_damage
+from mf_fsdp.checkpoint_record import (
+    RECORD_FILE,
+    build_record,
+    compare_fingerprints,
+    from_json,
+    read_record,
+    tensor_info,
+    to_json,
+)
 from mf_fsdp.megatron_fsdp import MegatronFSDP
 from mf_fsdp.optimizer import Optimizers, optimizer_list
+from mf_fsdp.safe_reader import SafeFileSystemReader, read_metadata, refuse_pickled_items
 from mf_fsdp.state_dict import (
     alias_names,
     apply_optimizer_state,
@@ -65,82 +85,22 @@ __all__ = [
     "save_full_state_dict",
 ]
 
-RECORD_FILE = "mf_checkpoint.json"
-"""Written last into a checkpoint folder: its presence means the checkpoint is complete."""
-
-_FORMAT = "mf-fsdp-dcp"
-_VERSION = 2  # 1: mf-fsdp 0.1's flat form, every tensor (numel,); 2: parameter-shaped
 _STEP_DIR = re.compile(r"step_(\d+)")
+_OPTIMIZER_PREFIX = "optimizer.state."
 
 
 def _step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensor_info(shape: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": _dtype_name(dtype)}
-
-
 def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
     """FQN -> global shape and dtype of every tensor a checkpoint holds, plus tied names."""
     tensors = {
-        fqn: _tensor_info(value.shape, value.dtype)
+        fqn: tensor_info(value.shape, value.dtype)
         for fqn, value in get_model_state_dict(model).items()
         if isinstance(value, torch.Tensor)
     }
     return {"tensors": tensors, "aliases": alias_names(model)}
-
-
-def _compare(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Raise one ValueError listing every difference between two fingerprints' tensors."""
-    saved_t, current_t = saved["tensors"], current["tensors"]
-    missing = [k for k in current_t if k not in saved_t]
-    unexpected = [k for k in saved_t if k not in current_t]
-    differ = [
-        f"{k}: checkpoint {_describe(saved_t[k])} vs model {_describe(current_t[k])}"
-        for k in current_t
-        if k in saved_t and _describe(saved_t[k]) != _describe(current_t[k])
-    ]
-    if missing or unexpected or differ:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was saved from a different model: missing keys "
-            f"{missing!r}, unexpected keys {unexpected!r}, mismatched: {'; '.join(differ) or '-'}"
-        )
-
-
-def _describe(info: Mapping[str, Any]) -> str:
-    return f"{tuple(info['shape'])} {info['dtype']}"
-
-
-def _read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The record of a complete checkpoint folder (no communication).
-
-    Raises:
-        ValueError: if ``path`` is not a folder, or is an incomplete (partial) checkpoint.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"path: {str(path)!r} is not a checkpoint folder (it does not exist)")
-    record = path / RECORD_FILE
-    if not record.is_file():
-        raise ValueError(
-            f"path: {str(path)!r} is an incomplete checkpoint (no {RECORD_FILE}; a save was "
-            "interrupted); load a complete one, e.g. latest_checkpoint(checkpoint_dir)"
-        )
-    data = json.loads(record.read_text())
-    if data.get("format") != _FORMAT:
-        raise ValueError(f"path: {str(path)!r} is not an mf_fsdp checkpoint ({RECORD_FILE})")
-    if data.get("version") != _VERSION:
-        raise ValueError(
-            f"path: {str(path)!r} is an mf_fsdp checkpoint of format version "
-            f"{data.get('version')!r} (1 = the flat form of mf-fsdp 0.1, every tensor stored as "
-            f"(numel,)); this mf-fsdp reads version {_VERSION} (parameter-shaped tensors) only"
-        )
-    return data
 
 
 @contextlib.contextmanager
@@ -177,43 +137,71 @@ def _publish(partial: Path, final: Path, record: dict[str, Any]) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _record(
-    step: int, extra: Mapping[str, Any] | None, fingerprint: dict[str, Any], **kw: Any
-) -> dict[str, Any]:
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step: expected an int >= 0, got {step!r}")
-    record = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "step": step,
-        "extra": dict(extra or {}),
-        **kw,
-        **fingerprint,
-    }
-    try:
-        json.dumps(record)
-    except TypeError as error:
-        raise TypeError(f"extra: expected JSON-serialisable values, got {extra!r}") from error
-    return record
-
-
 def _fresh_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
 
 
-def _on_rank0(action: Callable[[], None], what: str) -> None:
-    """Run ``action`` on rank 0; every rank returns after it, or raises its error (collective)."""
+def _failure_cause(error: BaseException, partial: Path) -> str:
+    """One line naming what failed and where, e.g. "No space left on device while writing X"."""
+    if isinstance(error, CheckpointException):
+        failures = [(rank, exc) for rank, (exc, _) in sorted(error.failures.items())]
+    else:
+        failures = [(None, error)]
+    for rank, exc in failures:
+        seen: BaseException | None = exc
+        while seen is not None:
+            if isinstance(seen, OSError):
+                where = seen.filename or partial
+                on = "" if rank is None else f" (rank {rank})"
+                return f"{seen.strerror or seen} while writing {where}{on}"
+            seen = seen.__cause__ or seen.__context__
+    rank, exc = failures[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _collective_on_rank0(action: Callable[[], None]) -> str | None:
+    """Run ``action`` on rank 0; every rank gets None, or the error it raised (collective)."""
     error = None
     if dist.get_rank() == 0:
         try:
             action()
         except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = _failure_cause(exc, Path())
     status = [error]
     dist.broadcast_object_list(status, src=0)
-    if status[0] is not None:
-        raise RuntimeError(f"save_checkpoint: rank 0 could not {what}: {status[0]}")
+    return status[0]
+
+
+def _fail_save(partial: Path, cause: str, details: BaseException | None = None) -> RuntimeError:
+    """Remove the partial folder (rank 0; collective) and build the error every rank raises."""
+    _collective_on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True))
+    message = f"save_checkpoint: {cause}; nothing was saved (older checkpoints are intact)"
+    if details is not None:
+        message += f"\n{details}"
+    return RuntimeError(message)
+
+
+def _split_optimizer_state(
+    model: MegatronFSDP, optimizer: Optimizers
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizers' state dict as DCP tensors and the record's JSON values."""
+    saved = get_optimizer_state_dict(model, optimizer)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    for fqn, values in saved["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(fqn, {})[key] = value
+            else:
+                where = f"optimizer state[{fqn!r}][{key!r}]"
+                objects.setdefault(fqn, {})[key] = to_json(value, where)
+    record = {
+        "classes": _class_names(optimizer),
+        "param_groups": to_json(saved["param_groups"], "optimizer param_groups"),
+        "state": objects,
+    }
+    return {"state": tensors}, record
 
 
 def save_checkpoint(
@@ -226,9 +214,10 @@ def save_checkpoint(
 ) -> Path:
     """Save ``model`` (and ``optimizer``) as ``checkpoint_dir/step_NNNNNNN``; collective.
 
-    Every rank calls it with the same arguments. The save is crash-safe (see
-    [Note: crash-safe save]); an existing checkpoint of the same step is
-    replaced only once the new one is complete.
+    Every rank calls it with the same arguments. The save is crash-safe and
+    checksummed (see [Note: crash-safe save], [Note: checkpoint integrity]); an
+    existing checkpoint of the same step is replaced only once the new one is
+    complete.
 
     Args:
         checkpoint_dir: folder holding the checkpoints (created if needed; shared by
@@ -244,22 +233,35 @@ def save_checkpoint(
 
     Raises:
         TypeError / ValueError: for bad arguments (on every rank, before any I/O).
-        RuntimeError: on every rank, if rank 0 could not create the partial folder or
-            publish the checkpoint (the partial folder is then left as it is).
+        RuntimeError: on every rank when writing fails; its first line names the cause
+            and the file (e.g. "No space left on device while writing ..."), and the
+            partial folder is gone.
     """
-    classes = None if optimizer is None else _class_names(optimizer)
-    record = _record(step, extra, _model_fingerprint(model), optimizer=classes)
+    optimizer_tensors, optimizer_record = (
+        _split_optimizer_state(model, optimizer) if optimizer is not None else ({}, None)
+    )
+    record = build_record(step, extra, _model_fingerprint(model), optimizer_record)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        optim = get_optimizer_state_dict(model, optimizer)
-        # A tuple is stored by DCP as one object; a list of dicts would be split per key.
-        state["optimizer"] = {"state": optim["state"], "param_groups": tuple(optim["param_groups"])}
+    if optimizer_tensors:
+        state["optimizer"] = optimizer_tensors
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
     final = checkpoint_dir / _step_name(step)
-    _on_rank0(lambda: _fresh_dir(partial), f"create {str(partial)!r}")
-    dcp.save(state, checkpoint_id=str(partial))
-    _on_rank0(lambda: _publish(partial, final, record), f"publish {str(final)!r}")
+    cause = _collective_on_rank0(lambda: _fresh_dir(partial))
+    if cause is not None:
+        raise _fail_save(partial, cause)
+    try:
+        dcp.save(state, checkpoint_id=str(partial))
+    except CheckpointException as error:
+        raise _fail_save(partial, _failure_cause(error, partial), error) from None
+    digests = digest_folder(partial, data_files(partial, RECORD_FILE))
+    unreadable = [f"{name}: {value}" for name, value in digests.items() if isinstance(value, str)]
+    if unreadable:
+        raise _fail_save(partial, f"could not read back {unreadable[0]}")
+    record["files"] = digests
+    cause = _collective_on_rank0(lambda: _publish(partial, final, record))
+    if cause is not None:
+        raise _fail_save(partial, cause)
     return final
 
 
@@ -286,7 +288,7 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
 def _optimizer_target(
     model: MegatronFSDP, optimizer: Optimizers, metadata: Metadata, path: Path
 ) -> dict[str, Any]:
-    """Empty optimizer state built from the checkpoint's DCP metadata, in this model's layout.
+    """Empty optimizer tensors built from the checkpoint's DCP metadata, in this model's layout.
 
     The keys are DCP's flattened names (``optimizer.state.<fqn>.<key>``), which
     DCP maps to themselves on load. A tensor takes the layout of the optimizer's
@@ -298,16 +300,10 @@ def _optimizer_target(
     params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
     states = {id(p): state for opt in optimizer_list(optimizer) for p, state in opt.state.items()}
     target: dict[str, Any] = {}
-    prefix = "optimizer.state."
     for key, item in metadata.state_dict_metadata.items():
-        if not key.startswith("optimizer."):
+        if not key.startswith(_OPTIMIZER_PREFIX) or not isinstance(item, TensorStorageMetadata):
             continue
-        if not isinstance(item, TensorStorageMetadata):
-            target[key] = None  # a pickled object: DCP replaces the placeholder
-            continue
-        fqn, _, name = (
-            key[len(prefix) :].rpartition(".") if key.startswith(prefix) else ("", "", "")
-        )
+        fqn, _, name = key[len(_OPTIMIZER_PREFIX) :].rpartition(".")
         param = params.get(fqn)
         if param is None:
             raise ValueError(
@@ -325,49 +321,82 @@ def _optimizer_target(
     return target
 
 
-def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``get_optimizer_state_dict`` structure from DCP's flattened optimizer keys."""
-    prefix = "optimizer.state."
-    state: dict[str, dict[str, Any]] = {}
+def _optimizer_state(flat: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``get_optimizer_state_dict`` structure: DCP's tensors and the record's values."""
+    state: dict[str, dict[str, Any]] = {
+        fqn: {key: from_json(value, f"optimizer state[{fqn!r}]") for key, value in values.items()}
+        for fqn, values in record["state"].items()
+    }
     for key, value in flat.items():
-        if key.startswith(prefix):
-            fqn, _, name = key[len(prefix) :].rpartition(".")
+        if key.startswith(_OPTIMIZER_PREFIX):
+            fqn, _, name = key[len(_OPTIMIZER_PREFIX) :].rpartition(".")
             state.setdefault(fqn, {})[name] = value
-    return {"state": state, "param_groups": list(flat["optimizer.param_groups"])}
+    return {"state": state, "param_groups": from_json(record["param_groups"], "param_groups")}
+
+
+def _verify(path: Path, record: Mapping[str, Any], caller: str, collective: bool = True) -> None:
+    """Raise on every rank if a data file differs from the record (see ``find_damage``)."""
+    problems = find_damage(path, record["files"], RECORD_FILE, collective)
+    if problems:
+        raise ValueError(
+            f"{caller}: checkpoint {str(path)!r} is damaged: {'; '.join(problems)}; refusing "
+            "to load it (verify=False skips this check)"
+        )
+
+
+def _checked_metadata(path: Path, record: Mapping[str, Any]) -> Metadata:
+    """DCP's metadata, read safely; refuses pickled items and records without checksums."""
+    metadata = read_metadata(path)
+    refuse_pickled_items(metadata, metadata.state_dict_metadata, path)
+    if not record["files"]:
+        raise ValueError(f"checkpoint record {str(path / RECORD_FILE)!r} lists no data files")
+    return metadata
+
+
+def _read_tensors(state: dict[str, Any], path: Path, caller: str, **kwargs: Any) -> None:
+    """``dcp.load`` through the safe reader; a read failure raises one line naming its cause."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), **kwargs)
+    except CheckpointException as error:
+        cause = _failure_cause(error, path).replace("while writing", "while reading")
+        raise RuntimeError(f"{caller}: {cause}\n{error}") from None
 
 
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: MegatronFSDP,
     optimizer: Optimizers | None = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a complete checkpoint into ``model`` (and ``optimizer``); collective.
 
     Works across ZeRO strategies and data-parallel world sizes, and into a fresh
     optimizer whose state is still empty (its state is built from the
-    checkpoint's metadata).
+    checkpoint's metadata). Never runs code from the checkpoint.
 
     Args:
         path: a checkpoint folder (e.g. from :func:`latest_checkpoint`).
         model: the wrapped model; its weights are replaced and installed.
         optimizer: its optimizer, whose state and options are replaced, a list or tuple
             of them (the classes, in order, of the save), or None.
+        verify: check every data file against the checksums saved with it first (the
+            ranks share the hashing); False skips that, for a trusted local resume.
 
     Returns:
         The ``extra`` values saved with the checkpoint, plus ``"step"``.
 
     Raises:
-        ValueError: on every rank, before any collective, if ``path`` is absent or
-            incomplete, was saved from a different model (listing the
-            differences), or holds no state of ``optimizer``'s classes.
+        ValueError: on every rank, before any tensor is read, if ``path`` is absent,
+            a file or incomplete, its record or metadata is damaged, a data file
+            differs from its checksum, it was saved from a different model (listing
+            the differences), or holds no state of ``optimizer``'s classes.
     """
+    record = read_record(path)
     path = Path(path)
-    record = _read_record(path)
-    _compare(path, record, _model_fingerprint(model))
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    compare_fingerprints(path, record, _model_fingerprint(model))
     if optimizer is not None:
-        saved = record["optimizer"]
-        saved = [saved] if isinstance(saved, str) else saved
+        saved = record["optimizer"]["classes"] if record["optimizer"] else []
         if saved != _class_names(optimizer):
             raise ValueError(
                 f"optimizer: checkpoint {str(path)!r} holds the state of "
@@ -376,35 +405,50 @@ def load_checkpoint(
                 "the same order, or optimizer=None to load the model only"
             )
         check_optimizer_binding(model, optimizer)
-        metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = _checked_metadata(path, record)
+    if verify:
+        _verify(path, record, "load_checkpoint")
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
         state.update(_optimizer_target(model, optimizer, metadata, path))
-    dcp.load(state, checkpoint_id=str(path))
+    _read_tensors(state, path, "load_checkpoint")
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        apply_optimizer_state(model, optimizer, _unflatten_optimizer(state), owned=True)
+        loaded = _optimizer_state(state, record["optimizer"])
+        apply_optimizer_state(model, optimizer, loaded, owned=True)
     return {**record["extra"], "step": record["step"]}
 
 
-def checkpoint_to_full_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def checkpoint_to_full_state_dict(
+    path: str | os.PathLike[str], *, verify: bool = True
+) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint as one plain full state dict (offline).
 
-    Needs no process group and reads only the model's tensors. The result
-    (parameters in their full module shapes, tensor-parallel ones gathered
-    whatever their partition dim and stride, persistent buffers, tied names)
-    loads with ``unwrapped_model.load_state_dict``; write it with
-    :func:`save_full_state_dict`.
+    Needs no process group and reads only the model's tensors, never running
+    code from the checkpoint. The result (parameters in their full module
+    shapes, tensor-parallel ones gathered whatever their partition dim and
+    stride, persistent buffers, tied names) loads with
+    ``unwrapped_model.load_state_dict``; write it with :func:`save_full_state_dict`.
+
+    Args:
+        path: a checkpoint folder.
+        verify: check every data file against its checksum first.
 
     Raises:
-        ValueError: if ``path`` is not a complete checkpoint of the current format.
+        ValueError: if ``path`` is not a complete, undamaged checkpoint of the current
+            format.
     """
+    record = read_record(path)
     path = Path(path)
-    record = _read_record(path)
+    _checked_metadata(path, record)
+    if verify:
+        _verify(path, record, "checkpoint_to_full_state_dict", collective=False)
     model = {
         fqn: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
         for fqn, info in record["tensors"].items()
     }
     with _single_process():
-        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+        _read_tensors({"model": model}, path, "checkpoint_to_full_state_dict", no_dist=True)
     for alias, fqn in record["aliases"].items():
         model[alias] = model[fqn]
     return model
@@ -413,25 +457,27 @@ def checkpoint_to_full_state_dict(path: str | os.PathLike[str]) -> dict[str, tor
 def save_full_state_dict(
     state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str]
 ) -> Path:
-    """Write a full state dict with ``torch.save``, or as safetensors for a ``.safetensors`` file.
+    """Write a full state dict as a safetensors file (``.safetensors``).
 
-    Safetensors needs the optional ``safetensors`` package (not a dependency of
-    mf-fsdp); tied entries are written as separate copies there.
+    Safetensors holds tensors only, so loading the export runs no code
+    (``safetensors.torch.load_file``). Tied entries are written as separate
+    copies.
 
     Raises:
-        RuntimeError: for a ``.safetensors`` file when safetensors is not installed.
+        ValueError: if ``file`` does not end in ``.safetensors``.
+        TypeError: if a value is not a tensor.
     """
     file = Path(file)
     if file.suffix != ".safetensors":
-        torch.save(dict(state_dict), file)
-        return file
-    try:
-        from safetensors.torch import save_file
-    except ImportError as error:
-        raise RuntimeError(
-            f"file: {str(file)!r} asks for safetensors, which is not installed; "
-            "`pip install safetensors` or use a .pt file"
-        ) from error
+        raise ValueError(
+            f"file: {str(file)!r} must end in .safetensors (exports are safetensors, which "
+            "hold tensors only and load without running code)"
+        )
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{key!r}]: expected a tensor, got {type(value).__name__}")
+    from safetensors.torch import save_file
+
     save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, str(file))
     return file
 
@@ -462,6 +508,8 @@ def full_state_dict_to_checkpoint(
 
     Raises:
         TypeError: if a value is not a tensor, or ``extra`` is not JSON-serialisable.
+        RuntimeError: when writing fails (the first line names the cause and the file;
+            the partial folder is removed).
     """
     tensors: dict[str, Any] = {}
     aliases: dict[str, str] = {}
@@ -484,14 +532,24 @@ def full_state_dict_to_checkpoint(
             aliases[fqn] = seen[key]
             continue
         seen[key] = fqn
-        tensors[fqn] = _tensor_info(value.shape, value.dtype)
+        tensors[fqn] = tensor_info(value.shape, value.dtype)
         model[fqn] = value.detach().contiguous()
-    record = _record(step, extra, {"tensors": tensors, "aliases": aliases}, optimizer=None)
+    record = build_record(step, extra, {"tensors": tensors, "aliases": aliases}, None)
     checkpoint_dir = Path(checkpoint_dir)
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
-    _fresh_dir(partial)
-    with _single_process():
-        dcp.save({"model": model}, checkpoint_id=str(partial), no_dist=True)
     final = checkpoint_dir / _step_name(step)
-    _publish(partial, final, record)
+    try:
+        _fresh_dir(partial)
+        with _single_process():
+            dcp.save({"model": model}, checkpoint_id=str(partial), no_dist=True)
+        digests: dict[str, FileDigest | str] = digest_folder(
+            partial, data_files(partial, RECORD_FILE), collective=False
+        )
+        record["files"] = digests
+        _publish(partial, final, record)
+    except (CheckpointException, OSError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(
+            f"full_state_dict_to_checkpoint: {_failure_cause(error, partial)}; nothing was saved"
+        ) from None
     return final

@@ -1,0 +1,209 @@
+"""Checkpoints you can trust: loading runs no code, damage is refused, failed saves leave nothing.
+
+- A malicious ``.metadata`` (a pickle whose payload would create a file), with
+  its checksum updated as its author would, is refused by name in the offline
+  converter and by ``load_checkpoint`` on every rank; the payload never runs.
+  So is a checkpoint with a pickled object among its items.
+- A flipped byte, a missing file and an extra file are refused by name; with
+  ``verify=False`` the flipped byte loads (the option really skips the check).
+- A full disk (``ENOSPC`` raised by DCP's writer on one rank) makes every rank
+  raise the same error, first line "No space left on device while writing
+  <file>", and leaves no ``.partial`` folder; the older checkpoint stays the
+  latest.
+- Damaged or malformed records, a deleted ``.metadata``, a file or ``None``
+  passed as the path: one ``ValueError`` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+import mf_fsdp
+from tests._multiprocess import run_on_ranks
+from tests.fsdp._helpers import batch, full_params, make_model, unit_classes
+
+METADATA = ".metadata"
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what a hostile checkpoint would do instead."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _rewrite_checksum(path: Path, name: str) -> None:
+    """Update the record's checksum of ``name``, as the author of a hostile file would."""
+    record_file = path / mf_fsdp.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    data = (path / name).read_bytes()
+    record["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    record_file.write_text(json.dumps(record))
+
+
+def _plant_payload(path: Path, marker: Path) -> None:
+    """Replace the DCP metadata by a pickle of the real metadata plus a payload."""
+    real = pickle.loads((path / METADATA).read_bytes())
+    (path / METADATA).write_bytes(pickle.dumps((_Payload(str(marker)), real)))
+    _rewrite_checksum(path, METADATA)
+
+
+def _offline_checkpoint(root: Path) -> Path:
+    return mf_fsdp.full_state_dict_to_checkpoint(make_model(3).state_dict(), root, step=1)
+
+
+def test_malicious_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path) -> None:
+    path = _offline_checkpoint(tmp_path)
+    marker = tmp_path / "payload-ran"
+    _plant_payload(path, marker)
+    message = r"names the global pathlib.Path.touch, which a DCP metadata file never needs"
+    for verify in (True, False):
+        with pytest.raises(ValueError, match=message):
+            mf_fsdp.checkpoint_to_full_state_dict(path, verify=verify)
+    assert not marker.exists()
+    # A pickled object among the items (DCP would torch.load it with weights_only=False).
+    other = tmp_path / "objects"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            {"model": {"w": torch.ones(2)}, "evil": _Payload(str(marker))}, checkpoint_id=other
+        )
+    record = json.loads((path / mf_fsdp.RECORD_FILE).read_text())
+    (other / mf_fsdp.RECORD_FILE).write_text(json.dumps(record))
+    for name in os.listdir(other):
+        if name != mf_fsdp.RECORD_FILE:
+            _rewrite_checksum(other, name)
+    with pytest.raises(ValueError, match=r"stores 'evil' as a pickled object"):
+        mf_fsdp.checkpoint_to_full_state_dict(other)
+    assert not marker.exists()
+
+
+def test_damaged_files_are_refused_by_name(tmp_path: Path) -> None:
+    path = _offline_checkpoint(tmp_path)
+    data = next(path.glob("*.distcp"))
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    data.write_bytes(bytes(content))
+    message = rf"is damaged: {data.name}: contents differ from the checksum saved with it"
+    with pytest.raises(ValueError, match=message):
+        mf_fsdp.checkpoint_to_full_state_dict(path)
+    mf_fsdp.checkpoint_to_full_state_dict(path, verify=False)  # skipped: loads the flipped byte
+    (path / "stray.bin").write_bytes(b"x")
+    data.unlink()
+    with pytest.raises(ValueError, match=rf"{data.name}: missing; stray.bin: not part of"):
+        mf_fsdp.checkpoint_to_full_state_dict(path)
+
+
+def test_damaged_records_and_bad_paths_name_the_problem(tmp_path: Path) -> None:
+    path = _offline_checkpoint(tmp_path)
+    record_file = path / mf_fsdp.RECORD_FILE
+    good = json.loads(record_file.read_text())
+    damaged = {
+        "{not json": r"is damaged: not JSON",
+        json.dumps({k: v for k, v in good.items() if k != "files"}): r"no 'files' field",
+        json.dumps({**good, "step": "7"}): r"'step' is '7'",
+        json.dumps({**good, "tensors": {"w": {"shape": [-1], "dtype": "float32"}}}): (
+            r"tensors\['w'\] is"
+        ),
+        json.dumps({**good, "tensors": {"w": {"shape": [2], "dtype": "os.system"}}}): (
+            r"tensors\['w'\] is"
+        ),
+        json.dumps({**good, "version": 2}): r"format version 2 .*pickled into DCP",
+        json.dumps([1, 2]): r"is not an mf_fsdp checkpoint",
+    }
+    for text, message in damaged.items():
+        record_file.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            mf_fsdp.checkpoint_to_full_state_dict(path)
+    record_file.write_text(json.dumps(good))
+    (path / METADATA).unlink()
+    with pytest.raises(ValueError, match=r"has no .metadata \(DCP's metadata, written last"):
+        mf_fsdp.checkpoint_to_full_state_dict(path, verify=False)
+    with pytest.raises(ValueError, match=r"path: '.*mf_checkpoint.json' is a file, not a"):
+        mf_fsdp.checkpoint_to_full_state_dict(record_file)
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint folder .*got None"):
+        mf_fsdp.load_checkpoint(None, None)  # type: ignore[arg-type]
+
+
+def _wrap(seed: int = 0):
+    module = make_model(seed)
+    return mf_fsdp.fully_shard(
+        module, torch.optim.Adam(module.parameters(), lr=1e-2), fsdp_unit_modules=unit_classes()
+    )
+
+
+def _step(model, opt, rank: int) -> None:
+    model(*batch(0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/ckpt/__1_0.distcp")
+
+
+def _rank_trust(rank: int, world: int, root: str) -> None:
+    root_path = Path(root)
+    model, opt = _wrap()
+    _step(model, opt, rank)
+    saved = mf_fsdp.save_checkpoint(root_path, model, opt, step=1)
+    expected = full_params(model)
+    # Disk full while rank 1 writes: every rank raises the same first line, nothing is left.
+    writer = mock.patch.object(dcp_filesystem, "_write_item", _no_space)
+    first_line = (
+        r"^save_checkpoint: No space left on device while writing /data/ckpt/__1_0.distcp "
+        r"\(rank 1\); nothing was saved \(older checkpoints are intact\)\n"
+    )
+    failing = writer if rank == 1 else contextlib.nullcontext()
+    with failing, pytest.raises(RuntimeError, match=first_line):
+        mf_fsdp.save_checkpoint(root_path, model, opt, step=2)
+    assert sorted(p.name for p in root_path.iterdir()) == ["step_0000001"]
+    assert mf_fsdp.latest_checkpoint(root_path) == saved
+    # A hostile metadata file: every rank refuses it before any tensor is read.
+    hostile = root_path / "hostile"
+    marker = root_path / "payload-ran"
+    if rank == 0:
+        shutil.copytree(saved, hostile)
+        _plant_payload(hostile, marker)
+    torch.distributed.barrier()
+    fresh, fresh_opt = _wrap(seed=1)
+    with pytest.raises(ValueError, match=r"names the global pathlib.Path.touch"):
+        mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)
+    assert not marker.exists()
+    # A flipped byte: every rank refuses it (the ranks share the hashing).
+    if rank == 0:
+        data = sorted(saved.glob("*.distcp"))[-1]
+        content = bytearray(data.read_bytes())
+        content[len(content) // 3] ^= 0x01
+        (hostile / METADATA).write_bytes((saved / METADATA).read_bytes())
+        _rewrite_checksum(hostile, METADATA)
+        (hostile / data.name).write_bytes(bytes(content))
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match=r"load_checkpoint: .*hostile' is damaged: __\d_0.distcp"):
+        mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)
+    # The intact checkpoint loads (verified), bit-exact.
+    mf_fsdp.load_checkpoint(saved, fresh, fresh_opt)
+    for name, value in full_params(fresh).items():
+        assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.multiprocess
+def test_full_disk_and_hostile_checkpoints_on_every_rank(tmp_path: Path) -> None:
+    run_on_ranks(_rank_trust, 2, str(tmp_path), timeout=120)
