@@ -174,8 +174,10 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
     failing = writer if rank == 1 else contextlib.nullcontext()
     with failing, pytest.raises(RuntimeError, match=first_line):
         mf_fsdp.save_checkpoint(root_path, model, opt, step=2)
-    assert sorted(p.name for p in root_path.iterdir()) == ["step_0000001"]
+    left = sorted(str(p.relative_to(root_path)) for p in root_path.rglob("*"))
+    assert [name for name in left if not name.startswith("step_0000001")] == [], left
     assert mf_fsdp.latest_checkpoint(root_path) == saved
+    torch.distributed.barrier()  # every rank has looked before rank 0 adds a folder
     # A hostile metadata file: every rank refuses it before any tensor is read.
     hostile = root_path / "hostile"
     marker = root_path / "payload-ran"
@@ -187,6 +189,7 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
     with pytest.raises(ValueError, match=r"names the global pathlib.Path.touch"):
         mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)
     assert not marker.exists()
+    torch.distributed.barrier()  # every rank is done with the hostile metadata
     # A flipped byte: every rank refuses it (the ranks share the hashing).
     if rank == 0:
         data = sorted(saved.glob("*.distcp"))[-1]
