@@ -54,6 +54,52 @@ def _rank_bad_input(rank: int, world: int) -> None:
     opt.step()
     with pytest.raises(ValueError, match="optimizer already has state"):
         mf_fsdp.fully_shard(module, opt)
+    _rank_wrap_twice_and_type_slips(rank)
+
+
+def _rank_wrap_twice_and_type_slips(rank: int) -> None:
+    """Each raises on every rank before any communication, so the group stays usable."""
+    module = make_model()
+    model = mf_fsdp.fully_shard_model(module, fsdp_unit_modules=unit_classes())
+    with pytest.raises(ValueError, match=r"module: got a MegatronFSDP \(wrapping GPT, managing"):
+        mf_fsdp.fully_shard_model(model)
+    with pytest.raises(ValueError, match=r"module: GPT is already wrapped: its parameter 'wte"):
+        mf_fsdp.fully_shard(module, None)
+    with pytest.raises(ValueError, match=r"module: Block is already wrapped: its parameter '"):
+        mf_fsdp.fully_shard_model(module.blocks[0])
+    with pytest.raises(ValueError, match=r"module: Sequential is already wrapped"):
+        mf_fsdp.fully_shard_model(nn.Sequential(module.blocks[1], nn.Linear(2, 2)))
+    slips = [
+        ({"mixed_precision_policy": "bf16"}, TypeError, "mixed_precision_policy: expected a Mix"),
+        ({"gradient_scaling_factor": "x"}, TypeError, "gradient_scaling_factor: expected a real"),
+        ({"gradient_scaling_factor": 0.0}, ValueError, "gradient_scaling_factor: expected a fin"),
+        ({"gradient_scaling_factor": float("inf")}, ValueError, "gradient_scaling_factor: exp"),
+        ({"fsdp_unit_modules": 3}, TypeError, "fsdp_unit_modules: expected a list of nn.Module"),
+    ]
+    for kwargs, error, match in slips:
+        with pytest.raises(error, match=match):
+            mf_fsdp.fully_shard_model(make_model(), **kwargs)
+    # Gradient clipping: a norm that is not a p-norm, or a max_norm that would flip signs.
+    model(*batch(0, rank)).backward()
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    clip_errors = [
+        ({"max_norm": -1.0}, ValueError, r"max_norm: expected a positive number .* got -1.0; a "),
+        ({"max_norm": 0}, ValueError, r"max_norm: expected a positive number \(inf: never clip"),
+        ({"max_norm": float("nan")}, ValueError, r"max_norm: expected a positive number"),
+        ({"max_norm": "1"}, TypeError, r"max_norm: expected a positive number, got '1'"),
+        ({"max_norm": 1.0, "norm_type": "fro"}, ValueError, r"norm_type: expected a positive"),
+        ({"max_norm": 1.0, "norm_type": -2}, ValueError, r"norm_type: .* got -2"),
+        ({"max_norm": 1.0, "norm_type": None}, TypeError, r"norm_type: .* got None"),
+    ]
+    for kwargs, error, match in clip_errors:
+        with pytest.raises(error, match=match):
+            mf_fsdp.clip_grad_norm_(model, **kwargs)
+    with pytest.raises(TypeError, match=r"parameters: expected a MegatronFSDP, .* got int 3 at"):
+        mf_fsdp.clip_grad_norm_([model.wte.weight, 3], 1.0)
+    for name, p in model.named_parameters():  # nothing was scaled by the refused calls
+        assert torch.equal(p.grad.to_local(), grads[name]), name
+    norm = mf_fsdp.clip_grad_norm_(model, float("inf"), norm_type="inf")  # as torch accepts
+    assert torch.isfinite(norm)
 
 
 @pytest.mark.multiprocess

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -28,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 __all__ = [
     "check_chunk_fits",
     "check_placements",
+    "check_shape",
     "contiguous_stride",
     "describe_chunk",
     "make_chunk",
@@ -45,6 +47,42 @@ Shape = tuple[int, ...]
 def make_chunk(offsets: Sequence[int], sizes: Sequence[int]) -> ChunkStorageMetadata:
     """Build a ``ChunkStorageMetadata`` from plain integer sequences."""
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def check_shape(shape: object, argument: str) -> Shape:
+    """``shape`` as a tuple of ints, checked: a sequence of non-negative integer sizes.
+
+    Sizes may be any integer-like value (``int``, a 0-dim integer tensor, a
+    NumPy integer); zero sizes are allowed (empty tensors are fine).
+
+    Args:
+        shape: the value passed by the caller.
+        argument: its parameter name, for the error message.
+
+    Raises:
+        TypeError: if ``shape`` is not a sequence, or a size is not an integer
+            (a ``float``, a ``str``, a ``bool``, ...).
+        ValueError: if a size is negative.
+    """
+    if isinstance(shape, str | bytes) or not isinstance(shape, Iterable):
+        raise TypeError(
+            f"{argument}: expected a sequence of non-negative ints (a shape), got {shape!r}"
+        )
+    items = tuple(shape)
+    sizes = []
+    for size in items:
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            sizes.append(operator.index(size))
+        except TypeError:
+            raise TypeError(
+                f"{argument}: expected a sequence of non-negative ints (a shape), got {items!r} "
+                f"(size {size!r} is a {type(size).__name__})"
+            ) from None
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"{argument}: expected non-negative sizes, got {tuple(sizes)!r}")
+    return tuple(sizes)
 
 
 def contiguous_stride(shape: Sequence[int]) -> Shape:
@@ -123,9 +161,12 @@ def rank_order_chunks(
         One chunk per rank, row-major mesh order.
 
     Raises:
-        ValueError: if the shapes do not fit the mesh, or two ranks that hold
-            the same piece along a sharded dim disagree on its size.
+        TypeError: if ``global_shape`` is not a sequence of ints.
+        ValueError: if ``global_shape`` has a negative size, the shapes do not
+            fit the mesh, or two ranks that hold the same piece along a sharded
+            dim disagree on its size.
     """
+    global_shape = check_shape(global_shape, "global_shape")
     ndim = len(global_shape)
     check_placements(placements, ndim, len(mesh_shape))
     coordinates = mesh_coordinates(mesh_shape)
@@ -215,11 +256,13 @@ def validate_chunk_layout(
         name: what to call the tensor in error messages.
 
     Raises:
-        ValueError: naming the offending chunk(s) when a chunk has the wrong
-            rank, lies outside the tensor, overlaps another chunk, leaves part
-            of the tensor uncovered, or differs from its replica.
+        TypeError: if ``global_shape`` is not a sequence of ints.
+        ValueError: if ``global_shape`` has a negative size; naming the
+            offending chunk(s) when a chunk has the wrong rank, lies outside the
+            tensor, overlaps another chunk, leaves part of the tensor uncovered,
+            or differs from its replica.
     """
-    shape = tuple(global_shape)
+    shape = check_shape(global_shape, "global_shape")
     for rank, chunk in enumerate(chunks):
         check_chunk_fits(chunk, shape, f"{name}: chunk of rank {rank}")
     if mesh_shape is not None and placements is not None:

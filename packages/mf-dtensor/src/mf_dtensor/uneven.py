@@ -39,6 +39,7 @@ from mf_dtensor.chunk_metadata import (
 )
 from mf_dtensor.layout import (
     check_placements,
+    check_shape,
     contiguous_stride,
     make_chunk,
     mesh_coordinates,
@@ -87,9 +88,11 @@ def uneven_dtensor_from_local(
         A DTensor of shape ``global_shape`` whose chunk metadata is attached.
 
     Raises:
-        TypeError: if ``local_tensor`` is not a plain tensor.
-        ValueError: if a placement is unsupported or ``global_shape`` /
-            ``global_offset`` have the wrong length; if the exchanged pieces
+        TypeError: if ``local_tensor`` is not a plain tensor, or ``global_shape``
+            is not a sequence of ints.
+        ValueError: if a placement is unsupported, ``global_shape`` has a
+            negative size, or ``global_shape`` / ``global_offset`` have the
+            wrong length; if the exchanged pieces
             overlap, leave gaps, stick out or disagree between replicas
             (raised on every rank alike, so no rank is left waiting); or,
             with ``validate=False``, if this rank's piece does not fit
@@ -99,7 +102,7 @@ def uneven_dtensor_from_local(
         raise TypeError(
             f"local_tensor: expected a plain torch.Tensor, got {type(local_tensor).__name__}"
         )
-    shape = tuple(int(size) for size in global_shape)
+    shape = check_shape(global_shape, "global_shape")
     if len(shape) != local_tensor.ndim:
         raise ValueError(
             f"global_shape: expected {local_tensor.ndim} dims like the local piece "

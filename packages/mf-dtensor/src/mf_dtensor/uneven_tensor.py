@@ -71,7 +71,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor._collectives import all_gather_over_mesh_dims
 from mf_dtensor.chunk_metadata import local_mesh_index
-from mf_dtensor.layout import contiguous_stride, describe_chunk, make_chunk
+from mf_dtensor.layout import check_shape, contiguous_stride, describe_chunk, make_chunk
 from mf_dtensor.pieces import (
     ExplicitPieces,
     PieceMap,
@@ -182,10 +182,10 @@ class UnevenDTensor(DTensor):
             The UnevenDTensor.
 
         Raises:
-            TypeError: if ``local_tensor`` is not a plain tensor or ``pieces``
-                has no ``boxes`` method.
+            TypeError: if ``local_tensor`` is not a plain tensor, ``pieces``
+                has no ``boxes`` method, or ``shape`` is not a sequence of ints.
             ValueError: if a placement is ``Partial``, strided or out of range,
-                ``shape`` has no dims, or ``local_tensor``'s shape or this
+                ``shape`` has no dims or a negative size, or ``local_tensor``'s shape or this
                 rank's boxes do not fit ``shape`` and each other.
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
@@ -197,7 +197,7 @@ class UnevenDTensor(DTensor):
                 f"pieces: expected a PieceMap (an object with a boxes(mesh_index) method), "
                 f"got {type(pieces).__name__}"
             )
-        global_shape = tuple(int(size) for size in shape)
+        global_shape = check_shape(shape, "shape")
         if not global_shape:
             raise ValueError(
                 "shape: expected at least one dim (a 0-dim tensor cannot be split; use a plain "

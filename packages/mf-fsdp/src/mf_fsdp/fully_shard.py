@@ -25,7 +25,7 @@ from mf_fsdp.config import (
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import DEFAULT_ALIGNMENT
-from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.megatron_fsdp import MegatronFSDP, check_engine_options, check_module_to_wrap
 from mf_fsdp.optimizer import Optimizers, fully_shard_optimizer
 from mf_utils import get_group_device
 
@@ -66,7 +66,8 @@ def fully_shard_model(
         dp_shard_dim: the dim parameters are sharded over (optional for a 1-D mesh).
         dp_outer_dim: the dim of replicas (HSDP), or None.
         tp_dim: the tensor-parallel dim, or None.
-        fsdp_unit_modules: classes or dotted class paths gathered/released as units.
+        fsdp_unit_modules: classes or dotted class paths gathered/released as units
+            (a list or tuple of them, or a single one).
         zero_dp_strategy: 0..3 or "no_shard" / "optim" / "optim_grads" /
             "optim_grads_params".
         outer_dp_sharding_strategy: across dp_outer: 0 / "no_shard" replicates (HSDP);
@@ -83,7 +84,7 @@ def fully_shard_model(
         average_in_collective: divide inside the collective (same result).
         disable_bucketing: one bucket for all parameters.
         calculate_per_token_loss: reduce grads by sum instead of mean.
-        gradient_scaling_factor: extra factor on every reduced gradient.
+        gradient_scaling_factor: extra factor on every reduced gradient (finite, > 0).
         alignment: per-tensor alignment inside a bucket, in elements.
 
     Returns:
@@ -91,8 +92,12 @@ def fully_shard_model(
 
     Raises:
         RuntimeError: if torch.distributed is not initialised.
-        TypeError / ValueError: for bad arguments (see ``MegatronFSDP``).
+        ValueError: if ``module`` is already wrapped (a ``MegatronFSDP``, or a module
+            with a parameter an engine manages); checked before any communication.
+        TypeError / ValueError: for other bad arguments (see ``MegatronFSDP``).
     """
+    check_module_to_wrap(module)
+    check_engine_options(mixed_precision_policy, gradient_scaling_factor)
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=normalize_strategy(zero_dp_strategy),
         outer_dp_sharding_strategy=outer_dp_sharding_strategy,
@@ -135,7 +140,7 @@ def fully_shard_model(
         module,
         index,
         config,
-        fsdp_unit_modules=list(fsdp_unit_modules) if fsdp_unit_modules else None,
+        fsdp_unit_modules=fsdp_unit_modules,
         disable_bucketing=disable_bucketing,
         device=device,
         calculate_per_token_loss=calculate_per_token_loss,

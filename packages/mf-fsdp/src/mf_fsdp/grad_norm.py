@@ -15,6 +15,7 @@ unsharded model.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -33,7 +34,42 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
         return [p for _, p in parameters.optimizer_named_parameters()]
     if isinstance(parameters, torch.Tensor):
         return [parameters]
-    return list(parameters)
+    expected = "expected a MegatronFSDP, a tensor or an iterable of tensors"
+    if isinstance(parameters, str | bytes) or not isinstance(parameters, Iterable):
+        raise TypeError(f"parameters: {expected}, got {parameters!r}")
+    params = list(parameters)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters: {expected}, got {type(p).__name__} {p!r} at index {i}")
+    return params
+
+
+def _check_norm_type(norm_type: object) -> float:
+    """``norm_type`` as a float: a positive number, ``inf``, or a string of one (``'inf'``)."""
+    expected = "expected a positive number or inf (p of the p-norm; 2.0 is the Frobenius norm)"
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real | str):
+        raise TypeError(f"norm_type: {expected}, got {norm_type!r}")
+    try:
+        value = float(norm_type)
+    except ValueError:
+        raise ValueError(f"norm_type: {expected}, got {norm_type!r}") from None
+    if not value > 0:
+        raise ValueError(f"norm_type: {expected}, got {norm_type!r}")
+    return value
+
+
+def _check_max_norm(max_norm: object) -> float:
+    """``max_norm`` as a float: positive, ``inf`` meaning no clipping."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm: expected a positive number, got {max_norm!r}")
+    value = float(max_norm)
+    if not value > 0:
+        raise ValueError(
+            f"max_norm: expected a positive number (inf: never clip), got {max_norm!r}; "
+            "a max_norm <= 0 would zero or flip the sign of every gradient (to only measure "
+            "the norm, call get_grad_norm)"
+        )
+    return value
 
 
 def _signature(grad: torch.Tensor) -> list[dist.ProcessGroup]:
@@ -57,11 +93,12 @@ def get_grad_norm(
         norm_type: p of the p-norm; ``inf`` for the max norm.
 
     Raises:
-        ValueError: if ``norm_type`` is not positive.
+        TypeError: if ``parameters`` is not one of those, or ``norm_type`` is not a
+            number (or a string of one, such as ``'inf'``, as torch accepts).
+        ValueError: if ``norm_type`` is not positive (``'fro'`` is not a p-norm: the
+            Frobenius norm of the gradients is ``norm_type=2``).
     """
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be positive (or inf), got {norm_type!r}")
+    norm_type = _check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
     grads_by_key: dict[tuple[int, ...], list[torch.Tensor]] = {}
     groups: dict[int, dist.ProcessGroup] = {}
@@ -108,11 +145,19 @@ def clip_grad_norm_(
     """Scale all gradients so their total norm is at most ``max_norm``; return the norm.
 
     Same clipping rule as ``torch.nn.utils.clip_grad_norm_``:
-    ``coef = min(1, max_norm / (total + 1e-6))``.
+    ``coef = min(1, max_norm / (total + 1e-6))``. ``max_norm`` must be positive:
+    ``inf`` leaves the gradients as they are (only the norm is computed); 0, a
+    negative value (which would flip every gradient's sign) or NaN is an error.
+
+    Raises:
+        TypeError: if ``parameters``, ``max_norm`` or ``norm_type`` has the wrong type.
+        ValueError: if ``max_norm`` or ``norm_type`` is not positive.
     """
+    max_norm = _check_max_norm(max_norm)
+    norm_type = _check_norm_type(norm_type)
     params = _params(parameters)
     total = get_grad_norm(params, norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = []
     for p in params:
         if p.grad is not None:

@@ -27,9 +27,11 @@ collectives belong to ``param_group.py``.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +49,7 @@ from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks
 from mf_fsdp.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.meta_init import materialize_meta_params
 from mf_fsdp.optimizer import install_optimizer_hooks
-from mf_fsdp.optimizer_params import build_sharded_params, owner_of
+from mf_fsdp.optimizer_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.param import FSDPParam
 from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
 from mf_fsdp.stats import BucketStats, bucket_stats, memory_footprint
@@ -56,6 +58,70 @@ from mf_fsdp.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classe
 from mf_utils import get_group_device
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
+
+
+def check_module_to_wrap(module: object) -> None:
+    """Raise unless ``module`` is an ``nn.Module`` that no engine manages yet.
+
+    A module wraps once: the engine moves its parameters into its buffers and
+    replaces them with sharded forms, so a second engine would shard shards.
+    Caught here, before any buffer is touched: ``module`` being a
+    ``MegatronFSDP``, or holding a parameter that an engine manages (the module
+    that was wrapped, any of its submodules, or a module containing either).
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+        ValueError: naming the module's class and a managed parameter's name.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {module!r}")
+    managed = next((name for name, p in module.named_parameters() if hasattr(p, OWNER_ATTR)), None)
+    if isinstance(module, MegatronFSDP):
+        inner = type(module.module).__name__
+        raise ValueError(
+            f"module: got a MegatronFSDP (wrapping {inner}, managing parameter {managed!r}); "
+            "expected an unwrapped module: a model is wrapped once, then trained through the "
+            "MegatronFSDP that fully_shard returned"
+        )
+    if managed is not None:
+        raise ValueError(
+            f"module: {type(module).__name__} is already wrapped: its parameter {managed!r} "
+            "is managed by a MegatronFSDP; expected a module no engine manages yet (wrap a "
+            "model once, then train through the MegatronFSDP that fully_shard returned)"
+        )
+
+
+def check_engine_options(mixed_precision_policy: object, gradient_scaling_factor: object) -> None:
+    """Check the types (and the scaling factor's value) of two engine options.
+
+    Raises:
+        TypeError: if ``mixed_precision_policy`` is not a ``MixedPrecisionPolicy`` or
+            None, or ``gradient_scaling_factor`` is not a real number or None.
+        ValueError: if ``gradient_scaling_factor`` is not finite and positive.
+    """
+    if mixed_precision_policy is not None and not isinstance(
+        mixed_precision_policy, MixedPrecisionPolicy
+    ):
+        raise TypeError(
+            f"mixed_precision_policy: expected a MixedPrecisionPolicy or None, got "
+            f"{mixed_precision_policy!r} ({type(mixed_precision_policy).__name__}); e.g. "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16) for bf16 compute"
+        )
+    if gradient_scaling_factor is None:
+        return
+    if isinstance(gradient_scaling_factor, bool) or not isinstance(
+        gradient_scaling_factor, numbers.Real
+    ):
+        raise TypeError(
+            f"gradient_scaling_factor: expected a real number or None, got "
+            f"{gradient_scaling_factor!r} ({type(gradient_scaling_factor).__name__})"
+        )
+    if not (math.isfinite(gradient_scaling_factor) and gradient_scaling_factor > 0):
+        raise ValueError(
+            f"gradient_scaling_factor: expected a finite positive factor, got "
+            f"{gradient_scaling_factor!r} (zero, negative or non-finite factors would "
+            "erase, flip or poison every gradient)"
+        )
 
 
 class MegatronFSDP(nn.Module):
@@ -75,16 +141,21 @@ class MegatronFSDP(nn.Module):
         sync_model_each_microbatch: wait for the reduction at the end of every backward
             (else it overlaps the next forward and finishes at ``finish_grad_sync``).
         mixed_precision_policy: compute / main / grad / communication dtypes.
-        gradient_scaling_factor: extra factor applied to every reduced gradient.
+        gradient_scaling_factor: extra factor applied to every reduced gradient
+            (finite and positive; None means 1).
         alignment: per-tensor start alignment inside a bucket, in elements.
 
     Raises:
-        TypeError: if ``module`` or ``dist_index`` has the wrong type.
-        ValueError: for a model without parameters, unknown unit classes, meta init
-            with ``no_shard``, a main-grad dtype that differs from the main dtype, an
-            outer strategy that does not match ``dist_index.hsdp_outer_dp_shard``, a
-            scalar parameter under a sharded strategy, or a TP split without a
-            parameter-shaped form (see ``tp_params.tp_info``).
+        TypeError: if ``module``, ``dist_index``, ``ddp_config``,
+            ``mixed_precision_policy`` or ``gradient_scaling_factor`` has the wrong type.
+        ValueError: for a module that is already wrapped (a ``MegatronFSDP``, or a
+            module with a parameter an engine manages), a ``gradient_scaling_factor``
+            that is not finite and positive, a model without parameters, unknown unit
+            classes, meta init with ``no_shard``, a main-grad dtype that differs from
+            the main dtype, an outer strategy that does not match
+            ``dist_index.hsdp_outer_dp_shard``, a scalar parameter under a sharded
+            strategy, or a TP split without a parameter-shaped form (see
+            ``tp_params.tp_info``).
     """
 
     def __init__(
@@ -92,7 +163,7 @@ class MegatronFSDP(nn.Module):
         module: nn.Module,
         dist_index: FSDPDistributedIndex,
         ddp_config: DistributedDataParallelConfig | None = None,
-        fsdp_unit_modules: list[type[nn.Module]] | list[str] | None = None,
+        fsdp_unit_modules: Sequence[type[nn.Module] | str] | None = None,
         disable_bucketing: bool = False,
         device: torch.device | None = None,
         calculate_per_token_loss: bool = False,
@@ -104,12 +175,16 @@ class MegatronFSDP(nn.Module):
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"MegatronFSDP: module must be an nn.Module, got {module!r}")
+        check_module_to_wrap(module)
         if not isinstance(dist_index, FSDPDistributedIndex):
             raise TypeError(
                 f"MegatronFSDP: dist_index must be an FSDPDistributedIndex, got {dist_index!r}"
             )
+        if ddp_config is not None and not isinstance(ddp_config, DistributedDataParallelConfig):
+            raise TypeError(
+                f"ddp_config: expected a DistributedDataParallelConfig or None, got {ddp_config!r}"
+            )
+        check_engine_options(mixed_precision_policy, gradient_scaling_factor)
         self.module = module
         self.dist_index = dist_index
         self.ddp_config = ddp_config or DistributedDataParallelConfig()

@@ -12,7 +12,7 @@ given world size ``lay_out`` may split a bucket further by row size (see
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -49,14 +49,22 @@ class BucketSpec:
 def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
     """Turn classes or dotted class paths into classes.
 
+    ``spec`` is a sequence of them, or a single class or path.
+
     Raises:
-        TypeError: for an entry that is neither an ``nn.Module`` subclass nor a string.
+        TypeError: for a ``spec`` that is not one of those, or an entry that is
+            neither an ``nn.Module`` subclass nor a string.
         ValueError: for a path that cannot be imported.
     """
     if spec is None:
         return ()
     if isinstance(spec, (str, type)):
         spec = [spec]
+    elif not isinstance(spec, Iterable):
+        raise TypeError(
+            f"fsdp_unit_modules: expected a list of nn.Module subclasses or dotted class "
+            f"paths (or one of them), got {spec!r}"
+        )
     classes: list[type[nn.Module]] = []
     for item in spec:
         if isinstance(item, type) and issubclass(item, nn.Module):

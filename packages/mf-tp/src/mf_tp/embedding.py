@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mf_tp.config import ModelParallelConfig
 from mf_tp.init import allocate_sharded_weight
-from mf_tp.linear import per_partition_size
+from mf_tp.linear import check_config_tp_size, check_positive_size, per_partition_size
 from mf_tp.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -62,7 +62,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         tp_group: the TP group (default: the initialised one).
 
     Raises:
-        ValueError: if ``num_embeddings`` is not divisible by the TP size.
+        TypeError: if ``config`` is not a ``ModelParallelConfig``.
+        ValueError: if ``num_embeddings`` or ``embedding_dim`` is not a positive
+            int, ``num_embeddings`` is not divisible by the TP size, or
+            ``config.tensor_model_parallel_size`` is not the size of ``tp_group``.
     """
 
     def __init__(
@@ -76,14 +79,18 @@ class VocabParallelEmbedding(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
+        where = "VocabParallelEmbedding"
+        self.num_embeddings = check_positive_size(num_embeddings, "num_embeddings", where)
+        self.embedding_dim = check_positive_size(embedding_dim, "embedding_dim", where)
+        if not isinstance(config, ModelParallelConfig):
+            raise TypeError(f"{where}: config must be a ModelParallelConfig, got {config!r}")
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_rank = dist.get_rank(self.tp_group)
         self.tp_size = dist.get_world_size(self.tp_group)
+        check_config_tp_size(config, self.tp_size, where)
         self.num_embeddings_per_partition = per_partition_size(
-            num_embeddings, self.tp_size, "num_embeddings", "VocabParallelEmbedding"
+            num_embeddings, self.tp_size, "num_embeddings", where
         )
         self.vocab_start_index, self.vocab_end_index = (
             VocabUtility.vocab_range_from_global_vocab_size(

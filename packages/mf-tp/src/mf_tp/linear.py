@@ -48,6 +48,8 @@ __all__ = [
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
+    "check_config_tp_size",
+    "check_positive_size",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
     "param_is_not_tensor_parallel_duplicate",
@@ -63,6 +65,29 @@ def per_partition_size(size: int, world_size: int, argument: str, where: str) ->
             f"tensor-parallel size {world_size}"
         )
     return size // world_size
+
+
+def check_positive_size(size: object, argument: str, where: str) -> int:
+    """``size`` itself, or a ValueError naming ``argument`` unless it is an int >= 1."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{where}: {argument} must be a positive int, got {size!r}")
+    return size
+
+
+def check_config_tp_size(config: ModelParallelConfig, tp_size: int, where: str) -> None:
+    """Raise a ValueError unless ``config`` was built for a TP group of ``tp_size`` ranks.
+
+    The layers split their weights over the group they are given; a config
+    that says another size means the model was set up for another layout
+    (e.g. a checkpoint's), which would otherwise go unnoticed.
+    """
+    if config.tensor_model_parallel_size != tp_size:
+        raise ValueError(
+            f"{where}: config.tensor_model_parallel_size={config.tensor_model_parallel_size} "
+            f"but the tensor-parallel group (tp_group) has {tp_size} ranks; expected them "
+            "equal (build the config with tensor_model_parallel_size="
+            "torch.distributed.get_world_size(tp_group))"
+        )
 
 
 def param_is_not_tensor_parallel_duplicate(
@@ -348,16 +373,17 @@ class _ParallelLinearBase(torch.nn.Module):
         tp_group: dist.ProcessGroup | None,
     ) -> None:
         super().__init__()
+        where = type(self).__name__
+        self.input_size = check_positive_size(input_size, "input_size", where)
+        self.output_size = check_positive_size(output_size, "output_size", where)
         if not isinstance(config, ModelParallelConfig):
-            raise TypeError(
-                f"{type(self).__name__}: config must be a ModelParallelConfig, got {config!r}"
-            )
-        self.input_size = input_size
-        self.output_size = output_size
+            raise TypeError(f"{where}: config must be a ModelParallelConfig, got {config!r}")
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_rank = dist.get_rank(self.tp_group)
         self.tp_size = dist.get_world_size(self.tp_group)
+        if not is_expert:  # expert layers run on the expert-TP group, of another size
+            check_config_tp_size(config, self.tp_size, where)
         self.is_expert = is_expert
         self.explicit_expert_comm = is_expert and (
             self.tp_size > 1 or config.expert_model_parallel_size > 1
@@ -445,7 +471,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
     input gradient partial, ``tp_comm_buffer_name`` is unused (TE only).
 
     Raises:
-        ValueError: if ``output_size`` is not divisible by the TP size.
+        TypeError: if ``config`` is not a ``ModelParallelConfig``.
+        ValueError: if ``input_size`` or ``output_size`` is not a positive int,
+            ``output_size`` is not divisible by the TP size, or (unless
+            ``is_expert``) ``config.tensor_model_parallel_size`` is not the size
+            of ``tp_group``.
     """
 
     def __init__(
@@ -567,8 +597,11 @@ class RowParallelLinear(_ParallelLinearBase):
     sequence parallelism. ``forward`` returns ``(output, output_bias)``.
 
     Raises:
-        ValueError: if ``input_size`` is not divisible by the TP size, or
-            sequence parallelism is asked without ``input_is_parallel``.
+        TypeError: if ``config`` is not a ``ModelParallelConfig``.
+        ValueError: if ``input_size`` or ``output_size`` is not a positive int,
+            ``input_size`` is not divisible by the TP size, (unless ``is_expert``)
+            ``config.tensor_model_parallel_size`` is not the size of ``tp_group``,
+            or sequence parallelism is asked without ``input_is_parallel``.
     """
 
     def __init__(
