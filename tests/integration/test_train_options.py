@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from mf.train.cli import main
+from mf.train.cli import _interrupted, check_local_processes, main
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import parse_options
+from mf.train.report import Reporter, last_saved_checkpoint
 from mf.train.worker import main as worker_main
 
 
@@ -30,6 +33,11 @@ def test_defaults_are_valid() -> None:
         (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+        (["--lr", "inf"], "argument --lr: expected a finite number, got 'inf'"),
+        (["--lr", "nan"], "argument --lr: expected a finite number, got 'nan'"),
+        (["--lr=-inf"], "argument --lr: expected a finite number, got '-inf'"),
+        (["--lr", "1e999"], "argument --lr: expected a finite number, got '1e999'"),
+        (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
         (["--zero", "4"], "argument --zero: invalid choice: 4"),
         (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
         (["--sample-tokens", "-1"], "--sample-tokens must be 0 or more, got -1"),
@@ -57,6 +65,7 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         (["--nproc", "4", "--dp-outer", "3"], "--dp-outer 3 does not divide"),
         (["--model", "huge"], "invalid choice: 'huge'"),
         (["--steps", "-5"], "--steps must be at least 1, got -5"),
+        (["--lr", "nan"], "argument --lr: expected a finite number, got 'nan'"),
         (["--resume", "--ckpt-dir", str(tmp_path / "none")], "--resume: no complete checkpoint"),
     ]
     for argv, message in cases:
@@ -79,6 +88,8 @@ def test_resume_refuses_another_model(tmp_path) -> None:
     assert parse_options([*common, "--nproc", "4", "--tp", "2"]).resume  # and the tp size
     with pytest.raises(ValueError, match="was saved with --model small, this run has --model tiny"):
         parse_options([*common, "--model", "tiny", "--seq-len", "32"])
+    with pytest.raises(ValueError, match="is at step 5 and --steps is 5; expected --steps above 5"):
+        parse_options([*common, "--steps", "5"])  # nothing left to train
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
@@ -88,6 +99,111 @@ def test_cuda_without_gpus(capsys) -> None:
     assert capsys.readouterr().err == (
         "mf-train: error: --device cuda: torch sees no CUDA device on this machine\n"
     )
+
+
+def test_nproc_above_the_gpus_is_an_error(monkeypatch, capsys) -> None:
+    """CUDA runs: one process per GPU, so more processes than GPUs is refused up front."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parse_options([]).nproc == 2  # the default: one per GPU
+    check_local_processes(parse_options(["--nproc", "2"]))
+    assert main(["--nproc", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "mf-train: error: --nproc 3 is more than the CUDA GPUs of this machine (2); one process "
+        "per GPU: use --nproc 2 or fewer, or --device cpu\n"
+    )
+    monkeypatch.setattr("mf.train.cli.local_cpu_cores", lambda: 4)
+    check_local_processes(parse_options(["--nproc", "3", "--device", "cpu"]))  # the CPU rule
+    assert capsys.readouterr().err == ""
+
+
+def test_nproc_above_the_cpu_cores_warns(monkeypatch, capsys) -> None:
+    """CPU runs: more processes than cores only slow down, so it is a warning, not an error."""
+    monkeypatch.setattr("mf.train.cli.local_cpu_cores", lambda: 2)
+    check_local_processes(parse_options(["--device", "cpu", "--nproc", "2"]))
+    assert capsys.readouterr().err == ""
+    check_local_processes(parse_options(["--device", "cpu", "--nproc", "4"]))
+    assert capsys.readouterr().err == (
+        "mf-train: warning: --nproc 4 is more than the CPU cores this process may use (2); "
+        "the ranks will share them and every step will be slower\n"
+    )
+
+
+def _strict_json(line: str) -> dict:
+    """``json.loads`` that refuses the NaN / Infinity extensions of Python's json module."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant} in {line!r}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _reporter(tmp_path: Path, start_step: int = 0) -> Reporter:
+    options = parse_options(["--model", "tiny", "--seq-len", "32", "--out-dir", str(tmp_path)])
+    return Reporter(options, True, start_step, "corpus", 100, 10, 1000)
+
+
+def test_metrics_stay_strict_json_with_non_finite_values(tmp_path) -> None:
+    """NaN and infinities are written as null; a resumed run reads them back as NaN."""
+    reporter = _reporter(tmp_path)
+    cpu = torch.device("cpu")
+    reporter.step(1, 5.5, 5.6, 100.0, cpu)
+    reporter.step(2, math.nan, math.inf, math.inf, cpu)
+    reporter.step(3, -math.inf, None, 100.0, cpu)
+    reporter.bar.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [_strict_json(line) for line in lines]
+    assert records[0] == {**records[0], "loss": 5.5, "validation_loss": 5.6}
+    assert (records[1]["loss"], records[1]["validation_loss"], records[1]["tokens_per_s"]) == (
+        None,
+        None,
+        None,
+    )
+    assert records[2]["loss"] is None
+    resumed = _reporter(tmp_path, start_step=2)
+    resumed.bar.close()
+    assert math.isnan(resumed.history[1]["loss"])
+    assert math.isnan(resumed.history[1]["validation_loss"])
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert kept == lines[:2]  # rewritten for the resumed run, still strict JSON
+
+
+def test_interrupted_names_only_a_checkpoint_of_this_run(tmp_path, capsys, monkeypatch) -> None:
+    """After Ctrl-C the launcher reads last_checkpoint.json (rank 0 writes it after each save
+    with the launcher's run id): another run's checkpoint is never reported as this run's."""
+    from mf_fsdp import RECORD_FILE
+
+    ckpt = tmp_path / "ckpt"
+    for step in (3, 9):  # step 9: another run's, newer
+        (ckpt / f"step_000000{step}").mkdir(parents=True)
+        (ckpt / f"step_000000{step}" / RECORD_FILE).write_text("{}")
+    options = parse_options(["--ckpt-dir", str(ckpt), "--out-dir", str(tmp_path / "out")])
+
+    def message(run_id: str) -> str:
+        capsys.readouterr()  # not the progress bar's output
+        assert _interrupted(options, run_id) == 130
+        return capsys.readouterr().err
+
+    assert message("run-a") == "mf-train: interrupted; this run saved no checkpoint\n"
+    reporter = _reporter(tmp_path / "out")
+    reporter.bar.close()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")
+    reporter.saved(ckpt / "step_0000009", 9)
+    assert last_saved_checkpoint(tmp_path / "out", "run-b") == ckpt / "step_0000009"
+    assert message("run-a") == "mf-train: interrupted; this run saved no checkpoint\n"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    reporter.saved(ckpt / "step_0000003", 3)
+    assert message("run-a") == (
+        f"mf-train: interrupted; checkpoint {ckpt / 'step_0000003'}; --resume would continue "
+        f"from the newer {ckpt / 'step_0000009'}\n"
+    )
+    (ckpt / "step_0000009" / RECORD_FILE).unlink()
+    assert message("run-a") == (
+        f"mf-train: interrupted; checkpoint {ckpt / 'step_0000003'} (continue with --resume)\n"
+    )
+    (ckpt / "step_0000003" / RECORD_FILE).unlink()  # removed since: not reported
+    assert message("run-a") == "mf-train: interrupted; this run saved no checkpoint\n"
+    assert not list((tmp_path / "out").glob("*.tmp"))
 
 
 def test_seq_len_longer_than_either_split(tmp_path, capsys) -> None:

@@ -1,4 +1,5 @@
-"""mf-train end to end: the real per-rank ``train`` on 2 gloo ranks, resume, Ctrl-C, torchrun.
+"""mf-train end to end: the real per-rank ``train`` on 2 gloo ranks, resume, Ctrl-C, torchrun,
+and runs that must stop (a NaN loss, a failed final save) in one line on every rank.
 
 The in-process tests call ``mf.train.worker.train``, the function the
 elastic launcher starts on each rank, on ranks from the test harness; the
@@ -7,8 +8,11 @@ subprocess test starts the real ``mf-train`` command and interrupts it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,10 +24,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mf.train.worker
 from mf.models import GPT, PRESETS
 from mf.train.options import parse_options
-from mf.train.worker import train
-from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
+from mf.train.report import last_saved_checkpoint
+from mf.train.worker import RunStoppedError, train
+from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint, save_checkpoint
 from tests._multiprocess import run_on_ranks
 
 _TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--eval-every", "3"]
@@ -126,6 +132,175 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=2e-5)
 
 
+def _strict_json(line: str) -> dict:
+    """``json.loads`` that refuses the NaN / Infinity extensions of Python's json module."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant} in {line!r}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _train_capturing_stderr(argv: list[str]) -> tuple[BaseException | None, str]:
+    """Run ``train`` with stderr captured; return what it raised (or None) and the text."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            train(parse_options(argv))
+        except RunStoppedError as error:
+            return error, err.getvalue()
+    return None, err.getvalue()
+
+
+def _stop_lines(err: str) -> list[str]:
+    """The ``mf-train: ...`` lines of captured stderr (not the progress bar's)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if line.startswith("mf-train:")]
+
+
+def _rank_diverge(rank: int, world_size: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    argv = [*_TINY, "--lr", "1e30", "--steps", "3", "--save-every", "1", "--sample-tokens", "0"]
+    argv += ["--ckpt-dir", tmp + "/ckpt", "--out-dir", tmp + "/out"]
+    error, err = _train_capturing_stderr(argv)
+    first = tmp_path / "ckpt" / "step_0000001"
+    expected = "the loss is (nan|inf) at step 2; " + re.escape(
+        f"stopping without saving a checkpoint (the newest checkpoint of this run is {first})"
+    )
+    assert re.fullmatch(expected, str(error)), (error, err)
+    assert _stop_lines(err) == ([f"mf-train: {error}"] if rank == 0 else [])
+    dist.barrier()
+    if rank == 0:
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_0000001"]
+        lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+        records = [_strict_json(line) for line in lines]
+        assert [r["step"] for r in records] == [1, 2]
+        assert records[0]["loss"] > 5
+        assert records[1]["loss"] is None
+        assert last_saved_checkpoint(tmp_path / "out", None) == first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_non_finite_loss_stops_every_rank_without_saving(tmp_path: Path) -> None:
+    """``--lr 1e30`` is finite but diverges: after step 1 the loss is NaN. Every rank
+    stops at step 2 (the loss is the mean over ranks), rank 0 prints one line, no
+    checkpoint of step 2 is written, and metrics.jsonl stays strict JSON (null)."""
+    run_on_ranks(_rank_diverge, 2, str(tmp_path), timeout=100)
+
+
+_NO_SPACE = "save_checkpoint: No space left on device while writing /x/step_{:07d}"
+
+
+def _failing_saves(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """Make ``save_checkpoint`` fail at ``steps`` on every rank, as a full disk does."""
+
+    def save(*args, step: int, **kwargs):
+        if step in steps:
+            raise RuntimeError(_NO_SPACE.format(step) + "\n<details>")
+        return save_checkpoint(*args, step=step, **kwargs)
+
+    monkeypatch.setattr(mf.train.worker, "save_checkpoint", save)
+
+
+def _rank_save_failures(rank: int, world_size: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    common = [*_TINY, "--save-every", "2", "--sample-tokens", "0"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # A periodic save fails: a warning; training goes on, the next save retries.
+        _failing_saves(monkeypatch, {4})
+        argv = [*common, "--steps", "6", "--ckpt-dir", tmp + "/a", "--out-dir", tmp + "/a-out"]
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            summary = train(parse_options(argv))
+        warning = (
+            f"mf-train: warning: the checkpoint of step 4 was not saved ({_NO_SPACE.format(4)}); "
+            "training goes on and the next save retries"
+        )
+        assert _stop_lines(err.getvalue()) == ([warning] if rank == 0 else [])
+        assert "<details>" not in err.getvalue()
+        if rank == 0:
+            assert summary["checkpoint"] == str(tmp_path / "a" / "step_0000006")
+            assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+                "step_0000002",  # the older checkpoint stays
+                "step_0000006",
+            ]
+        # The final save fails: the run stops with the cause, naming what it did save.
+        _failing_saves(monkeypatch, {6})
+        argv = [*common, "--steps", "6", "--ckpt-dir", tmp + "/b", "--out-dir", tmp + "/b-out"]
+        error, err = _train_capturing_stderr(argv)
+    newest = tmp_path / "b" / "step_0000004"
+    expected = (
+        f"could not save the checkpoint of step 6 at the end of the run: {_NO_SPACE.format(6)}; "
+        f"the newest checkpoint of this run is {newest}"
+    )
+    assert str(error) == expected, (error, err)
+    assert _stop_lines(err) == ([f"mf-train: {expected}"] if rank == 0 else [])
+    dist.barrier()
+    if rank == 0:
+        assert last_saved_checkpoint(tmp_path / "b-out", None) == newest
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failed_periodic_save_warns_and_a_failed_final_save_stops(tmp_path: Path) -> None:
+    """save_checkpoint raises RuntimeError on every rank (first line: the cause) when
+    writing fails: mf-train warns and goes on after a periodic save, and stops with
+    the cause in one line after the final one."""
+    run_on_ranks(_rank_save_failures, 2, str(tmp_path), timeout=100)
+
+
+def _rank_real_save_fails(rank: int, world_size: int, tmp: str) -> None:
+    blocker = Path(tmp) / "a-file"
+    if rank == 0:
+        blocker.write_text("not a folder")
+    dist.barrier()
+    argv = [*_TINY, "--steps", "2", "--sample-tokens", "0", "--out-dir", tmp + "/out"]
+    error, err = _train_capturing_stderr([*argv, "--ckpt-dir", str(blocker / "ckpt")])
+    first_line = rf"save_checkpoint: [^\n]* while writing {re.escape(str(blocker))}/ckpt/[^\n]*"
+    expected = rf"could not save the checkpoint of step 2 at the end of the run: {first_line}"
+    assert re.fullmatch(rf"{expected}; this run saved none", str(error)), (error, err)
+    assert _stop_lines(err) == ([f"mf-train: {error}"] if rank == 0 else [])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_real_failed_save_stops_with_its_first_line(tmp_path: Path) -> None:
+    """mf_fsdp's own failure (the checkpoint folder cannot be created: a file is in
+    the way), not a stand-in: its first line reaches the one-line stop message."""
+    run_on_ranks(_rank_real_save_fails, 2, str(tmp_path), timeout=100)
+
+
+def _rank_interrupt_then_save_fails(rank: int, world_size: int, tmp: str) -> None:
+    real_step = mf.train.worker._train_step
+
+    def step_then_interrupt(*args, **kwargs) -> float:
+        loss = real_step(*args, **kwargs)
+        if rank == 0:  # Ctrl-C seen by one rank: the ranks agree on it after the step
+            signal.raise_signal(signal.SIGINT)
+        return loss
+
+    argv = [*_TINY, "--steps", "100", "--ckpt-dir", tmp + "/ckpt", "--out-dir", tmp + "/out"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _failing_saves(monkeypatch, {1})
+        monkeypatch.setattr(mf.train.worker, "_train_step", step_then_interrupt)
+        error, err = _train_capturing_stderr(argv)
+    expected = (
+        f"could not save the checkpoint of step 1 after the interrupt: {_NO_SPACE.format(1)}; "
+        "this run saved none"
+    )
+    assert str(error) == expected, (error, err)
+    assert _stop_lines(err) == ([f"mf-train: {expected}"] if rank == 0 else [])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failed_save_after_ctrl_c_stops_with_the_cause(tmp_path: Path) -> None:
+    """The save after Ctrl-C (SIGINT on one rank) is the run's last: when it fails, the
+    run stops with the cause instead of claiming a checkpoint."""
+    run_on_ranks(_rank_interrupt_then_save_fails, 2, str(tmp_path), timeout=100)
+
+
 def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float) -> None:
     while not (metrics.is_file() and metrics.read_text().strip()):
         if proc.poll() is not None:
@@ -138,7 +313,14 @@ def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, deadline: float)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
-    """Ctrl-C reaches the launcher and the ranks (one process group, as in a terminal)."""
+    """Ctrl-C reaches the launcher and the ranks (one process group, as in a terminal).
+
+    The launcher names the checkpoint this run saved, not the newest in --ckpt-dir
+    (here another run's), and says that --resume would pick that one.
+    """
+    other = tmp_path / "ckpt" / "step_9999999"
+    other.mkdir(parents=True)
+    (other / RECORD_FILE).write_text("{}")
     command = [sys.executable, "-m", "mf.train.cli", *_TINY, "--steps", "100000"]
     command += ["--save-every", "0", "--ckpt-dir", str(tmp_path / "ckpt")]
     command += ["--out-dir", str(tmp_path / "out")]
@@ -154,10 +336,34 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     saved = sorted((tmp_path / "ckpt").glob("step_*"))
-    assert len(saved) == 1
+    assert len(saved) == 2
+    assert saved[1] == other
     assert (saved[0] / RECORD_FILE).is_file()
-    assert f"mf-train: interrupted; checkpoint {saved[0]} (continue with --resume)" in err
+    assert (
+        f"mf-train: interrupted; checkpoint {saved[0]}; --resume would continue from the newer "
+        f"{other}\n"
+    ) in err
     assert "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_diverging_run_ends_with_one_line_and_exit_code_1(tmp_path: Path) -> None:
+    """The real ``mf-train``: the workers stop on a NaN loss, rank 0 prints why in one
+    line, and the launcher adds neither a traceback nor a "worker failed" dump."""
+    command = [sys.executable, "-m", "mf.train.cli", *_TINY, "--lr", "1e30", "--steps", "3"]
+    command += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("train: ")]  # the progress bar
+    assert len(lines) == 1, done.stderr  # no agent log, no traceback, no "a worker failed"
+    assert re.fullmatch(
+        r"mf-train: the loss is (nan|inf) at step 2; stopping without saving a checkpoint "
+        r"\(this run saved none\)",
+        lines[0],
+    ), done.stderr
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.multiprocess

@@ -2,9 +2,13 @@ r"""``mf-train``: check the options, then start the ranks with torch's elastic l
 
 User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
 data file, a seq-len the corpus cannot fill, --resume with nothing to
-resume) are found here, before any worker starts, and printed as one line
-with exit code 2. Ctrl-C reaches every rank: each finishes its step, saves a
-checkpoint and exits; the launcher then names the checkpoint (exit code 130).
+resume, more CUDA processes than GPUs) are found here, before any worker
+starts, and printed as one line with exit code 2; more CPU processes than
+cores is a one-line warning. Ctrl-C reaches every rank: each finishes its
+step, saves a checkpoint and exits; the launcher then names the checkpoint
+this run saved, never another run's (exit code 130). A run that cannot go on
+(a non-finite loss, a failed final save) ends with rank 0's one line and exit
+code 1.
 
 For several machines, run the worker module under torchrun on each node
 (``--nproc`` is then torchrun's world size)::
@@ -20,19 +24,39 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mf.train.data import TextData, load_corpus
-from mf.train.options import TrainOptions, parse_options
+from mf.train.options import TrainOptions, local_cpu_cores, parse_options
+from mf.train.report import last_saved_checkpoint
 
-__all__ = ["check_data", "main", "print_summary", "user_error"]
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+__all__ = [
+    "STOPPED_EXIT_CODE",
+    "check_data",
+    "check_local_processes",
+    "main",
+    "print_summary",
+    "user_error",
+    "user_warning",
+]
+
+STOPPED_EXIT_CODE = 3
+"""A worker's exit code when the run stopped and rank 0 already printed why (one line)."""
 
 
-def user_error(error: Exception) -> None:
+def user_error(error: Exception | str) -> None:
     """Print a user's mistake as the one line ``mf-train: error: ...`` on stderr."""
     print(f"mf-train: error: {error}", file=sys.stderr, flush=True)
+
+
+def user_warning(message: str) -> None:
+    """Print the one line ``mf-train: warning: ...`` on stderr; the run goes on."""
+    print(f"mf-train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_data(options: TrainOptions) -> None:
@@ -41,15 +65,32 @@ def check_data(options: TrainOptions) -> None:
     TextData.from_text(text, options.seq_len)
 
 
-def _check_local_gpus(options: TrainOptions) -> None:
-    if options.use_cuda and torch.cuda.device_count() < options.nproc:
-        raise ValueError(
-            f"--nproc {options.nproc}: one process per GPU, and this machine has "
-            f"{torch.cuda.device_count()}"
+def check_local_processes(options: TrainOptions) -> None:
+    """Refuse more CUDA processes than GPUs; warn about more CPU processes than cores.
+
+    Only the launcher checks: under torchrun, ``--nproc`` is the world size of all
+    nodes, not this machine's share.
+
+    Raises:
+        ValueError: ``--nproc`` exceeds the GPUs of this machine on a CUDA run.
+    """
+    if options.use_cuda:
+        gpus = torch.cuda.device_count()
+        if options.nproc > gpus:
+            raise ValueError(
+                f"--nproc {options.nproc} is more than the CUDA GPUs of this machine ({gpus}); "
+                f"one process per GPU: use --nproc {gpus} or fewer, or --device cpu"
+            )
+        return
+    cores = local_cpu_cores()
+    if options.nproc > cores:
+        user_warning(
+            f"--nproc {options.nproc} is more than the CPU cores this process may use "
+            f"({cores}); the ranks will share them and every step will be slower"
         )
 
 
-def _launch(options: TrainOptions, argv: Sequence[str]) -> None:
+def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     """Run ``python -m mf.train.worker <argv>`` on ``--nproc`` local processes.
 
     The ranks are commands, as under torchrun, not functions: rank 0 prints
@@ -63,17 +104,18 @@ def _launch(options: TrainOptions, argv: Sequence[str]) -> None:
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=options.nproc,
-        run_id=f"mf-train-{uuid.uuid4().hex[:8]}",
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
     )
-    # The agent's own INFO/WARNING lines (worker groups, signals) are not for users; its
-    # modules set their loggers' levels themselves, so each one is quieted.
+    # The agent's own lines (worker groups, signals, "failed (exitcode: N)") are not for
+    # users: main reports a failed worker in one line, or rank 0 already did. Its modules
+    # set their loggers' levels themselves, so each one is quieted.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
 
 
@@ -91,13 +133,32 @@ def print_summary(summary: dict[str, Any]) -> None:
         print("sample (temperature 0.8):\n" + summary["sample"])
 
 
-def _interrupted(options: TrainOptions) -> int:
+def _interrupted(options: TrainOptions, run_id: str | None) -> int:
+    """Name the checkpoint this run saved last (never another run's); return exit code 130.
+
+    When a newer checkpoint (another run's) shares the folder, say that --resume
+    would continue from it instead.
+    """
     from mf_fsdp import latest_checkpoint
 
-    path = latest_checkpoint(Path(options.ckpt_dir))
-    where = f"checkpoint {path} (continue with --resume)" if path else "no checkpoint saved"
+    saved = last_saved_checkpoint(Path(options.out_dir), run_id)
+    if saved is None:
+        where = "this run saved no checkpoint"
+    else:
+        where = f"checkpoint {saved} (continue with --resume)"
+        newest = latest_checkpoint(saved.parent)
+        if newest is not None and newest.resolve() != saved.resolve():
+            where = f"checkpoint {saved}; --resume would continue from the newer {newest}"
     print(f"mf-train: interrupted; {where}", file=sys.stderr)
     return 130
+
+
+def _worker_failed(error: ChildFailedError) -> int:
+    """Report a failed worker in one line, unless rank 0 already did; return exit code 1."""
+    if not any(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
+        _, first = error.get_first_failure()
+        user_error(f"a worker failed: {first.message}")
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options = parse_options(argv)
-        _check_local_gpus(options)
+        check_local_processes(options)
         check_data(options)
     except ValueError as error:
         user_error(error)
@@ -113,14 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    run_id = f"mf-train-{uuid.uuid4().hex[:8]}"
     try:
-        _launch(options, ["--nproc", str(options.nproc), *argv])
+        _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
     except (SignalException, KeyboardInterrupt):
-        return _interrupted(options)
+        return _interrupted(options, run_id)
     except ChildFailedError as error:
-        failure = next(iter(error.failures.values()))
-        user_error(f"a worker failed: {failure.message}")
-        return 1
+        return _worker_failed(error)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from mf.models import OPTIMIZER_RECIPES, PRESETS
 from mf.train.data import VOCAB_SIZE
 
-__all__ = ["TrainOptions", "parse_options"]
+__all__ = ["TrainOptions", "local_cpu_cores", "parse_options"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,28 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+def _finite_float(text: str) -> float:
+    """The argparse type of every float option: a number, and neither inf nor nan.
+
+    ``float()`` accepts "inf", "nan" and "1e999"; a run with such a value would
+    only fail (or train on NaN) once the workers are up, so it is refused here.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def local_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose mistakes are ValueErrors (one line), not usage text and exit."""
 
@@ -94,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--seq-len", type=int, default=128, help="tokens per sequence")
-    add("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, cosine decay)")
+    add("--lr", type=_finite_float, default=1e-3, help="peak learning rate (warm-up, cosine decay)")
     add(
         "--optimizer",
         choices=OPTIMIZER_RECIPES,
@@ -169,17 +192,25 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
 
 
 def _check_resumable(options: TrainOptions) -> None:
-    """Refuse --resume without a checkpoint, or one saved for another model.
+    """Refuse --resume without a checkpoint, one saved for another model, or nothing to do.
 
     ``--zero``, ``--nproc``, ``--dp-outer`` and ``--tp`` may change (checkpoints
     hold parameter-shaped, tp-gathered tensors and reshard); the model may not.
+    A checkpoint at or past ``--steps`` would leave no step to train.
     """
     from mf_fsdp import RECORD_FILE, latest_checkpoint
 
     path = latest_checkpoint(Path(options.ckpt_dir)) if os.path.isdir(options.ckpt_dir) else None
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-    saved = json.loads((path / RECORD_FILE).read_text()).get("extra", {})
+    record = json.loads((path / RECORD_FILE).read_text())
+    step = record.get("step")
+    if isinstance(step, int) and step >= options.steps:
+        raise ValueError(
+            f"--resume: {str(path)!r} is at step {step} and --steps is {options.steps}; "
+            f"expected --steps above {step} to train further"
+        )
+    saved = record.get("extra", {})
     for name in ("model",):
         if name in saved and saved[name] != getattr(options, name):
             raise ValueError(

@@ -1,11 +1,19 @@
 """What a ``mf-train`` user sees and keeps: progress bar, metrics file, loss curve, sample.
 
 Only rank 0 reports; on other ranks every method is a no-op.
+
+``metrics.jsonl`` is strict JSON, one object per step: a value that is not a
+finite number (a NaN or infinite loss) is written as ``null``.
+``last_checkpoint.json`` names the checkpoint this run saved last, with the
+launcher's run id, so that ``mf-train`` never reports another run's checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +22,40 @@ import torch
 
 from mf.train.options import TrainOptions
 
-__all__ = ["Reporter"]
+__all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "last_saved_checkpoint"]
+
+LAST_CHECKPOINT_FILE = "last_checkpoint.json"
+# Set by torch's elastic agent (``mf-train``'s launcher and torchrun) in every worker.
+_RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    """One metrics line; NaN and infinities become null (``json.dumps`` writes bare ``NaN``)."""
+    finite = {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in record.items()
+    }
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
+def last_saved_checkpoint(out_dir: Path, run_id: str | None) -> Path | None:
+    """The complete checkpoint the run ``run_id`` saved last, or None.
+
+    Reads ``out_dir/last_checkpoint.json`` (written by rank 0 after each save);
+    a file of another run, or a checkpoint removed since, gives None.
+    """
+    from mf_fsdp import RECORD_FILE
+
+    try:
+        record = json.loads((out_dir / LAST_CHECKPOINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("run_id") != run_id:
+        return None
+    path = record.get("path")
+    if not isinstance(path, str) or not (Path(path) / RECORD_FILE).is_file():
+        return None
+    return Path(path)
 
 
 def _memory_mib(device: torch.device) -> float:
@@ -54,7 +95,7 @@ class Reporter:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_records(start_step)
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        self.metrics_path.write_text("".join(_json_line(r) for r in self.history))
         from tqdm import tqdm
 
         print(
@@ -69,11 +110,18 @@ class Reporter:
         self.bar = tqdm(total=options.steps, initial=start_step, desc="train", unit="step")
 
     def _earlier_records(self, start_step: int) -> list[dict[str, Any]]:
-        """The metrics of the steps a resumed run keeps (up to ``start_step``)."""
+        """The metrics of the steps a resumed run keeps (up to ``start_step``).
+
+        A null value (a non-finite number when it was written) is read back as NaN.
+        """
         if start_step == 0 or not self.metrics_path.is_file():
             return []
         records = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line)
-        return [record for record in records if record["step"] <= start_step]
+        return [
+            {key: math.nan if value is None else value for key, value in record.items()}
+            for record in records
+            if record["step"] <= start_step
+        ]
 
     def step(
         self,
@@ -92,16 +140,37 @@ class Reporter:
             self.bar.write(f"step {step}: train loss {loss:.4f}, validation loss {validation:.4f}")
         self.history.append(record)
         with open(self.metrics_path, "a") as out:
-            out.write(json.dumps(record) + "\n")
+            out.write(_json_line(record))
         self.bar.set_postfix(
             loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mem=f"{_memory_mib(device):.0f}MiB"
         )
         self.bar.update(1)
 
-    def saved(self, path: Path) -> None:
-        """Note a checkpoint."""
+    def saved(self, path: Path, step: int) -> None:
+        """Note a checkpoint, and name it in ``last_checkpoint.json`` with this run's id."""
+        if not self.active:
+            return
+        self.bar.write(f"checkpoint saved: {path}")
+        record = {"run_id": os.environ.get(_RUN_ID_VARIABLE), "step": step, "path": str(path)}
+        target = self.out_dir / LAST_CHECKPOINT_FILE
+        partial = target.with_name(target.name + ".tmp")
+        partial.write_text(json.dumps(record) + "\n")
+        os.replace(partial, target)  # the launcher never reads half a file
+
+    def save_failed(self, step: int, cause: str) -> None:
+        """Warn that the periodic checkpoint of ``step`` was not saved (training goes on)."""
         if self.active:
-            self.bar.write(f"checkpoint saved: {path}")
+            self.bar.write(
+                f"mf-train: warning: the checkpoint of step {step} was not saved ({cause}); "
+                "training goes on and the next save retries",
+                file=sys.stderr,
+            )
+
+    def stopped(self, message: str) -> None:
+        """Close the bar and print why the run stops, as the one line ``mf-train: ...``."""
+        if self.active:
+            self.bar.close()
+            print(f"mf-train: {message}", file=sys.stderr, flush=True)
 
     def interrupted(self, step: int) -> None:
         """Note an interrupted run."""

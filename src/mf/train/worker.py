@@ -3,6 +3,8 @@
 Started on every rank by torch's elastic launcher (``mf-train``) or by
 ``torchrun -m mf.train.worker`` for multi-node runs. All ranks run the same
 steps in lockstep; rank 0 alone prints, writes metrics and draws plots.
+A run that cannot go on (a NaN or infinite loss, a failed final save) stops
+on every rank at the same step, after rank 0 printed why in one line.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,11 +32,18 @@ from mf.models import (
     build_optimizers,
 )
 from mf.train.data import TextData, decode, encode, load_corpus
-from mf.train.options import TrainOptions
+from mf.train.options import TrainOptions, local_cpu_cores
 from mf.train.report import Reporter
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["main", "train"]
+__all__ = ["RunStoppedError", "main", "train"]
+
+
+class RunStoppedError(RuntimeError):
+    """The run cannot go on (a non-finite loss, a failed final save); raised on every rank.
+
+    Rank 0 has already printed the message as the one line ``mf-train: <message>``.
+    """
 
 
 class _StopFlag:
@@ -74,7 +83,7 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
     else:
         device = torch.device("cpu")
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+        torch.set_num_threads(max(1, local_cpu_cores() // local_ranks))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if options.use_cuda else "gloo")
     world = dist.get_world_size()
@@ -150,6 +159,75 @@ def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
     return load_checkpoint(path, model, optimizers)["step"]
+
+
+def _newest(saved: Path | None) -> str:
+    """The end of a stop message: which checkpoint a user can --resume from."""
+    return f"the newest checkpoint of this run is {saved}" if saved else "this run saved none"
+
+
+def _stop(reporter: Reporter, message: str) -> NoReturn:
+    """End the run on every rank (collective): rank 0 prints ``message``, then all raise.
+
+    The barrier keeps every rank alive until rank 0's line is out: the launcher
+    stops the other ranks as soon as one exits.
+    """
+    reporter.stopped(message)
+    dist.barrier()
+    raise RunStoppedError(message)
+
+
+def _stop_if_diverged(reporter: Reporter, loss: float, step: int, saved: Path | None) -> None:
+    """Stop every rank, before any save, when the loss is NaN or infinite.
+
+    The loss is the mean over all ranks, the same number everywhere, so every rank
+    stops at the same step and none waits in a collective.
+    """
+    if not math.isfinite(loss):
+        message = f"the loss is {loss} at step {step}; stopping without saving a checkpoint"
+        _stop(reporter, f"{message} ({_newest(saved)})")
+
+
+def _last_save_reason(step: int, steps: int, interrupted: bool) -> str | None:
+    """Why the save after ``step`` is the run's last, or None when training goes on."""
+    if interrupted:
+        return "after the interrupt"
+    if step == steps:
+        return "at the end of the run"
+    return None
+
+
+def _checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    model,
+    optimizers,
+    info: dict[str, Any],
+    reporter: Reporter,
+    newest: Path | None,
+    final: str | None,
+) -> Path | None:
+    """Save the checkpoint of ``step``; return the newest checkpoint this run saved.
+
+    ``final`` is None for a periodic save, else why it is the run's last ("at the
+    end of the run", "after the interrupt"). save_checkpoint raises RuntimeError
+    on every rank when it fails (first line: the cause). A periodic save that
+    fails is a warning: training goes on, the next save retries and the older
+    checkpoints stay. A final save that fails stops the run with that cause.
+    """
+    try:
+        path = _save(ckpt_dir, step, model, optimizers, info)
+    except RuntimeError as error:
+        cause = (str(error).splitlines() or [type(error).__name__])[0]
+        if final is None:
+            reporter.save_failed(step, cause)
+            return newest
+        _stop(
+            reporter,
+            f"could not save the checkpoint of step {step} {final}: {cause}; {_newest(newest)}",
+        )
+    reporter.saved(path, step)
+    return path
 
 
 # -----------------------------------------------------------------------------------------------
@@ -268,16 +346,20 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
             started = time.perf_counter()
             train_loss = _train_step(model, optimizers, data, options, step, mesh, device)
             step += 1
-            elapsed = time.perf_counter() - started
+            rate = tokens_per_step / (time.perf_counter() - started)
             validation = None
-            if step % options.eval_every == 0 or step == options.steps:
+            if math.isfinite(train_loss) and (
+                step % options.eval_every == 0 or step == options.steps
+            ):
                 validation = _validate(model, data, options, mesh, device)
-            reporter.step(step, train_loss, validation, tokens_per_step / elapsed, device)
+            reporter.step(step, train_loss, validation, rate, device)
+            _stop_if_diverged(reporter, train_loss, step, saved_path)
             interrupted = stop.agreed(device)
-            periodic = options.save_every and step % options.save_every == 0
-            if periodic or step == options.steps or interrupted:
-                saved_path = _save(ckpt_dir, step, model, optimizers, info)
-                reporter.saved(saved_path)
+            final = _last_save_reason(step, options.steps, interrupted)
+            if final or (options.save_every and step % options.save_every == 0):
+                saved_path = _checkpoint(
+                    ckpt_dir, step, model, optimizers, info, reporter, saved_path, final
+                )
             if interrupted:
                 reporter.interrupted(step)
                 break
@@ -306,9 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank under ``torchrun ... -m mf.train.worker <mf-train options>``.
 
     ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
-    (or the one-line error) the ``mf-train`` launcher would.
+    (or the one-line error) the ``mf-train`` launcher would. A run that stops
+    (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
+    rank 0 printed why, without a traceback.
     """
-    from mf.train.cli import check_data, print_summary, user_error
+    from mf.train.cli import STOPPED_EXIT_CODE, check_data, print_summary, user_error
     from mf.train.options import parse_options
 
     args = sys.argv[1:] if argv is None else argv
@@ -321,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             user_error(error)
         return 2
-    summary = train(options)
+    try:
+        summary = train(options)
+    except RunStoppedError:
+        return STOPPED_EXIT_CODE  # rank 0 printed why, in one line
     if summary:
         print_summary(summary)
     return 0
