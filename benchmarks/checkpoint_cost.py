@@ -24,7 +24,6 @@ import os
 import statistics
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,19 +94,11 @@ def _worker(preset: str, folder: str, repeats: int) -> dict[str, float]:
 
 
 def _launch(preset: str, world: int, repeats: int) -> dict[str, float]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=f"checkpoint-cost-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
+    from mf.launch import local_launch_config, new_run_id
+
+    config = local_launch_config(world, new_run_id("checkpoint-cost"))
     with tempfile.TemporaryDirectory() as folder:
         return elastic_launch(config, _worker)(preset, folder, repeats)[0]
 

@@ -129,7 +129,7 @@ def test_nproc_above_the_cpu_cores_warns(monkeypatch, capsys) -> None:
     )
 
 
-def _strict_json(line: str) -> dict:
+def strict_json(line: str) -> dict:
     """``json.loads`` that refuses the NaN / Infinity extensions of Python's json module."""
 
     def refuse(constant: str) -> None:
@@ -152,7 +152,7 @@ def test_metrics_stay_strict_json_with_non_finite_values(tmp_path) -> None:
     reporter.step(3, -math.inf, None, 100.0, cpu)
     reporter.bar.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    records = [_strict_json(line) for line in lines]
+    records = [strict_json(line) for line in lines]
     assert records[0] == {**records[0], "loss": 5.5, "validation_loss": 5.6}
     assert (records[1]["loss"], records[1]["validation_loss"], records[1]["tokens_per_s"]) == (
         None,

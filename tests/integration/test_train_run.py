@@ -31,6 +31,7 @@ from mf.train.report import last_saved_checkpoint
 from mf.train.worker import RunStoppedError, train
 from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint, save_checkpoint
 from tests._multiprocess import run_on_ranks
+from tests.integration.test_train_options import strict_json
 
 _TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--eval-every", "3"]
 
@@ -132,15 +133,6 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=2e-5)
 
 
-def _strict_json(line: str) -> dict:
-    """``json.loads`` that refuses the NaN / Infinity extensions of Python's json module."""
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"not strict JSON: {constant} in {line!r}")
-
-    return json.loads(line, parse_constant=refuse)
-
-
 def _train_capturing_stderr(argv: list[str]) -> tuple[BaseException | None, str]:
     """Run ``train`` with stderr captured; return what it raised (or None) and the text."""
     err = io.StringIO()
@@ -172,7 +164,7 @@ def _rank_diverge(rank: int, world_size: int, tmp: str) -> None:
     if rank == 0:
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_0000001"]
         lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
-        records = [_strict_json(line) for line in lines]
+        records = [strict_json(line) for line in lines]
         assert [r["step"] for r in records] == [1, 2]
         assert records[0]["loss"] > 5
         assert records[1]["loss"] is None

@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 
 from mf.bench.engines import ENGINES, OPTIMIZERS
 from mf.bench.worker import RunSpec, run
+from mf.launch import local_launch_config, new_run_id
 from mf.models import PRESETS
 
 __all__ = ["main"]
@@ -44,19 +44,9 @@ def _launch(spec: RunSpec, world_size: int) -> dict[str, Any]:
 
         with get_context("spawn").Pool(1) as pool:
             return pool.apply(run, (spec,))
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"mf-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
+    config = local_launch_config(world_size, new_run_id("mf-bench"))
     return elastic_launch(config, run)(spec)[0]
 
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mf.launch import local_launch_config, new_run_id
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
@@ -98,18 +98,9 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     exits at once instead of waiting for the interrupted launcher to collect
     a return value.
     """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=options.nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-    )
+    config = local_launch_config(options.nproc, run_id, monitor_interval=0.2)
     # The agent's own lines (worker groups, signals, "failed (exitcode: N)") are not for
     # users: main reports a failed worker in one line, or rank 0 already did. Its modules
     # set their loggers' levels themselves, so each one is quieted.
@@ -174,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    run_id = f"mf-train-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id("mf-train")
     try:
         _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
     except (SignalException, KeyboardInterrupt):

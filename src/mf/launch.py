@@ -1,0 +1,37 @@
+"""One machine's worth of ranks under torch's elastic launcher (mf-train, mf-bench, benchmarks).
+
+Every local run here uses the same rendezvous: a c10d store on a free port of
+127.0.0.1, one node, no restarts (a failed rank fails the run).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = ["local_launch_config", "new_run_id"]
+
+
+def new_run_id(prefix: str) -> str:
+    """A run id no other local run shares: ``prefix`` and 8 random hex digits."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def local_launch_config(nproc: int, run_id: str, *, monitor_interval: float = 0.1) -> LaunchConfig:
+    """The launch config of ``nproc`` ranks on this machine, rendezvous on 127.0.0.1."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=monitor_interval,
+        start_method="spawn",
+    )
