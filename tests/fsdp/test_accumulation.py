@@ -10,6 +10,7 @@ before the step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mf_fsdp
+from mf_fsdp import collectives
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     batch,
@@ -29,33 +31,35 @@ from tests.fsdp._helpers import (
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, MICRO = 3, 4
-COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+COUNTED = ("all_reduce", "reduce_scatter_into", "all_gather_into")
 
 
 @contextlib.contextmanager
 def count_collectives(group: dist.ProcessGroup | None = None) -> Iterator[dict[str, int]]:
-    """Count calls of the collectives the engine uses (patched on torch.distributed).
+    """Count calls of the engine's collectives (patched on ``mf_fsdp.collectives``).
 
-    With ``group``, only the calls passed exactly that group count.
+    With ``group``, only the calls on exactly that group count.
     """
     counts = dict.fromkeys(COUNTED, 0)
-    originals = {name: getattr(dist, name) for name in COUNTED}
+    originals = {name: getattr(collectives, name) for name in COUNTED}
 
     def wrap(name):
+        signature = inspect.signature(originals[name])
+
         def counted(*args, **kwargs):
-            if group is None or kwargs.get("group") is group:
+            if group is None or signature.bind(*args, **kwargs).arguments["group"] is group:
                 counts[name] += 1
             return originals[name](*args, **kwargs)
 
         return counted
 
     for name in COUNTED:
-        setattr(dist, name, wrap(name))
+        setattr(collectives, name, wrap(name))
     try:
         yield counts
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(collectives, name, fn)
 
 
 def _check(model, losses, ref, label: str) -> None:
@@ -85,7 +89,7 @@ def _train(model, opt, rank, world, *, micro, no_sync, per_token=False, check_si
             with ctx, count_collectives() as counts:
                 loss = model(tokens, targets) / micro
                 loss.backward()
-            reductions = counts["all_reduce"] + counts["reduce_scatter_tensor"]
+            reductions = counts["all_reduce"] + counts["reduce_scatter_into"]
             if quiet or check_silent:
                 assert reductions == 0, f"micro-batch {m} communicated: {counts}"
             total += loss.detach()
@@ -93,7 +97,7 @@ def _train(model, opt, rank, world, *, micro, no_sync, per_token=False, check_si
         with count_collectives() as counts:
             opt.step()
         if check_silent:  # the never-flagged last micro-batch is reduced by step()
-            assert counts["all_reduce"] + counts["reduce_scatter_tensor"] == len(model.groups)
+            assert counts["all_reduce"] + counts["reduce_scatter_into"] == len(model.groups)
         opt.zero_grad()
         losses.append(total.item() / (1 if per_token else world))
     return losses

@@ -284,7 +284,7 @@ def _rank_features(rank: int, world: int) -> None:
                 model(*batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
-        counts_by_mode[recompute] = counts["all_gather_into_tensor"]
+        counts_by_mode[recompute] = counts["all_gather_into"]
         params_by_mode[recompute] = {
             k.replace("block.", ""): v for k, v in full_params(model).items()
         }

@@ -148,7 +148,7 @@ def _train(model, opt, rank: int, case: Case) -> list[float]:
                 total += loss.detach()
             opt.step()
         if case.outer:
-            expected = {"reduce_scatter_tensor": buckets, "all_gather_into_tensor": buckets}
+            expected = {"reduce_scatter_into": buckets, "all_gather_into": buckets}
         else:
             expected = {"all_reduce": buckets}
         expected = {name: expected.get(name, 0) for name in COUNTED}

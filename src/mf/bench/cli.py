@@ -6,14 +6,16 @@ engine order to spread machine noise over all engines. A single-process run
 of the same global batch gives the reference loss curve.
 
 Printed per model preset, engine and optimizer recipe (``--optimizers``):
-median step time, its ratio to FSDP2 with the same optimizers and to the
-same engine with the first recipe, the median time of the optimizers'
+median step time, its ratio to FSDP2 and to DDP with the same optimizers and
+to the same engine with the first recipe, the median time of the optimizers'
 ``step()`` (with the engine's step hooks: the last gradient reduction's wait,
 the weights' install) and its share of the step, peak memory per rank,
 model-state bytes per rank against 16 * params / world (fp32 weights, grads
 and two Adam moments), collectives per step and bytes each rank sends
-against the ZeRO-3 minimum of 3 * params * (world - 1) / world elements, and
-the largest loss difference to the single-process run of the same recipe.
+against the ZeRO-3 minimum of 3 * params * (world - 1) / world elements, the
+bytes each rank actually wrote to its sockets (``/proc/self/io``, CPU runs)
+against the same minimum, and the largest loss difference to the
+single-process run of the same recipe.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
     header = (
         f"{'engine':<10} {'optim':<6} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
         f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
-        f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'max dloss':>10}"
+        f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'wire MiB':>9} {'wire/min':>8} "
+        f"{'vs ddp':>8} {'max dloss':>10}"
     )
     rows = [header]
     for (engine, recipe), results in runs.items():
@@ -118,6 +121,11 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
         dloss = max(
             max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True)) for r in results
         )
+        wire = first.get("wire_bytes_per_step")
+        wire_text = (
+            f"{'-':>9} {'-':>8}" if wire is None else f"{wire / _MIB:9.1f} {wire / ideal_sent:8.3f}"
+        )
+        vs_ddp = _ratio(step, runs.get(("ddp", recipe)))
         vs_fsdp2 = _ratio(step, runs.get(("fsdp2", recipe)))
         vs_first = _ratio(step, runs.get((engine, first_recipe)))
         rows.append(
@@ -125,7 +133,7 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
             f"{optimizer * 1e3:7.1f} {100 * optimizer / step:6.1f} "
             f"{peak / _MIB:9.1f} {state / _MIB:9.1f} "
             f"{state / (16 * params / world):8.2f} {first['calls_per_step']:9.1f} "
-            f"{sent / _MIB:9.1f} {sent / ideal_sent:12.3f} {dloss:10.2e}"
+            f"{sent / _MIB:9.1f} {sent / ideal_sent:12.3f} {wire_text} {vs_ddp} {dloss:10.2e}"
         )
     return [f"== preset {preset}: {params / 1e6:.1f}M params, world {world} ==", *rows]
 

@@ -11,6 +11,7 @@ figures compare across engines and against the theoretical minimum:
 | broadcast, N                 | N * (w - 1) / w              |
 | all-to-all, input N          | N * (w - 1) / w              |
 | all-to-all with input splits | the splits for other ranks   |
+| point-to-point batch         | the tensors it sends         |
 
 The Python-level collectives are wrapped where both ``torch.distributed``
 and its ``distributed_c10d`` module look them up (the deprecated aliases
@@ -48,6 +49,10 @@ _BYTE_MODEL: dict[str, Callable[[list[Any]], int]] = {
     "reduce_scatter": lambda a: sum(_nbytes(t) for t in a[1]),
     "all_to_all_single": lambda a: _nbytes(a[1]),
 }
+# Counted exactly, not scaled: mf's gloo collectives are batches of sends and receives.
+_EXACT_BYTES: dict[str, Callable[[list[Any]], int]] = {
+    "batch_isend_irecv": lambda a: sum(_nbytes(op.tensor) for op in a[0] if op.op is dist.isend),
+}
 
 
 @dataclass
@@ -77,11 +82,13 @@ class CommCounter:
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
-        byte_model = _BYTE_MODEL[name]
+        byte_model = _BYTE_MODEL.get(name)
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.enabled:
+            if self.enabled and byte_model is None:
+                self.record(name, _EXACT_BYTES[name](list(args) + list(kwargs.values())))
+            elif self.enabled:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 group = bound.arguments.get("group")
@@ -105,7 +112,7 @@ class CommCounter:
         """Wrap the collectives for the duration of the block (counting starts disabled)."""
         saved: list[tuple[Any, str, Any]] = []
         for module in (dist, distributed_c10d):
-            for name in _BYTE_MODEL:
+            for name in (*_BYTE_MODEL, *_EXACT_BYTES):
                 original = getattr(module, name, None)
                 if original is None:
                     continue

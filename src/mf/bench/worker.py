@@ -22,7 +22,7 @@ from mf.bench.comm_counter import CommCounter
 from mf.bench.engines import build_engine
 from mf.models import GPT, PRESETS
 
-__all__ = ["RunResult", "RunSpec", "run"]
+__all__ = ["RunResult", "RunSpec", "bytes_written", "run"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class RunResult:
     state_bytes: int = 0
     calls_per_step: float = 0.0
     bytes_sent_per_step: float = 0.0
+    wire_bytes_per_step: float | None = None
     calls_by_kind: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -75,6 +76,20 @@ def _rss_bytes(field_name: str) -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bytes_written() -> int | None:
+    """Bytes this process passed to write calls so far, sockets included (Linux only).
+
+    ``wchar`` of ``/proc/self/io``: on a gloo run it is what the rank put on the
+    wire, whatever the library calls asked for.
+    """
+    try:
+        with open("/proc/self/io") as io:
+            fields = dict(line.split(": ") for line in io.read().splitlines())
+    except OSError:
+        return None
+    return int(fields["wchar"])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -176,6 +191,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     counter = CommCounter()
     step_local: list[float] = []
     optimizer_local: list[float] = []
+    wire_local = 0
     with counter.installed():
         for step in range(spec.warmup + spec.steps):
             tokens, targets = _batch(spec, step, rank, world_size, config.vocab_size, device)
@@ -186,6 +202,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
                 dist.barrier()
                 counter.enabled = measured
             _sync(device)
+            written = bytes_written()
             start = time.perf_counter()
             loss = model(tokens, targets)
             loss.backward()
@@ -202,6 +219,9 @@ def run(spec: RunSpec) -> dict[str, Any]:
             _sync(device)
             elapsed = time.perf_counter() - start
             counter.enabled = False
+            after = bytes_written()
+            if measured and written is not None and after is not None:
+                wire_local += after - written
             result.losses.append(_mean_over_ranks(loss.item(), device))
             if measured:
                 step_local.append(elapsed)
@@ -211,6 +231,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     result.calls_per_step = counter.num_calls / spec.steps
     result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps
+    if distributed and bytes_written() is not None and device.type == "cpu":
+        result.wire_bytes_per_step = _mean_over_ranks(wire_local / spec.steps, device)
     if spec.engine == "ddp":
         _ddp_traffic(model, result, world_size)
     if device.type == "cuda":

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from mf_fsdp import collectives
 from mf_fsdp.megatron_fsdp import MegatronFSDP
 from mf_fsdp.tp_params import local_value
 
@@ -117,12 +118,12 @@ def get_grad_norm(
     parts = torch.stack([_local_part(grads_by_key[k], norm_type, is_inf).to(device) for k in keys])
     for gid, group in groups.items():
         if is_inf:
-            dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(parts, dist.ReduceOp.MAX, group)
             continue
         if dist.get_rank(group) != 0:
             replicated = torch.tensor([gid not in k for k in keys], device=device)
             parts.masked_fill_(replicated, 0.0)
-        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(parts, dist.ReduceOp.SUM, group)
     return parts.max() if is_inf else parts.sum().pow(1.0 / norm_type)
 
 

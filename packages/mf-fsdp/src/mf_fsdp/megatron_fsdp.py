@@ -20,8 +20,8 @@ their own modules:
 - ``stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
 
 This module decides *when* gradients are reduced (``_reduce_now``) and what
-happens at the end of each backward; the buffers themselves and their
-collectives belong to ``param_group.py``.
+happens at the end of each backward; the buffers themselves belong to
+``param_group.py``, and every collective on them to ``collectives.py``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mf_fsdp import collectives
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
@@ -496,13 +497,13 @@ class MegatronFSDP(nn.Module):
                 if group.main_is_separate and not group.hybrid:
                     tensors.append(group.main)
                 for tensor in tensors:
-                    dist.broadcast(tensor, src=dist.get_global_rank(pg, 0), group=pg)
+                    collectives.broadcast_from_first(tensor, pg)
                 if group.main_is_separate and group.hybrid:  # sub-shards have no replicas
                     group.main.copy_(group.own_sub_shard())
                 continue
             assert group.model_full is not None  # internal invariant
             pg = index.get_dp_group()
-            dist.broadcast(group.model_full, src=dist.get_global_rank(pg, 0), group=pg)
+            collectives.broadcast_from_first(group.model_full, pg)
             if group.main_is_separate:
                 own = group.model_full if group.strategy.level == 0 else group.own_weights()
                 group.main.copy_(own)

@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mf_fsdp import collectives
+from mf_fsdp.buffer_pool import BufferPool
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.layout import BucketLayout
@@ -74,26 +76,6 @@ class ParamSource:
     fqns: tuple[str, ...]
     slots: tuple[tuple[nn.Module, str], ...]
     tp: TPInfo | None
-
-
-class BufferPool:
-    """Free lists of flat tensors keyed by (numel, dtype, device), reused across steps."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Return a flat tensor of ``numel`` elements (contents undefined)."""
-        free = self._free.get((numel, dtype, device))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        """Hand a tensor from ``take`` back for reuse."""
-        self._free.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
-
-    def held_bytes(self) -> int:
-        """Bytes of the tensors waiting in the pool."""
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +194,8 @@ class ParamGroup:
             if getattr(p, "sequence_parallel", False)
         ]
         self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self._gather: dist.Work | None = None
-        self._pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._gather: collectives.Handle | None = None
+        self._pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None = None
         self.model_full: torch.Tensor | None = None
         self.grad_local: torch.Tensor | None = None
         self.has_unreduced = False
@@ -343,8 +325,8 @@ class ParamGroup:
             return
         self._full.untyped_storage().resize_(self._full_nbytes)
         self._gather = (
-            dist.all_gather_into_tensor(
-                self._full, self.model_shard, group=self.dist_index.fsdp_group, async_op=async_op
+            collectives.all_gather_into(
+                self._full, self.model_shard, self.dist_index.fsdp_group, async_op=async_op
             )
             or _DONE
         )
@@ -451,7 +433,7 @@ class ParamGroup:
         self._sum_sequence_parallel_grads(src)
         index = self.dist_index
         if self.strategy.level == 0:
-            work = dist.all_reduce(src, op=spec.op, group=index.fsdp_group, async_op=async_op)
+            work = collectives.all_reduce(src, spec.op, index.fsdp_group, async_op=async_op)
             out = src
         else:
             direct = (
@@ -466,8 +448,8 @@ class ParamGroup:
                 if direct
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
-            work = dist.reduce_scatter_tensor(
-                out, src, op=spec.op, group=index.fsdp_group, async_op=async_op
+            work = collectives.reduce_scatter_into(
+                out, src, spec.op, index.fsdp_group, async_op=async_op
             )
         self._pending = (work, src, out)
         self.has_unreduced = False
@@ -477,7 +459,7 @@ class ParamGroup:
         if not self._sp_slices:
             return
         flat = torch.cat([src[s:e] for s, e in self._sp_slices])
-        dist.all_reduce(flat, group=self.dist_index.tp_group)
+        collectives.all_reduce(flat, dist.ReduceOp.SUM, self.dist_index.tp_group)
         offset = 0
         for start, end in self._sp_slices:
             src[start:end].copy_(flat[offset : offset + end - start])
@@ -540,7 +522,7 @@ class ParamGroup:
             # A dp_outer of one replica has nothing to reduce.
             if self._outer_due and self.dist_index.outer_size > 1:
                 assert self.grad_store is not None  # internal invariant
-                dist.all_reduce(self.grad_store, op=self._outer_op, group=self.outer)
+                collectives.all_reduce(self.grad_store, self._outer_op, self.outer)
             self._outer_due = False
             return
         pending, store = self.pending_inner, self.grad_store
@@ -549,7 +531,7 @@ class ParamGroup:
         assert store is not None  # internal invariant
         direct = self._store_fresh and store.dtype == pending.dtype
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
-        dist.reduce_scatter_tensor(sub, pending, op=self._outer_op, group=self.outer)
+        collectives.reduce_scatter_into(sub, pending, self._outer_op, self.outer)
         if sub is not store:
             store.add_(sub)
             self.pool.give(sub)
@@ -598,7 +580,7 @@ class ParamGroup:
             self.grad_local[self.hi :].mul_(factor)
 
     # ------------------------------------------------------------------ weights
-    def install_main_weights(self, async_op: bool) -> dist.Work | None:
+    def install_main_weights(self, async_op: bool) -> collectives.Handle | None:
         """Copy updated main weights into the compute weights (all-gather for ZeRO-1/2)."""
         level = self.strategy.level
         if level == 3:
@@ -608,9 +590,7 @@ class ParamGroup:
             if not self.hybrid:
                 return None
             # In-place all-gather across dp_outer: the sub-shards rebuild the inner shard.
-            return dist.all_gather_into_tensor(
-                self.model_shard, own, group=self.outer, async_op=async_op
-            )
+            return collectives.all_gather_into(self.model_shard, own, self.outer, async_op=async_op)
         assert self.model_full is not None  # internal invariant
         if level == 0:
             if self.main is not self.model_full:
@@ -619,8 +599,8 @@ class ParamGroup:
         own = self.model_full[self.lo : self.hi]
         if self.main is not own:
             own.copy_(self.main)
-        return dist.all_gather_into_tensor(
-            self.model_full, own, group=self.dist_index.fsdp_group, async_op=async_op
+        return collectives.all_gather_into(
+            self.model_full, own, self.dist_index.fsdp_group, async_op=async_op
         )
 
     def owned_bytes(self) -> dict[str, int]:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import Shard
 
 from mf_dtensor import UnevenDTensor, boxes_numel, place_boxes, take_boxes
+from mf_fsdp import collectives
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -177,7 +178,7 @@ def _sum_over_rows(partials: Sequence[tuple[UnevenDTensor, torch.Tensor]]) -> li
     for key, indices in batches.items():
         flat = torch.cat([results[i].reshape(-1) for i in indices])
         for group in groups[key]:
-            dist.all_reduce(flat, group=group)
+            collectives.all_reduce(flat, dist.ReduceOp.SUM, group)
         offset = 0
         for i in indices:
             numel = results[i].numel()
@@ -346,7 +347,7 @@ def _gather_apply_scatter(
     for local, offset in zip(rows, offsets, strict=True):
         send[offset : offset + local.numel()].view(local.shape).copy_(local)
     received = send.new_empty(sum(plan.recv_counts))
-    dist.all_to_all_single(received, send, list(plan.recv_counts), list(plan.send_counts))
+    collectives.all_to_all(received, send, list(plan.recv_counts), list(plan.send_counts))
     # From each rank, its rows of the matrices this rank owns, in matrix order; the
     # results go back in the same places.
     send_back = torch.empty_like(received)
@@ -363,7 +364,7 @@ def _gather_apply_scatter(
         for flat, boxes in places:
             take_boxes(result, boxes, flat)
     returned = torch.empty_like(send)
-    dist.all_to_all_single(returned, send_back, list(plan.send_counts), list(plan.recv_counts))
+    collectives.all_to_all(returned, send_back, list(plan.send_counts), list(plan.recv_counts))
     return [
         returned[offset : offset + local.numel()].view(local.shape)
         for local, offset in zip(rows, offsets, strict=True)

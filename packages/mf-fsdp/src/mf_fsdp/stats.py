@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mf_fsdp import collectives
 from mf_fsdp.param_group import BufferPool, ParamGroup
 from mf_fsdp.tp_params import local_value
 
@@ -62,7 +63,9 @@ def memory_footprint(
     pool: BufferPool,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, int]:
-    """Bytes held: params, separate main params, grads, idle pool (and optimizer state).
+    """Bytes held: params, separate main params, grads, idle pools (and optimizer state).
+
+    ``pool`` counts the engine's idle temporaries and the collectives' receive buffers.
 
     With ``optimizer``, the local pieces of its state tensors are counted under
     ``optimizer_state``.
@@ -71,7 +74,7 @@ def memory_footprint(
     for group in groups:
         for key, value in group.owned_bytes().items():
             total[key] += value
-    total["pool"] = pool.held_bytes()
+    total["pool"] = pool.held_bytes() + collectives.workspace_bytes()
     if optimizer is not None:
         total["optimizer_state"] = sum(
             local_value(v).numel() * v.element_size()

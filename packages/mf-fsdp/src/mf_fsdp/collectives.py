@@ -1,0 +1,227 @@
+"""Every collective the engine runs, as free functions with backend-aware paths.
+
+The engine never calls ``torch.distributed`` directly for its buckets: it calls
+these, and each picks the implementation that moves the fewest bytes on the
+group's backend.
+
+- NCCL (and any backend but gloo): the native call.
+- gloo, CPU tensors: torch's ``reduce_scatter_tensor`` is an all-reduce of the
+  whole input followed by a copy, and ``all_gather_into_tensor`` stages
+  through a list. Both are replaced by point-to-point transfers between every
+  pair of ranks, posted together so they overlap: each rank sends exactly its
+  peers' pieces, ``(N - 1) / N`` of the bucket, the minimum any reduce-scatter
+  or all-gather can send. The all-gather receives straight into the output;
+  the reduce-scatter receives the peers' pieces of this rank's shard into one
+  workspace and sums them, in rank order, into the output.
+
+Asynchronous calls return a handle whose ``wait()`` finishes the transfer and
+the local work after it (the sum of a reduce-scatter); synchronous calls return
+None, as ``torch.distributed`` does.
+
+All ranks of a group must call these in the same order (as for any collective):
+point-to-point messages between two ranks are matched in the order they were
+posted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from mf_fsdp.buffer_pool import BufferPool
+
+__all__ = [
+    "Handle",
+    "all_gather_into",
+    "all_reduce",
+    "all_to_all",
+    "broadcast_from_first",
+    "reduce_scatter_into",
+    "uses_point_to_point",
+    "workspace_bytes",
+]
+
+ReduceOp = dist.ReduceOp.RedOpType
+_SUMMING = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+class Handle(Protocol):
+    """What an asynchronous collective returns: ``wait()`` finishes it."""
+
+    def wait(self) -> object:
+        """Block until the collective and its local completion are done."""
+        ...
+
+
+class _Then:
+    """Transfers in flight and the local work that completes them, run once on ``wait``."""
+
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None]) -> None:
+        self._works = works
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> bool:
+        if self._finish is not None:
+            for work in self._works:
+                work.wait()
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupFacts:
+    """What the collectives need of a group, looked up once per group."""
+
+    gloo: bool
+    me: int
+    ranks: list[int]
+
+
+_WORKSPACES = BufferPool()
+_GROUPS: dict[dist.ProcessGroup, _GroupFacts] = {}
+
+
+def workspace_bytes() -> int:
+    """Bytes of the receive buffers the gloo reduce-scatter keeps for reuse (this process)."""
+    return _WORKSPACES.held_bytes()
+
+
+def _facts(group: dist.ProcessGroup) -> _GroupFacts:
+    facts = _GROUPS.get(group)
+    if facts is None:
+        facts = _GroupFacts(
+            "gloo" in str(dist.get_backend(group)),
+            dist.get_rank(group),
+            dist.get_process_group_ranks(group),
+        )
+        _GROUPS[group] = facts
+    return facts
+
+
+def uses_point_to_point(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """True when the bucket collectives on ``group`` run as point-to-point transfers.
+
+    That is gloo with CPU tensors; other backends keep their native collectives.
+    """
+    return tensor.device.type == "cpu" and _facts(group).gloo
+
+
+def _exchange(
+    sends: list[tuple[torch.Tensor, int]],
+    receives: list[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup,
+) -> list[dist.Work]:
+    """Post every send and receive (global peer ranks) at once; their handles."""
+    ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in receives]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _finish(works: list[dist.Work], finish: Callable[[], None], async_op: bool) -> Handle | None:
+    handle = _Then(works, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_gather_into(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> Handle | None:
+    """Gather every rank's ``shard`` into ``output`` (rank order); like ``all_gather_into_tensor``.
+
+    ``shard`` may be this rank's own region of ``output`` (an in-place gather).
+    """
+    if not uses_point_to_point(output, group):
+        return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    facts = _facts(group)
+    me, ranks = facts.me, facts.ranks
+    pieces = output.view(len(ranks), -1).unbind(0)
+    if pieces[me].data_ptr() != shard.data_ptr():
+        pieces[me].copy_(shard.view(-1))
+    others = [(i, peer) for i, peer in enumerate(ranks) if i != me]
+    works = _exchange(
+        [(pieces[me], peer) for _, peer in others],
+        [(pieces[i], peer) for i, peer in others],
+        group,
+    )
+    return _finish(works, lambda: None, async_op)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> Handle | None:
+    """Sum (or average) ``input`` over the ranks; this rank's shard lands in ``output``.
+
+    Like ``reduce_scatter_tensor``: ``input`` has ``N x output.numel()`` elements and
+    rank ``i`` gets the reduction of every rank's piece ``i``. ``input`` is not
+    changed. On gloo the peers' pieces are summed in rank order, so every rank's
+    result is bitwise reproducible.
+    """
+    if op not in _SUMMING or not uses_point_to_point(output, group):
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    facts = _facts(group)
+    me, ranks = facts.me, facts.ranks
+    size = len(ranks)
+    pieces = input.view(size, -1).unbind(0)
+    workspace = _WORKSPACES.take((size - 1) * output.numel(), input.dtype, input.device)
+    received = list(workspace.view(size - 1, -1).unbind(0)) if size > 1 else []
+    others = [(i, peer) for i, peer in enumerate(ranks) if i != me]
+    works = _exchange(
+        [(pieces[i], peer) for i, peer in others],
+        [(received[k], peer) for k, (_, peer) in enumerate(others)],
+        group,
+    )
+
+    def combine() -> None:
+        ordered = [*received[:me], pieces[me], *received[me:]]
+        flat = output.view(-1)
+        if size == 1:
+            flat.copy_(ordered[0])
+        else:
+            torch.add(ordered[0], ordered[1], out=flat)
+            for piece in ordered[2:]:
+                flat.add_(piece)
+        if op == dist.ReduceOp.AVG:
+            flat.div_(size)
+        _WORKSPACES.give(workspace)
+
+    return _finish(works, combine, async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> Handle | None:
+    """Reduce ``tensor`` in place over ``group`` (the native call on every backend)."""
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Send ``input``'s i-th split to rank i, receive rank i's into ``output``'s i-th split."""
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensor`` on every rank of ``group`` with the first member's."""
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
