@@ -18,7 +18,7 @@ recomputation: the gathered weights are reused, nothing is released, so
 recompute and backward share one gather.
 
 This module owns only the per-iteration order and states; it does not build
-buckets, decide *whether* to reduce (the engine's ``reduce_now`` policy does),
+buckets, decide *whether* to reduce (the engine's ``SyncPolicy`` does),
 or touch the optimizer.
 """
 
@@ -90,7 +90,8 @@ class UnitHooks:
         strategy: the engine's ZeRO strategy.
         ddp_config: overlap options (read at each use, so later edits take effect).
         spec: how gradients are scaled and reduced.
-        reduce_now: the engine's policy: reduce at this backward's end (else accumulate).
+        reduce_now: the engine's policy (``SyncPolicy.reduce_at_unit_end``): reduce at a
+            unit's backward end (else accumulate).
         on_backward_start: run once per backward, before any gradient is accumulated.
         on_backward_end: run once per backward, after every unit is back to IDLE.
         on_idle: run when an iteration is over (after a backward, or after a forward

@@ -19,8 +19,8 @@ their own modules:
 - ``meta_init.py``: meta-device materialisation, one unit at a time;
 - ``stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
 
-This module decides *when* gradients are reduced (``_reduce_now``) and what
-happens at the end of each backward; the buffers themselves belong to
+When gradients are reduced is ``sync_policy.py``'s; this module applies it
+at the end of each backward; the buffers themselves belong to
 ``param_group.py``, and every collective on them to ``collectives.py``.
 """
 
@@ -54,6 +54,7 @@ from mf_fsdp.optimizer_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.param import FSDPParam
 from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
 from mf_fsdp.stats import BucketStats, bucket_stats, memory_footprint
+from mf_fsdp.sync_policy import SyncPolicy
 from mf_fsdp.tp_params import tp_info, validate_tp_params
 from mf_fsdp.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
 from mf_utils import get_group_device
@@ -198,11 +199,8 @@ class MegatronFSDP(nn.Module):
             )
         self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy()
         self.calculate_per_token_loss = calculate_per_token_loss
-        self.model_auto_sync = sync_model_each_microbatch
-        self.is_last_microbatch = False
-        self.microbatch_count = 0
+        self.sync_policy = SyncPolicy(self.strategy.shards_grads, sync_model_each_microbatch)
         self.device = device or get_group_device(dist_index.fsdp_group)
-        self._no_sync = False
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zero_pending = False
@@ -229,7 +227,7 @@ class MegatronFSDP(nn.Module):
             self.strategy,
             self.ddp_config,
             self._spec,
-            reduce_now=self._reduce_now,
+            reduce_now=self.sync_policy.reduce_at_unit_end,
             on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
@@ -305,11 +303,29 @@ class MegatronFSDP(nn.Module):
         out = self.module(*inputs, **kwargs)
         return self._unit_hooks.root_post_forward(out)
 
-    def _reduce_now(self) -> bool:
-        """Whether a unit's backward end reduces its grads (else they accumulate locally)."""
-        if self._no_sync:
-            return False
-        return self.model_auto_sync or self.is_last_microbatch or self.strategy.shards_grads
+    # The reference's public sync switches, kept in the policy.
+    @property
+    def model_auto_sync(self) -> bool:
+        """Wait for the reductions at the end of every backward (see ``SyncPolicy``)."""
+        return self.sync_policy.auto_sync
+
+    @model_auto_sync.setter
+    def model_auto_sync(self, value: bool) -> None:
+        self.sync_policy.auto_sync = bool(value)
+
+    @property
+    def is_last_microbatch(self) -> bool:
+        """The current backward is the step's last micro-batch (see ``SyncPolicy``)."""
+        return self.sync_policy.last_microbatch
+
+    @is_last_microbatch.setter
+    def is_last_microbatch(self, value: bool) -> None:
+        self.sync_policy.last_microbatch = bool(value)
+
+    @property
+    def microbatch_count(self) -> int:
+        """Backwards since the last ``finish_grad_sync``."""
+        return self.sync_policy.microbatch_count
 
     def _on_backward_start(self) -> None:
         """Run the zeroing of the grad buffers deferred by ``request_zero_grad``."""
@@ -328,11 +344,12 @@ class MegatronFSDP(nn.Module):
 
     def _on_backward_end(self) -> None:
         """Count the micro-batch; with auto-sync, wait for the reductions and attach grads."""
-        self.microbatch_count += 1
-        if self.model_auto_sync and self._reduce_now():
-            # The dp_outer stage runs once per step: here only on the last micro-batch.
+        policy = self.sync_policy
+        policy.backward_ended()
+        if policy.wait_at_backward_end():
+            outer = policy.outer_at_backward_end()
             for group in self.groups:
-                (group.reduce_outer if self.is_last_microbatch else group.finish_reduce)()
+                (group.reduce_outer if outer else group.finish_reduce)()
             self.attach_grad_to_optimizer_state()
 
     # ------------------------------------------------------------------ sync control
@@ -343,24 +360,14 @@ class MegatronFSDP(nn.Module):
         The reduction runs on the first backward after the block, or at the
         latest before ``optimizer.step()`` (``finish_grad_sync``).
         """
-        previous = self._no_sync
-        self._no_sync = True
-        self.is_last_microbatch = False
-        try:
+        with self.sync_policy.no_sync():
             yield
-        finally:
-            self._no_sync = previous
-            self.is_last_microbatch = True
 
     @contextlib.contextmanager
     def sync(self) -> Iterator[None]:
         """Reduce and wait at the end of every backward inside the block."""
-        previous = self.model_auto_sync
-        self.model_auto_sync = True
-        try:
+        with self.sync_policy.sync():
             yield
-        finally:
-            self.model_auto_sync = previous
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """Turn per-backward waiting on (True) or defer it to ``finish_grad_sync`` (False)."""
@@ -393,8 +400,7 @@ class MegatronFSDP(nn.Module):
         self.start_grad_sync()
         self.synchronize_gradient_reduce()
         self.attach_grad_to_optimizer_state()
-        self.is_last_microbatch = False
-        self.microbatch_count = 0
+        self.sync_policy.step_finished()
 
     def attach_grad_to_optimizer_state(self) -> None:
         """Point each sharded parameter's ``.grad`` at its reduced gradient.
@@ -501,11 +507,10 @@ class MegatronFSDP(nn.Module):
                 if group.main_is_separate and group.hybrid:  # sub-shards have no replicas
                     group.main.copy_(group.own_sub_shard())
                 continue
-            assert group.model_full is not None  # internal invariant
             pg = index.get_dp_group()
-            collectives.broadcast_from_first(group.model_full, pg)
+            collectives.broadcast_from_first(group.full, pg)
             if group.main_is_separate:
-                own = group.model_full if group.strategy.level == 0 else group.own_weights()
+                own = group.full if group.strategy.level == 0 else group.own_weights()
                 group.main.copy_(own)
 
     # ------------------------------------------------------------------ introspection

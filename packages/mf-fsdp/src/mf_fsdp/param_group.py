@@ -6,7 +6,7 @@ row-size group of them):
 ==================  ===========================  =====================================
 buffer              size                         held when
 ==================  ===========================  =====================================
-``model_full``      whole bucket, compute dtype  ZeRO-0/1/2 always; ZeRO-3 while gathered
+``full``            whole bucket, compute dtype  ZeRO-0/1/2 always; ZeRO-3 while gathered
 ``model_shard``     one shard, compute dtype     ZeRO-3
 ``main``            shard (full for ZeRO-0),     only when its dtype differs from the
                     main dtype                   compute dtype; else a view of the above
@@ -20,8 +20,10 @@ The layout cuts shards between dim-0 rows only, so each parameter's rows on
 this rank (its ``FSDPParam.main_rows``) are viewed in ``main`` and
 ``grad_store`` with the parameter's trailing shape (``main_view``): the
 sharded form the optimizer steps. Compute parameters' ``.data`` and ``.grad``
-are views of ``model_full`` / ``grad_local``; between passes a ZeRO-3
-parameter keeps its view of ``model_full`` whose storage is resized to zero.
+are views of ``full`` / ``grad_local``; between passes a ZeRO-3
+parameter keeps its view of ``full`` whose storage is resized to zero.
+Where the gradients are in their reduction, and whether the weights are
+gathered, are explicit states (``grad_state.py``).
 Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
 to it, so a training step allocates nothing after the first one.
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +59,7 @@ from mf_fsdp import collectives
 from mf_fsdp.buffer_pool import BufferPool
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.grad_state import Gather, GradState, Local, Reduced, check_invariant
 from mf_fsdp.layout import BucketLayout
 from mf_fsdp.param import FSDPParam
 from mf_fsdp.tp_params import TPInfo, local_shape, local_value, set_local_data, wrap_grad
@@ -194,25 +198,35 @@ class ParamGroup:
             if getattr(p, "sequence_parallel", False)
         ]
         self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self._gather: collectives.Handle | None = None
+        self.name = f"the bucket of {sources[0].fqns[0]!r} ({len(params)} parameters)"
+        self.grads = GradState(dist.get_rank(), self.name)
+        self._gather: collectives.Handle | None = None  # the all-gather in flight
         self._pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None = None
-        self.model_full: torch.Tensor | None = None
         self.grad_local: torch.Tensor | None = None
-        self.has_unreduced = False
         # The optimizer's parameters hold this group's grads (attach_grad_to_optimizer_state).
         self.grads_handed_out = False
-        self._reduced_in_local = False
-        self._store_fresh = True
-        # The store holds inner-reduced grads whose dp_outer reduction is still due.
-        self._outer_due = False
+        # Hybrid HSDP: dp_shard-reduced grads waiting for the dp_outer reduce-scatter.
         self.pending_inner: torch.Tensor | None = None
         self._allocate()
 
     # ------------------------------------------------------------------ buffers
+    def _check(self, condition: bool, what: str) -> None:
+        check_invariant(condition, self.grads.rank, self.name, what)
+
+    def _need(self, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+        """``tensor``; its absence is an invariant error naming the rank and the bucket."""
+        self._check(tensor is not None, f"{what} is missing")
+        return cast(torch.Tensor, tensor)
+
     @property
     def gathered(self) -> bool:
         """True while the whole bucket of weights is present on this rank."""
-        return self.model_full is not None
+        return self.gather is Gather.GATHERED
+
+    @property
+    def _reduced_in_local(self) -> bool:
+        # The store is a region of the local buffer and holds reduced grads.
+        return self._store_aliases_local and self.grads.reduced is not Reduced.NONE
 
     def _allocate(self) -> None:
         layout, d, dev = self.layout, self.dtypes, self.device
@@ -230,17 +244,20 @@ class ParamGroup:
             # and any view autograd saved in forward) therefore always see the current
             # gather; a pooled tensor would leave saved views pointing at another unit.
             # It starts released, so building the engine never holds every bucket at once.
-            self._full = torch.empty(layout.padded_numel, dtype=d.compute, device=dev)
-            self._full_nbytes = self._full.untyped_storage().nbytes()
-            self._full.untyped_storage().resize_(0)
+            self.full = torch.empty(layout.padded_numel, dtype=d.compute, device=dev)
+            self._full_nbytes = self.full.untyped_storage().nbytes()
+            self.full.untyped_storage().resize_(0)
+            self.gather = Gather.RELEASED
         else:
-            self.model_full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            self.full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
+            self.gather = Gather.GATHERED
             main_numel = layout.padded_numel if level == 0 else shard
-            own = self.model_full if level == 0 else self.model_full[self.lo : self.hi]
+            own = self.full if level == 0 else self.full[self.lo : self.hi]
             self.main = (
                 own if d.main == d.compute else torch.zeros(main_numel, dtype=d.main, device=dev)
             )
         self.grad_store: torch.Tensor | None = None
+        self._store_aliases_local = False
         if not self.requires_grad:
             return
         # The store aliases the local accumulation buffer when dtypes allow (one copy).
@@ -273,8 +290,7 @@ class ParamGroup:
         flat = local_value(value).reshape(-1)
         level = self.strategy.level
         if level < 3:
-            assert self.model_full is not None  # internal invariant
-            self.model_full[start:end].copy_(flat)
+            self.full[start:end].copy_(flat)
         if level == 0:
             if self.main_is_separate:
                 self.main[start:end].copy_(flat)
@@ -288,8 +304,8 @@ class ParamGroup:
 
     def own_weights(self) -> torch.Tensor:
         """This rank's shard region of the full compute weights (ZeRO-0/1/2)."""
-        assert self.model_full is not None  # internal invariant
-        return self.model_full[self.lo : self.hi]
+        self._check(self.gathered, "own_weights() of a released bucket")
+        return self.full[self.lo : self.hi]
 
     def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
         # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
@@ -321,39 +337,40 @@ class ParamGroup:
     # ------------------------------------------------------------------ ZeRO-3 gather
     def unshard(self, async_op: bool) -> None:
         """Start (or do) the all-gather of the bucket's weights; no-op when gathered."""
-        if self.model_full is not None or self._gather is not None:
+        if self.gather is not Gather.RELEASED:
             return
-        self._full.untyped_storage().resize_(self._full_nbytes)
+        self.full.untyped_storage().resize_(self._full_nbytes)
         self._gather = (
             collectives.all_gather_into(
-                self._full, self.model_shard, self.dist_index.fsdp_group, async_op=async_op
+                self.full, self.model_shard, self.dist_index.fsdp_group, async_op=async_op
             )
             or _DONE
         )
+        self.gather = Gather.GATHERING
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the parameters' views now hold the whole weights."""
-        if self._gather is None:
+        if self.gather is not Gather.GATHERING:
             return
+        self._check(self._gather is not None, "gathering without an all-gather in flight")
         self._gather.wait()
         self._gather = None
-        self.model_full = self._full
+        self.gather = Gather.GATHERED
 
     def reshard(self) -> None:
         """Free the gathered bucket (ZeRO-3); parameters keep their shapes, lose storage."""
         if self.strategy.level < 3:
             return
         self.wait_unshard()
-        self.model_full = None
-        self._full.untyped_storage().resize_(0)
+        self.gather = Gather.RELEASED
+        self.full.untyped_storage().resize_(0)
 
     def point_params_at_buffer(self) -> None:
         """Make every parameter's ``.data`` a view of the whole-bucket weights (once)."""
-        full = self.model_full if self.strategy.level < 3 else self._full
-        if self.strategy.level == 3 and self.model_full is None:
+        if self.gather is Gather.RELEASED:
             # Views need the bytes to exist; the caller releases them again with reshard().
-            self._full.untyped_storage().resize_(self._full_nbytes)
-        for p, v in zip(self.params, self._views(full), strict=True):
+            self.full.untyped_storage().resize_(self._full_nbytes)
+        for p, v in zip(self.params, self._views(self.full), strict=True):
             set_local_data(p, v)
 
     # ------------------------------------------------------------------ gradients
@@ -378,7 +395,7 @@ class ParamGroup:
                 self._rebase_reduced(spec)
             if self.params[0].grad is None:
                 self.attach_local_grads()
-        self.has_unreduced = True
+        self.grads.accumulate()
 
     def attach_local_grads(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""
@@ -390,19 +407,20 @@ class ParamGroup:
         # The aliased store already holds reduced grads and more local grads are
         # about to be added on top: rescale so that the next reduction maps the
         # reduced part to itself (see the README, "accumulating after a reduction").
-        assert self.grad_local is not None  # internal invariant
-        gain = self._inner_gain(spec) * (1.0 if self._outer_due else self._outer_gain())
+        local = self._need(self.grad_local, "the local buffer holding reduced grads")
+        outer_due = self.grads.reduced is Reduced.INNER
+        gain = self._inner_gain(spec) * (1.0 if outer_due else self._outer_gain())
         if self.strategy.level == 0:
-            self.grad_local.mul_(1.0 / gain)
+            local.mul_(1.0 / gain)
         else:
-            self.grad_local[self.lo : self.hi].mul_(1.0 / gain)
-            self.grad_local[: self.lo].zero_()
-            self.grad_local[self.hi :].zero_()
+            local[self.lo : self.hi].mul_(1.0 / gain)
+            local[: self.lo].zero_()
+            local[self.hi :].zero_()
         if self._sp_slices:  # their reduced part is summed over TP again next time
             tp_size = dist.get_world_size(self.dist_index.tp_group)
             for start, end in self._sp_slices:
-                self.grad_local[start:end].div_(tp_size)
-        self._reduced_in_local = False
+                local[start:end].div_(tp_size)
+        self.grads.fold_back()
 
     def _inner_gain(self, spec: ReduceSpec) -> float:
         # What the dp_shard reduction multiplies a reduced value by: ZeRO-0 holds it on
@@ -419,11 +437,9 @@ class ParamGroup:
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
-        if not self.requires_grad or not self.has_unreduced:
+        if not self.requires_grad or self.grads.local is not Local.ACCUMULATED:
             return
-        self.finish_reduce()
-        local = self.grad_local
-        assert local is not None  # internal invariant
+        local = self._need(self.grad_local, "the local buffer of accumulated grads")
         if self.dtypes.comm != local.dtype:
             src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
         else:
@@ -438,7 +454,7 @@ class ParamGroup:
         else:
             direct = (
                 self.strategy.level >= 2
-                and self._store_fresh
+                and self.grads.reduced is Reduced.NONE
                 and not self.hybrid
                 and self.grad_store is not None
                 and self.grad_store.dtype == src.dtype
@@ -452,7 +468,7 @@ class ParamGroup:
                 out, src, spec.op, index.fsdp_group, async_op=async_op
             )
         self._pending = (work, src, out)
-        self.has_unreduced = False
+        self.grads.launch()
 
     def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None:
         """All-reduce the sequence-parallel params' local grads over TP (one collective)."""
@@ -476,9 +492,8 @@ class ParamGroup:
         self._pending = None
         if work is not None:
             work.wait()
-        store, local = self.grad_store, self.grad_local
-        assert store is not None  # internal invariant
-        assert local is not None
+        store = self._need(self.grad_store, "the grad store of a finished reduction")
+        local = self._need(self.grad_local, "the local buffer of a finished reduction")
         level = self.strategy.level
         if self.hybrid:
             if self.pending_inner is None:
@@ -488,13 +503,11 @@ class ParamGroup:
         elif level <= 1 and self._store_aliases_local:
             if out is not local:  # ZeRO-1: the reduced shard arrived in a temporary
                 store.copy_(out)
-            self._reduced_in_local = True
         else:
-            if not self._store_fresh and not self._outer_due and self.outer is not None:
+            if self.grads.reduced is Reduced.FULL and self.outer is not None:
                 store.mul_(1.0 / self._outer_gain())  # final grads rejoin the outer sum once
             if out is not store:
                 store.add_(out)
-            self._store_fresh = False
         if level >= 2:
             for p in self.params:
                 p.grad = None
@@ -502,7 +515,7 @@ class ParamGroup:
             self.grad_local = None
         elif not self._store_aliases_local:
             local.zero_()
-        self._outer_due = self.outer is not None and not self.hybrid
+        self.grads.land(outer_due=self.outer is not None, hybrid=self.hybrid)
         keep = (local, store, self.pending_inner)
         temporaries = {id(t): t for t in (src, out) if all(t is not k for k in keep)}
         for tensor in temporaries.values():
@@ -520,16 +533,17 @@ class ParamGroup:
             return
         if not self.hybrid:
             # A dp_outer of one replica has nothing to reduce.
-            if self._outer_due and self.dist_index.outer_size > 1:
-                assert self.grad_store is not None  # internal invariant
-                collectives.all_reduce(self.grad_store, self._outer_op, self.outer)
-            self._outer_due = False
+            if self.grads.reduced is Reduced.INNER:
+                if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
+                    store = self._need(self.grad_store, "the grad store of inner-reduced grads")
+                    collectives.all_reduce(store, self._outer_op, self.outer)
+                self.grads.reduce_outer()
             return
         pending, store = self.pending_inner, self.grad_store
         if pending is None:
             return
-        assert store is not None  # internal invariant
-        direct = self._store_fresh and store.dtype == pending.dtype
+        store = self._need(store, "the grad store of pending inner grads")
+        direct = self.grads.reduced is Reduced.NONE and store.dtype == pending.dtype
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
         collectives.reduce_scatter_into(sub, pending, self._outer_op, self.outer)
         if sub is not store:
@@ -537,7 +551,7 @@ class ParamGroup:
             self.pool.give(sub)
         self.pool.give(pending)
         self.pending_inner = None
-        self._store_fresh = False
+        self.grads.reduce_outer()
 
     def set_outer_op(self, op: dist.ReduceOp.RedOpType) -> None:
         """Record the reduce op used across dp_outer replicas."""
@@ -548,25 +562,20 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
-        assert self.grad_store is not None  # internal invariant
-        self.grad_store.zero_()
+        self._need(self.grad_store, "the grad store").zero_()
         if self.pending_inner is not None:
             self.pool.give(self.pending_inner)
             self.pending_inner = None
         if self.strategy.level <= 1:
-            assert self.grad_local is not None  # internal invariant
-            self.grad_local.zero_()
+            self._need(self.grad_local, "the ZeRO-0/1 local grad buffer").zero_()
             self.attach_local_grads()
         elif self.grad_local is not None:
             for p in self.params:
                 p.grad = None
             self.pool.give(self.grad_local)
             self.grad_local = None
-        self.has_unreduced = False
         self.grads_handed_out = False
-        self._reduced_in_local = False
-        self._store_fresh = True
-        self._outer_due = False
+        self.grads.reset()
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the reduced and any unreduced local grads by ``factor``."""
@@ -591,16 +600,15 @@ class ParamGroup:
                 return None
             # In-place all-gather across dp_outer: the sub-shards rebuild the inner shard.
             return collectives.all_gather_into(self.model_shard, own, self.outer, async_op=async_op)
-        assert self.model_full is not None  # internal invariant
         if level == 0:
-            if self.main is not self.model_full:
-                self.model_full.copy_(self.main)
+            if self.main is not self.full:
+                self.full.copy_(self.main)
             return None
-        own = self.model_full[self.lo : self.hi]
+        own = self.full[self.lo : self.hi]
         if self.main is not own:
             own.copy_(self.main)
         return collectives.all_gather_into(
-            self.model_full, own, self.dist_index.fsdp_group, async_op=async_op
+            self.full, own, self.dist_index.fsdp_group, async_op=async_op
         )
 
     def owned_bytes(self) -> dict[str, int]:
@@ -610,7 +618,7 @@ class ParamGroup:
             return 0 if t is None else t.numel() * t.element_size()
 
         level = self.strategy.level
-        params = nbytes(self.model_shard) if level == 3 else nbytes(self.model_full)
+        params = nbytes(self.model_shard) if level == 3 else nbytes(self.full)
         main = nbytes(self.main) if self.main_is_separate else 0
         grads = 0
         if self.requires_grad:
