@@ -36,7 +36,7 @@ def test_grad_state_transitions_and_refusals() -> None:
     assert (state.local, state.reduced) == (Local.CLEAN, Reduced.INNER)
     state.reduce_outer()
     assert state.reduced is Reduced.FULL
-    state.fold_back()
+    state.set_aside()
     assert state.reduced is Reduced.NONE
     state.accumulate()
     state.launch()
@@ -48,7 +48,7 @@ def test_grad_state_transitions_and_refusals() -> None:
     assert (state.local, state.reduced) == (Local.CLEAN, Reduced.NONE)
     refused = [
         (state.launch, "launch with local grads clean and store none"),
-        (state.fold_back, "fold_back with local grads clean and store none"),
+        (state.set_aside, "set_aside with local grads clean and store none"),
     ]
     state.accumulate()
     state.launch()
@@ -97,12 +97,19 @@ def _inputs(micro: int, rank: int) -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * micro + rank))
 
 
-def _reference_grads(module: nn.Module, micros: list[int], world: int) -> dict:
-    """Grads of the mean over ranks of the losses, summed over ``micros``."""
+# The scaled case: the per-token sum over ranks, times gradient_scaling_factor. Its
+# reductions do not leave a reduced value unchanged when it is reduced again, so
+# it shows that accumulating after a reduction never re-reduces the reduced part.
+SCALED = {"calculate_per_token_loss": True, "gradient_scaling_factor": 0.5}
+
+
+def _reference_grads(module: nn.Module, micros: list[int], world: int, scaled: bool) -> dict:
+    """Grads of the mean (scaled: 0.5 x the sum) over ranks of the losses, over ``micros``."""
     reference = copy.deepcopy(module)
+    factor = 0.5 if scaled else 1 / world
     for micro in micros:
         for rank in range(world):
-            (reference(_inputs(micro, rank)).pow(2).sum() / world).backward()
+            (reference(_inputs(micro, rank)).pow(2).sum() * factor).backward()
     return {name: p.grad.clone() for name, p in reference.named_parameters()}
 
 
@@ -113,13 +120,13 @@ def _grads(model: mf_fsdp.MegatronFSDP) -> dict:
     }
 
 
-def _check_grads(model, module, micros, world, label) -> None:
-    expected = _reference_grads(module, micros, world)
+def _check_grads(model, module, micros, world, label, scaled) -> None:
+    expected = _reference_grads(module, micros, world, scaled)
     for name, grad in _grads(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=label)
 
 
-def _rank_drive(rank: int, world: int, level: int, hsdp: bool) -> None:
+def _rank_drive(rank: int, world: int, level: int, hsdp: bool, scaled: bool) -> None:
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     original = copy.deepcopy(module)
@@ -131,6 +138,7 @@ def _rank_drive(rank: int, world: int, level: int, hsdp: bool) -> None:
         dp_outer_dim="dp_outer" if hsdp else None,
         zero_dp_strategy=level,
         sync_model_each_microbatch=False,
+        **(SCALED if scaled else {}),
     )
     groups = [g for g in model.groups if g.requires_grad]
     outer = model.get_distributed_index().get_outer_fsdp_group()
@@ -155,12 +163,12 @@ def _rank_drive(rank: int, world: int, level: int, hsdp: bool) -> None:
     assert states() == {(Local.CLEAN, Reduced.FULL)}
     if outer is not None:
         assert outer_counts["all_reduce"] == len(groups), outer_counts
-    _check_grads(model, original, [0, 1], world, "no_sync then the last micro-batch")
+    _check_grads(model, original, [0, 1], world, "no_sync then the last micro-batch", scaled)
     # Accumulating after a reduction (no zero_grad): the reduced grads keep their value.
     backward(2)
     model.finish_grad_sync()
     assert states() == {(Local.CLEAN, Reduced.FULL)}
-    _check_grads(model, original, [0, 1, 2], world, "accumulating after a reduction")
+    _check_grads(model, original, [0, 1, 2], world, "accumulating after a reduction", scaled)
     # zero_grad with reduced grads, then sync(): each backward ends fully reduced.
     model.zero_grad()
     assert states() == CLEAN_NONE
@@ -170,7 +178,7 @@ def _rank_drive(rank: int, world: int, level: int, hsdp: bool) -> None:
         backward(4)  # the last micro-batch: waits and runs dp_outer at the backward's end
         assert states() == {(Local.CLEAN, Reduced.FULL)}
     model.finish_grad_sync()
-    _check_grads(model, original, [3, 4], world, "sync()")
+    _check_grads(model, original, [3, 4], world, "sync()", scaled)
     # zero_grad with local grads accumulated, and with a reduction in flight.
     model.zero_grad()
     with model.no_sync():
@@ -187,15 +195,20 @@ def _rank_drive(rank: int, world: int, level: int, hsdp: bool) -> None:
         assert not group.grad_store.any()
     backward(7)
     model.finish_grad_sync()
-    _check_grads(model, original, [7], world, "after zero_grad in flight")
+    _check_grads(model, original, [7], world, "after zero_grad in flight", scaled)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("level", [0, 1, 2, 3])
-def test_every_sync_transition_on_ranks(level: int) -> None:
-    run_on_ranks(_rank_drive, 2, level, False, timeout=120)
+@pytest.mark.parametrize(
+    ("level", "scaled"), [(0, False), (1, False), (2, False), (3, False), (0, True), (1, True)]
+)
+def test_every_sync_transition_on_ranks(level: int, scaled: bool) -> None:
+    run_on_ranks(_rank_drive, 2, level, False, scaled, timeout=120)
 
 
 @pytest.mark.multiprocess
-def test_every_sync_transition_with_hsdp() -> None:
-    run_on_ranks(_rank_drive, 2, 3, True, timeout=120)
+@pytest.mark.parametrize("level", [0, 3])
+def test_every_sync_transition_with_hsdp(level: int) -> None:
+    """Replicated HSDP: the dp_outer all-reduce once per step, fully reduced grads kept
+    aside while newer ones are reduced (scaled, so a second outer pass would show)."""
+    run_on_ranks(_rank_drive, 2, level, True, True, timeout=120)

@@ -8,11 +8,17 @@ of which refuses a transition the table does not list (naming the rank and the
 bucket), so a wrong call order fails loudly instead of reducing twice or
 dropping a micro-batch.
 
+Reduced and unreduced gradients never share memory while both matter:
+accumulating after a reduction sets the reduced values aside (the bucket's
+``_aside`` buffers, by how far they are reduced) and adds them back once the
+new grads are reduced as far, so no value is ever rescaled to survive a
+second reduction.
+
 =================  ==================  ===========================  ==========================
 method             local               store                        when
 =================  ==================  ===========================  ==========================
 ``accumulate``     CLEAN/ACCUMULATED   unchanged, or NONE after     a unit's backward starts
-                   -> ACCUMULATED      ``fold_back``                adding local grads
+                   -> ACCUMULATED      ``set_aside``                adding local grads
 ``launch``         ACCUMULATED         unchanged                    the dp_shard reduction
                    -> REDUCING                                      starts (``no_sync``
                                                                     skips it)
@@ -22,10 +28,11 @@ method             local               store                        when
                                        the pending buffer)
 ``reduce_outer``   unchanged           INNER -> FULL; hybrid:       once per optimizer step
                                        -> FULL                      (HSDP)
-``fold_back``      unchanged           INNER/FULL -> NONE           the store shares memory
+``set_aside``      unchanged           INNER/FULL -> NONE           the store shares memory
                                                                     with the local buffer and
                                                                     more grads are about to
-                                                                    be accumulated on top
+                                                                    be accumulated there: its
+                                                                    values wait aside
 ``reset``          -> CLEAN            -> NONE                      ``zero_grad``
 =================  ==================  ===========================  ==========================
 
@@ -115,9 +122,9 @@ class GradState:
         self._require(self.local is not Local.REDUCING, "reduce_outer")
         self.reduced = Reduced.FULL
 
-    def fold_back(self) -> None:
-        """The store's values were turned back into local grads (shared memory)."""
-        self._require(self.reduced is not Reduced.NONE, "fold_back")
+    def set_aside(self) -> None:
+        """The store's values were moved aside (its memory is needed for local grads)."""
+        self._require(self.reduced is not Reduced.NONE, "set_aside")
         self.reduced = Reduced.NONE
 
     def reset(self) -> None:

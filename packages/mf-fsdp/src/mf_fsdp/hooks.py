@@ -236,7 +236,7 @@ class UnitHooks:
         self._gather(self._root, async_op=False)
         accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
         for group in accumulate:
-            group.begin_accumulate(self._spec)
+            group.begin_accumulate()
         if self._prefetching and self._fwd_order:
             for group in self._fwd_order[-1].groups:
                 group.unshard(async_op=True)
@@ -249,7 +249,7 @@ class UnitHooks:
             if self._prefetching:
                 self._prefetch(unit, self._fwd_order, -1)
         for group in unit.groups:
-            group.begin_accumulate(self._spec)
+            group.begin_accumulate()
 
     def _unit_post_backward(self, unit: Unit) -> None:
         if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:

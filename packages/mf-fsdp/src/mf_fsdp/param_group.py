@@ -207,6 +207,9 @@ class ParamGroup:
         self.grads_handed_out = False
         # Hybrid HSDP: dp_shard-reduced grads waiting for the dp_outer reduce-scatter.
         self.pending_inner: torch.Tensor | None = None
+        # Reduced grads set aside, by how far they are reduced, while newer grads are being
+        # reduced (accumulating after a reduction); merged once both are reduced alike.
+        self._aside: dict[Reduced, torch.Tensor] = {}
         self._allocate()
 
     # ------------------------------------------------------------------ buffers
@@ -222,11 +225,6 @@ class ParamGroup:
     def gathered(self) -> bool:
         """True while the whole bucket of weights is present on this rank."""
         return self.gather is Gather.GATHERED
-
-    @property
-    def _reduced_in_local(self) -> bool:
-        # The store is a region of the local buffer and holds reduced grads.
-        return self._store_aliases_local and self.grads.reduced is not Reduced.NONE
 
     def _allocate(self) -> None:
         layout, d, dev = self.layout, self.dtypes, self.device
@@ -374,7 +372,7 @@ class ParamGroup:
             set_local_data(p, v)
 
     # ------------------------------------------------------------------ gradients
-    def begin_accumulate(self, spec: ReduceSpec) -> None:
+    def begin_accumulate(self) -> None:
         """Get the local grad buffer ready before autograd accumulates into it."""
         if not self.requires_grad:
             return
@@ -391,8 +389,8 @@ class ParamGroup:
                 self.grad_local.zero_()
                 self.attach_local_grads()
         else:
-            if self._reduced_in_local:
-                self._rebase_reduced(spec)
+            if self._store_aliases_local and self.grads.reduced is not Reduced.NONE:
+                self._set_store_aside()
             if self.params[0].grad is None:
                 self.attach_local_grads()
         self.grads.accumulate()
@@ -403,37 +401,31 @@ class ParamGroup:
             for p, v in zip(self.params, self._views(self.grad_local, True), strict=True):
                 p.grad = v
 
-    def _rebase_reduced(self, spec: ReduceSpec) -> None:
-        # The aliased store already holds reduced grads and more local grads are
-        # about to be added on top: rescale so that the next reduction maps the
-        # reduced part to itself (see the README, "accumulating after a reduction").
-        local = self._need(self.grad_local, "the local buffer holding reduced grads")
-        outer_due = self.grads.reduced is Reduced.INNER
-        gain = self._inner_gain(spec) * (1.0 if outer_due else self._outer_gain())
-        if self.strategy.level == 0:
-            local.mul_(1.0 / gain)
+    def _set_store_aside(self) -> None:
+        """Move the reduced grads out of a store that shares the local buffer, and clear it.
+
+        New local grads are about to be accumulated there; the reduced ones wait
+        aside and rejoin the store once the new ones are reduced as far.
+        """
+        store = self._need(self.grad_store, "the grad store")
+        self._put_aside(store, self.grads.reduced)
+        self._need(self.grad_local, "the local grad buffer").zero_()
+        self.grads.set_aside()
+
+    def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
+        held = self._aside.get(level)
+        if held is None:
+            self._aside[level] = self.pool.take(reduced.numel(), reduced.dtype, self.device)
+            self._aside[level].copy_(reduced)
         else:
-            local[self.lo : self.hi].mul_(1.0 / gain)
-            local[: self.lo].zero_()
-            local[self.hi :].zero_()
-        if self._sp_slices:  # their reduced part is summed over TP again next time
-            tp_size = dist.get_world_size(self.dist_index.tp_group)
-            for start, end in self._sp_slices:
-                local[start:end].div_(tp_size)
-        self.grads.fold_back()
+            held.add_(reduced)
 
-    def _inner_gain(self, spec: ReduceSpec) -> float:
-        # What the dp_shard reduction multiplies a reduced value by: ZeRO-0 holds it on
-        # every rank (all-reduce), ZeRO-1 only on its owner (reduce-scatter, others zero).
-        summed = spec.op == dist.ReduceOp.SUM
-        if self.strategy.level == 0:
-            return spec.pre * (self.dist_index.shard_size if summed else 1)
-        return spec.pre / (1 if summed else self.dist_index.shard_size)
-
-    def _outer_gain(self) -> float:
-        # What the dp_outer all-reduce multiplies a value equal on every replica by.
-        summed = self._outer_op == dist.ReduceOp.SUM
-        return float(self.dist_index.outer_size) if summed else 1.0
+    def _merge_aside(self, level: Reduced, store: torch.Tensor) -> None:
+        """Add the grads set aside at ``level`` into ``store`` (which now holds that level)."""
+        held = self._aside.pop(level, None)
+        if held is not None:
+            store.add_(held)
+            self.pool.give(held)
 
     def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
@@ -505,7 +497,9 @@ class ParamGroup:
                 store.copy_(out)
         else:
             if self.grads.reduced is Reduced.FULL and self.outer is not None:
-                store.mul_(1.0 / self._outer_gain())  # final grads rejoin the outer sum once
+                # Fully reduced grads must not go through the dp_outer stage again.
+                self._put_aside(store, Reduced.FULL)
+                store.zero_()
             if out is not store:
                 store.add_(out)
         if level >= 2:
@@ -516,6 +510,8 @@ class ParamGroup:
         elif not self._store_aliases_local:
             local.zero_()
         self.grads.land(outer_due=self.outer is not None, hybrid=self.hybrid)
+        if not self.hybrid:
+            self._merge_aside(self.grads.reduced, store)
         keep = (local, store, self.pending_inner)
         temporaries = {id(t): t for t in (src, out) if all(t is not k for k in keep)}
         for tensor in temporaries.values():
@@ -538,6 +534,7 @@ class ParamGroup:
                     store = self._need(self.grad_store, "the grad store of inner-reduced grads")
                     collectives.all_reduce(store, self._outer_op, self.outer)
                 self.grads.reduce_outer()
+                self._merge_aside(Reduced.FULL, self._need(self.grad_store, "the grad store"))
             return
         pending, store = self.pending_inner, self.grad_store
         if pending is None:
@@ -566,6 +563,9 @@ class ParamGroup:
         if self.pending_inner is not None:
             self.pool.give(self.pending_inner)
             self.pending_inner = None
+        for held in self._aside.values():
+            self.pool.give(held)
+        self._aside.clear()
         if self.strategy.level <= 1:
             self._need(self.grad_local, "the ZeRO-0/1 local grad buffer").zero_()
             self.attach_local_grads()
@@ -579,7 +579,7 @@ class ParamGroup:
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the reduced and any unreduced local grads by ``factor``."""
-        for reduced in (self.grad_store, self.pending_inner):
+        for reduced in (self.grad_store, self.pending_inner, *self._aside.values()):
             if reduced is not None:
                 reduced.mul_(factor)
         if self.grad_local is not None and not self._store_aliases_local:
