@@ -11,8 +11,9 @@ group's backend.
   pair of ranks, posted together so they overlap: each rank sends exactly its
   peers' pieces, ``(N - 1) / N`` of the bucket, the minimum any reduce-scatter
   or all-gather can send. The all-gather receives straight into the output;
-  the reduce-scatter receives the peers' pieces of this rank's shard into one
-  workspace and sums them, in rank order, into the output.
+  the reduce-scatter receives the first peer's piece of this rank's shard into
+  the output and the others into a reused workspace (none on 2 ranks), and
+  sums them in rank order.
 
 Asynchronous calls return a handle whose ``wait()`` finishes the transfer and
 the local work after it (the sum of a reduce-scatter); synchronous calls return
@@ -176,27 +177,31 @@ def reduce_scatter_into(
     me, ranks = facts.me, facts.ranks
     size = len(ranks)
     pieces = input.view(size, -1).unbind(0)
-    workspace = _WORKSPACES.take((size - 1) * output.numel(), input.dtype, input.device)
-    received = list(workspace.view(size - 1, -1).unbind(0)) if size > 1 else []
-    others = [(i, peer) for i, peer in enumerate(ranks) if i != me]
+    flat = output.view(-1)
+    peers = [(i, peer) for i, peer in enumerate(ranks) if i != me]
+    # The first peer's piece lands in the output itself, the others in a reused
+    # workspace: (N - 2) / N of the bucket, none on 2 ranks.
+    extra = max(size - 2, 0)
+    spare = _WORKSPACES.take(extra * flat.numel(), input.dtype, input.device)
+    slots = [flat, *spare.view(extra, flat.numel()).unbind(0)]
+    received = {i: slot for (i, _), slot in zip(peers, slots, strict=False)}
     works = _exchange(
-        [(pieces[i], peer) for i, peer in others],
-        [(received[k], peer) for k, (_, peer) in enumerate(others)],
+        [(pieces[i], peer) for i, peer in peers],
+        [(received[i], peer) for i, peer in peers],
         group,
     )
 
     def combine() -> None:
-        ordered = [*received[:me], pieces[me], *received[me:]]
-        flat = output.view(-1)
+        ordered = [pieces[i] if i == me else received[i] for i in range(size)]
         if size == 1:
             flat.copy_(ordered[0])
-        else:
+        else:  # ``flat`` is one of the first two (elementwise, so in place is fine)
             torch.add(ordered[0], ordered[1], out=flat)
             for piece in ordered[2:]:
                 flat.add_(piece)
         if op == dist.ReduceOp.AVG:
             flat.div_(size)
-        _WORKSPACES.give(workspace)
+        _WORKSPACES.give(spare)
 
     return _finish(works, combine, async_op)
 
