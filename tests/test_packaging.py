@@ -1,13 +1,17 @@
-"""Each member installs alone, with only its declared workspace dependencies.
+"""Each member's wheel installs alone, with only its declared dependencies, as from a registry.
 
-One throw-away virtual environment gets torch (from uv's cache), then each
-member in turn together with the members it declares; the member must import
-and expose its ``__all__``, and no undeclared mf package may be importable.
+``uv build`` makes every member's sdist and wheel, as a release would. One
+throw-away virtual environment gets torch (from uv's cache), then each
+member's wheel in turn together with the wheels of the members it declares
+(other dependencies from the index); the member must import and expose its
+``__all__``, no undeclared mf package may be importable, and the README
+examples that are whole one-machine programs run as written.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.api_snapshot import package_version
 from tests.test_architecture import PACKAGES, ROOT, _declared, _import_name
 
 UV = shutil.which("uv")
@@ -37,6 +42,30 @@ def _closure(module: str, declared: dict[str, set[str]]) -> set[str]:
     return result
 
 
+# Members whose README example is a whole program for ``python example.py``.
+RUNNABLE_EXAMPLES = {"mf-utils", "mf-rng", "mf-tp"}
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every member's wheel (and sdist), built by ``uv build``; by distribution name."""
+    assert UV is not None, "uv must be on PATH (.ci/run installs it)"
+    out = tmp_path_factory.mktemp("dist")
+    command = [UV, "build", "-q", "--all-packages", "--out-dir", str(out)]
+    subprocess.run(command, check=True, cwd=ROOT)
+    built = {}
+    for package in PACKAGES:
+        stem = f"{_import_name(package.name)}-{package_version(package)}"
+        assert (out / f"{stem}.tar.gz").is_file(), f"no sdist for {package.name}"
+        built[package.name] = out / f"{stem}-py3-none-any.whl"
+        assert built[package.name].is_file(), f"no wheel for {package.name}"
+    return built
+
+
+def _readme_example(package: Path) -> str:
+    return re.findall(r"```python\n(.*?)```", (package / "README.md").read_text(), re.S)[0]
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert UV is not None, "uv must be on PATH (.ci/run installs it)"
@@ -50,13 +79,15 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
-def test_member_installs_alone(venv: Path, package: Path) -> None:
+def test_member_installs_alone(
+    venv: Path, wheels: dict[str, Path], package: Path, tmp_path: Path
+) -> None:
     env = {**os.environ, "VIRTUAL_ENV": str(venv)}
     declared = {_import_name(p.name): _declared(p / "pyproject.toml") for p in PACKAGES}
     module = _import_name(package.name)
     needed = _closure(module, declared)
-    paths = [str(ROOT / "packages" / m.replace("_", "-")) for m in sorted(needed)]
-    subprocess.run([UV, "pip", "install", "-q", *paths], check=True, env=env)
+    files = [str(wheels[m.replace("_", "-")]) for m in sorted(needed)]
+    subprocess.run([UV, "pip", "install", "-q", *files], check=True, env=env)
     try:
         python = venv / "bin" / "python"
         result = subprocess.run(
@@ -66,6 +97,18 @@ def test_member_installs_alone(venv: Path, package: Path) -> None:
             env=env,
         )
         assert result.returncode == 0, result.stderr
+        if package.name in RUNNABLE_EXAMPLES:
+            example = tmp_path / "example.py"
+            example.write_text(_readme_example(package))
+            run = subprocess.run(
+                [str(python), str(example)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=tmp_path,
+                timeout=300,
+            )
+            assert run.returncode == 0, f"{package.name}'s README example:\n{run.stderr}"
     finally:
         names = [m.replace("_", "-") for m in needed]
         subprocess.run([UV, "pip", "uninstall", "-q", *names], check=True, env=env)
