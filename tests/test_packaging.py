@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,22 @@ def _closure(module: str, declared: dict[str, set[str]]) -> set[str]:
     return result
 
 
-# Members whose README example is a whole program for ``python example.py``.
-RUNNABLE_EXAMPLES = {"mf-utils", "mf-rng", "mf-tp"}
+# Members whose README example is a whole program for ``python example.py``, run on
+# one process (the torchrun variables of a world of 1 are set; mf-tp's spawns its own).
+RUNNABLE_EXAMPLES = {"mf-utils", "mf-rng", "mf-tp", "mf-fsdp"}
+
+
+def _one_process_world() -> dict[str, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +119,7 @@ def test_member_installs_alone(
                 [str(python), str(example)],
                 capture_output=True,
                 text=True,
-                env=env,
+                env={**env, **_one_process_world()},
                 cwd=tmp_path,
                 timeout=300,
             )
