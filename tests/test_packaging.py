@@ -5,7 +5,7 @@ throw-away virtual environment gets torch (from uv's cache), then each
 member's wheel in turn together with the wheels of the members it declares
 (other dependencies from the index); the member must import and expose its
 ``__all__``, no undeclared mf package may be importable, and the README
-examples that are whole one-machine programs run as written.
+example runs as written, on one process.
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ def _closure(module: str, declared: dict[str, set[str]]) -> set[str]:
     return result
 
 
-# Members whose README example is a whole program for ``python example.py``, run on
-# one process (the torchrun variables of a world of 1 are set; mf-tp's spawns its own).
-RUNNABLE_EXAMPLES = {"mf-utils", "mf-rng", "mf-tp", "mf-fsdp"}
+# The command lines that run each member's README example (its first python block, a
+# whole program) as ``python example.py ...`` on one process: the torchrun variables
+# of a world of 1 are set; mf-tp's example spawns its own ranks.
+EXAMPLE_RUNS: dict[str, list[list[str]]] = {
+    "mf-utils": [[]],
+    "mf-rng": [[]],
+    "mf-tp": [[]],
+    "mf-dtensor": [["save", "ckpt"], ["load", "ckpt"]],
+    "mf-fsdp": [[]],
+}
 
 
 def _one_process_world() -> dict[str, str]:
@@ -112,11 +119,11 @@ def test_member_installs_alone(
             env=env,
         )
         assert result.returncode == 0, result.stderr
-        if package.name in RUNNABLE_EXAMPLES:
-            example = tmp_path / "example.py"
-            example.write_text(_readme_example(package))
+        example = tmp_path / "example.py"
+        example.write_text(_readme_example(package))
+        for arguments in EXAMPLE_RUNS[package.name]:
             run = subprocess.run(
-                [str(python), str(example)],
+                [str(python), str(example), *arguments],
                 capture_output=True,
                 text=True,
                 env={**env, **_one_process_world()},
