@@ -1,7 +1,8 @@
 """``mf``: what is installed and which commands to run.
 
 The jobs have their own commands: ``mf-train`` trains a small GPT (the first
-run a new user starts), ``mf-bench`` compares mf's engine with PyTorch's.
+run a new user starts), ``mf-sample`` generates text from the model it
+exported, ``mf-bench`` compares mf's engine with PyTorch's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from mf import MEMBERS, versions
 
 _COMMANDS = (
     ("uv run mf-train", "train a small GPT with ZeRO-3 on 2 local processes (--help: options)"),
+    ("uv run mf-sample runs/mf-train", "text from the model mf-train exported (one process)"),
     ("uv run mf-bench", "mf's FSDP engine side by side with PyTorch DDP and FSDP2"),
     ("uv run pytest -n auto --dist loadgroup", "the tests"),
 )

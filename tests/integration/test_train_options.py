@@ -245,3 +245,11 @@ def test_batches_are_deterministic_and_rank_disjoint() -> None:
     assert not torch.equal(data.batch("validation", 3, 0, 0, 2, 4, 16)[0], a0[0])
     with pytest.raises(ValueError, match="split must be 'train' or 'validation'"):
         data.batch("test", 0, 0, 0, 1, 1, 16)
+
+
+def test_seq_len_defaults_to_what_the_model_supports() -> None:
+    assert parse_options(["--model", "tiny"]).seq_len == 64  # its positions
+    assert parse_options(["--model", "small"]).seq_len == 128
+    assert parse_options(["--model", "tiny", "--seq-len", "16"]).seq_len == 16
+    assert parse_options(["--no-plot"]).plot is False
+    assert parse_options([]).plot is True

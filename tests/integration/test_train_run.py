@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 import mf.train.worker
 from mf.models import GPT, PRESETS
+from mf.train.export import CONFIG_FILE, load_model
 from mf.train.options import parse_options
 from mf.train.report import last_saved_checkpoint
+from mf.train.sample import main as sample_main
 from mf.train.worker import RunStoppedError, train
 from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint, save_checkpoint
 from tests._multiprocess import run_on_ranks
@@ -124,6 +126,14 @@ def test_tp2_with_zero3_trains_like_one_process(tmp_path: Path) -> None:
     for name, value in plain.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=2e-5, msg=name)
     GPT(PRESETS["tiny"]).load_state_dict(exported, strict=True)
+    # Every finished run exports itself: a --tp 2 --zero 3 run's model.safetensors loads
+    # into the plain GPT (strict) on one process and equals its checkpoint's export.
+    model = load_model(tmp_path / "tp")
+    for name, value in model.state_dict().items():
+        if name in exported:
+            assert torch.equal(value, exported[name]), name
+    assert json.loads((tmp_path / "tp" / CONFIG_FILE).read_text())["preset"] == "tiny"
+    assert (tmp_path / "tp" / "loss.png").stat().st_size > 0  # drawn by default
     # The one-process checkpoint resumes at --tp 2 (same data: dp is 1 in both) like
     # the one-process run itself.
     shutil.copytree(tmp_path / "b", tmp_path / "b2")  # each continuation saves its own
@@ -370,3 +380,27 @@ def test_worker_module_runs_under_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "final train loss" in done.stdout
     assert (tmp_path / "ckpt" / "step_0000002" / RECORD_FILE).is_file()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_mf_sample_continues_a_prompt_from_the_export_or_a_checkpoint(tmp_path, capsys) -> None:
+    """After a run (1 process here), ``mf-sample`` reads its --out-dir (the export), its
+    --ckpt-dir (the newest checkpoint) or one checkpoint folder, on one process; both
+    forms hold the same model, so the same seed gives the same text."""
+    argv = [*_TINY, "--steps", "2", "--nproc", "1", "--sample-tokens", "0", "--no-plot"]
+    argv += ["--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    run_on_ranks(_rank_train, 1, argv)
+    assert not (tmp_path / "out" / "loss.png").exists()  # --no-plot
+    texts = []
+    for path in (tmp_path / "out", tmp_path / "ckpt", tmp_path / "ckpt" / "step_0000002"):
+        assert sample_main([str(path), "--prompt", "Hello", "--tokens", "12"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0].startswith("Hello")
+    assert len(texts[0].encode()) >= 12
+    assert texts[0] == texts[1] == texts[2]
+    assert sample_main([str(tmp_path / "missing")]) == 2
+    assert "is not a folder; expected an mf-train --out-dir" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert sample_main([str(tmp_path / "empty")]) == 2
+    assert "holds no model.safetensors and no complete checkpoint" in capsys.readouterr().err

@@ -118,6 +118,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s"
     print(f"training time          {summary['seconds']:.1f} s ({rate})")
     print(f"checkpoint             {summary['checkpoint']}")
+    print(f"model export           {summary['export']} (try: mf-sample {summary['out_dir']})")
     print(f"metrics                {summary['metrics']}")
     print(f"loss curve             {summary['loss_curve']}")
     if summary.get("sample"):

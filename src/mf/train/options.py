@@ -50,6 +50,7 @@ class TrainOptions:
     eval_batches: int
     sample_tokens: int
     out_dir: str
+    plot: bool = True
 
     @property
     def use_cuda(self) -> bool:
@@ -116,7 +117,12 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=600, help="optimizer steps")
     add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    add("--seq-len", type=int, default=128, help="tokens per sequence")
+    add(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: 128, or the model's positions if fewer)",
+    )
     add("--lr", type=_finite_float, default=1e-3, help="peak learning rate (warm-up, cosine decay)")
     add(
         "--optimizer",
@@ -134,7 +140,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--eval-every", type=int, default=100, help="validation every N steps")
     add("--eval-batches", type=int, default=4, help="batches per validation")
     add("--sample-tokens", type=int, default=200, help="length of the final text sample")
-    add("--out-dir", default="runs/mf-train", help="metrics, loss curve and sample")
+    add("--out-dir", default="runs/mf-train", help="metrics, loss curve, sample, model export")
+    add("--no-plot", dest="plot", action="store_false", help="do not draw loss.png")
     return parser
 
 
@@ -149,6 +156,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if options.nproc is None:
         gpus = torch.cuda.device_count() if options.use_cuda else 0
         options = dataclasses.replace(options, nproc=gpus or 2)
+    if options.seq_len is None:
+        options = dataclasses.replace(options, seq_len=min(128, PRESETS[options.model].seq_len))
     for name in ("nproc", "tp", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):

@@ -177,7 +177,9 @@ class Reporter:
         if self.active:
             self.bar.write(f"interrupted at step {step}: checkpoint saved, resume with --resume")
 
-    def finish(self, sample: str | None, checkpoint: Path | None) -> dict[str, Any]:
+    def finish(
+        self, sample: str | None, checkpoint: Path | None, exported: Path | None = None
+    ) -> dict[str, Any]:
         """Close the bar, write the sample and plot; return the run summary."""
         if not self.active:
             return {}
@@ -193,6 +195,8 @@ class Reporter:
             "seconds": round(seconds, 1),
             "tokens_per_s": round(sum(rates) / len(rates), 1),
             "checkpoint": str(checkpoint) if checkpoint else None,
+            "export": str(exported) if exported else None,
+            "out_dir": str(self.out_dir),
             "metrics": str(self.metrics_path),
             "loss_curve": self._plot(),
         }
@@ -203,23 +207,27 @@ class Reporter:
         return summary
 
     def _plot(self) -> str:
-        try:
-            import matplotlib
+        """Draw the loss curves and the throughput into ``loss.png`` (unless --no-plot)."""
+        if not self.options.plot:
+            return "skipped (--no-plot)"
+        import matplotlib
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return "skipped: matplotlib is not installed (pip install matplotlib for a PNG)"
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.plot(
-            [r["step"] for r in self.history], [r["loss"] for r in self.history], label="train"
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        figure, (losses, speed) = plt.subplots(
+            2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1)
         )
+        losses.plot(steps, [r["loss"] for r in self.history], label="train")
         points = [(r["step"], r["validation_loss"]) for r in self.history if "validation_loss" in r]
         if points:
-            axes.plot(*zip(*points, strict=True), "o-", label="validation")
-        axes.set_xlabel("step")
-        axes.set_ylabel("loss (nats/byte)")
-        axes.legend()
+            losses.plot(*zip(*points, strict=True), "o-", label="validation")
+        losses.set_ylabel("loss (nats/byte)")
+        losses.legend()
+        speed.plot(steps, [r["tokens_per_s"] for r in self.history], color="gray")
+        speed.set_ylabel("tokens/s")
+        speed.set_xlabel("step")
         path = self.out_dir / "loss.png"
         figure.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(figure)

@@ -32,6 +32,7 @@ from mf.models import (
     build_optimizers,
 )
 from mf.train.data import TextData, decode, encode, load_corpus
+from mf.train.export import export_model, sample_text
 from mf.train.options import TrainOptions, local_cpu_cores
 from mf.train.report import Reporter
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -271,17 +272,12 @@ def _validate(
 
 @torch.no_grad()
 def _sample(model, prompt: str, options: TrainOptions, device: torch.device) -> str:
-    """Greedy-free sampling (temperature 0.8) in lockstep on every rank from a shared seed."""
-    model.eval()
-    generator = torch.Generator().manual_seed(options.seed + 1)
-    tokens = encode(prompt).unsqueeze(0).to(device)
-    for _ in range(options.sample_tokens):
-        window = tokens[:, -options.seq_len :]
-        logits = model(window)[0, -1].float().cpu() / 0.8
-        choice = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-        tokens = torch.cat([tokens, choice.to(device).view(1, 1)], dim=1)
-    model.train()
-    return decode(tokens[0].cpu())
+    """Sampling (temperature 0.8) in lockstep on every rank from a shared seed."""
+    prompt_tokens = encode(prompt).to(device)
+    sequence = sample_text(
+        model, prompt_tokens, options.sample_tokens, options.seq_len, options.seed + 1
+    )
+    return decode(sequence.cpu())
 
 
 def _train_step(
@@ -363,9 +359,12 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
             if interrupted:
                 reporter.interrupted(step)
                 break
-    finished = step == options.steps and options.sample_tokens > 0
-    sample = _sample(model, "The ", options, device) if finished else None
-    return reporter.finish(sample, saved_path)
+    finished = step == options.steps
+    sample = _sample(model, "The ", options, device) if finished and options.sample_tokens else None
+    exported = None
+    if finished and saved_path is not None and reporter.active:
+        exported = export_model(saved_path, Path(options.out_dir), options.model)
+    return reporter.finish(sample, saved_path, exported)
 
 
 @record

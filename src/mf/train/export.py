@@ -1,0 +1,115 @@
+"""The trained model outside mf: a safetensors export with its config, loading it, sampling.
+
+Every finished ``mf-train`` run writes ``<out-dir>/model.safetensors`` (the
+full, tp-gathered weights) and ``<out-dir>/model.json`` (the preset and its
+``GPTConfig``): whatever ``--tp``, ``--zero`` or world size trained it, the
+export loads into a plain ``mf.models.GPT`` with ``strict=True`` on one
+process. ``load_model`` reads that export, or a checkpoint folder, for
+``mf-sample``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from mf.models import GPT, PRESETS, GPTConfig
+
+__all__ = ["CONFIG_FILE", "EXPORT_FILE", "export_model", "load_model", "sample_text"]
+
+EXPORT_FILE = "model.safetensors"
+CONFIG_FILE = "model.json"
+
+
+def export_model(checkpoint: Path, out_dir: Path, preset: str) -> Path:
+    """Write the checkpoint's full model as ``out_dir/model.safetensors`` plus its config.
+
+    Runs on one process (it reads the checkpoint offline, verifying it).
+    """
+    from mf_fsdp import checkpoint_to_full_state_dict, save_full_state_dict
+
+    state = checkpoint_to_full_state_dict(checkpoint)
+    path = out_dir / EXPORT_FILE
+    save_full_state_dict(state, path)
+    config = {"preset": preset, "config": dataclasses.asdict(PRESETS[preset])}
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    return path
+
+
+def _from_export(folder: Path) -> GPT:
+    from safetensors.torch import load_file
+
+    try:
+        config = GPTConfig(**json.loads((folder / CONFIG_FILE).read_text())["config"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{folder / CONFIG_FILE}: not an mf-train model config ({error})"
+        ) from None
+    model = GPT(config)
+    model.load_state_dict(load_file(folder / EXPORT_FILE), strict=True)
+    return model
+
+
+def _from_checkpoint(checkpoint: Path) -> GPT:
+    from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
+
+    if not (checkpoint / RECORD_FILE).is_file():
+        newest = latest_checkpoint(checkpoint)
+        if newest is None:
+            raise ValueError(
+                f"{str(checkpoint)!r} holds no {EXPORT_FILE} and no complete checkpoint; "
+                "expected an mf-train --out-dir, --ckpt-dir or checkpoint folder"
+            )
+        checkpoint = newest
+    preset = json.loads((checkpoint / RECORD_FILE).read_text()).get("extra", {}).get("model")
+    if preset not in PRESETS:
+        raise ValueError(f"{checkpoint}: the checkpoint names no known --model ({preset!r})")
+    model = GPT(PRESETS[preset])
+    model.load_state_dict(checkpoint_to_full_state_dict(checkpoint), strict=True)
+    return model
+
+
+def load_model(path: str | Path) -> GPT:
+    """A plain GPT from an mf-train export folder, a checkpoint folder or a --ckpt-dir.
+
+    Raises:
+        ValueError: if ``path`` holds none of those (one line naming it).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder; expected an mf-train --out-dir")
+    if (folder / EXPORT_FILE).is_file():
+        return _from_export(folder)
+    if (folder / "checkpoints").is_dir() and not (folder / "checkpoints" / EXPORT_FILE).exists():
+        return _from_checkpoint(folder / "checkpoints")
+    return _from_checkpoint(folder)
+
+
+@torch.no_grad()
+def sample_text(
+    model: torch.nn.Module,
+    prompt_tokens: torch.Tensor,
+    tokens: int,
+    seq_len: int,
+    seed: int,
+    temperature: float = 0.8,
+) -> torch.Tensor:
+    """Extend ``prompt_tokens`` (1-D) by ``tokens`` sampled tokens; the same on every rank.
+
+    The sampling generator is seeded and lives on the CPU, so every rank draws
+    the same tokens (the model itself may be sharded: all ranks run it together).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    device = prompt_tokens.device
+    sequence = prompt_tokens.view(1, -1)
+    was_training = model.training
+    model.eval()
+    for _ in range(tokens):
+        logits = model(sequence[:, -seq_len:])[0, -1].float().cpu() / temperature
+        choice = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        sequence = torch.cat([sequence, choice.to(device).view(1, 1)], dim=1)
+    model.train(was_training)
+    return sequence[0]
