@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -404,3 +405,44 @@ def test_mf_sample_continues_a_prompt_from_the_export_or_a_checkpoint(tmp_path, 
     (tmp_path / "empty").mkdir()
     assert sample_main([str(tmp_path / "empty")]) == 2
     assert "holds no model.safetensors and no complete checkpoint" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_node_loopback_run_equals_one_node(tmp_path: Path) -> None:
+    """Two torchrun agents (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous on
+    127.0.0.1) train the same run as one 2-process node, with the same losses."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    options = [*_TINY, "--steps", "3", "--sample-tokens", "0", "--no-plot"]
+
+    def worker_args(name: str) -> list[str]:
+        out = ["--ckpt-dir", str(tmp_path / name / "ckpt"), "--out-dir", str(tmp_path / name)]
+        return ["-m", "mf.train.worker", *options, *out]
+
+    agent = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    agent += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "loopback"]
+    nodes = [
+        subprocess.Popen(
+            [*agent, *worker_args("two")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err
+    one = [torchrun, "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
+    one += ["--rdzv-endpoint", "127.0.0.1:0", *worker_args("one")]
+    done = subprocess.run(one, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    two, single = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
+    assert [r["step"] for r in two] == [1, 2, 3]
+    assert [r["loss"] for r in two] == [r["loss"] for r in single]
