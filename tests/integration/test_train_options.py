@@ -38,6 +38,8 @@ def test_defaults_are_valid() -> None:
         (["--lr=-inf"], "argument --lr: expected a finite number, got '-inf'"),
         (["--lr", "1e999"], "argument --lr: expected a finite number, got '1e999'"),
         (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+        (["--timeout", "inf"], "argument --timeout: expected a finite number, got 'inf'"),
         (["--zero", "4"], "argument --zero: invalid choice: 4"),
         (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
         (["--sample-tokens", "-1"], "--sample-tokens must be 0 or more, got -1"),

@@ -446,3 +446,45 @@ def test_two_node_loopback_run_equals_one_node(tmp_path: Path) -> None:
     two, single = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
     assert [r["step"] for r in two] == [1, 2, 3]
     assert [r["loss"] for r in two] == [r["loss"] for r in single]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_hung_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> None:
+    """Two ranks started by hand (no elastic agent to kill the rest): rank 1 stops
+    answering (SIGSTOP) after the first step; rank 0 exits within ``--timeout`` (plus
+    one step) with one line naming the problem, instead of gloo's 30-minute default."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    command = [sys.executable, "-m", "mf.train.worker", *_TINY, "--steps", "100000"]
+    command += ["--timeout", "5", "--save-every", "0", "--no-plot"]
+    command += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path)]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        _wait_for_first_step(ranks[0], tmp_path / "metrics.jsonl", time.monotonic() + 90)
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        waited = time.monotonic() - stopped
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+    assert ranks[0].returncode == 1, err
+    assert waited < 5 + 20, waited  # the timeout, one step and the exit
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("mf-train")]
+    assert len(lines) == 1, err
+    assert re.fullmatch(
+        r"mf-train: error: rank 0 lost contact with the other ranks \(one died or stopped "
+        r"answering for --timeout 5 s\): .*Timed out.*",
+        lines[0],
+    ), err

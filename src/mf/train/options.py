@@ -51,6 +51,7 @@ class TrainOptions:
     sample_tokens: int
     out_dir: str
     plot: bool = True
+    timeout: float = 300.0
 
     @property
     def use_cuda(self) -> bool:
@@ -142,6 +143,12 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--sample-tokens", type=int, default=200, help="length of the final text sample")
     add("--out-dir", default="runs/mf-train", help="metrics, loss curve, sample, model export")
     add("--no-plot", dest="plot", action="store_false", help="do not draw loss.png")
+    add(
+        "--timeout",
+        type=_finite_float,
+        default=300.0,
+        help="seconds a rank waits for the others in a collective before the run ends",
+    )
     return parser
 
 
@@ -164,6 +171,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     if not options.lr > 0:
         raise ValueError(f"--lr must be a positive number, got {options.lr}")
+    if not options.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {options.timeout}")
     if options.sample_tokens < 0:
         raise ValueError(f"--sample-tokens must be 0 or more, got {options.sample_tokens}")
     if options.save_every < 0:

@@ -10,11 +10,13 @@ launcher's run id, so that ``mf-train`` never reports another run's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,16 @@ class Reporter:
                 "training goes on and the next save retries",
                 file=sys.stderr,
             )
+
+    @contextlib.contextmanager
+    def bar_closed_on_error(self) -> Iterator[None]:
+        """Close the progress bar when the block raises, so the error starts its own line."""
+        try:
+            yield
+        except BaseException:
+            if self.bar is not None:
+                self.bar.close()
+            raise
 
     def stopped(self, message: str) -> None:
         """Close the bar and print why the run stops, as the one line ``mf-train: ...``."""

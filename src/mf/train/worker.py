@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,7 +38,7 @@ from mf.train.options import TrainOptions, local_cpu_cores
 from mf.train.report import Reporter
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["RunStoppedError", "main", "train"]
+__all__ = ["RunStoppedError", "lost_peer", "main", "train"]
 
 
 class RunStoppedError(RuntimeError):
@@ -45,6 +46,17 @@ class RunStoppedError(RuntimeError):
 
     Rank 0 has already printed the message as the one line ``mf-train: <message>``.
     """
+
+
+# How the backends report a rank that died (its sockets close) or stopped answering
+# (the collective outlives --timeout).
+_LOST_PEER = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The first line of ``error`` when it says another rank died or stopped answering."""
+    first = (str(error).splitlines() or [""])[0]
+    return first if any(sign in first for sign in _LOST_PEER) else None
 
 
 class _StopFlag:
@@ -86,7 +98,8 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
         torch.set_num_threads(max(1, local_cpu_cores() // local_ranks))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if options.use_cuda else "gloo")
+        backend = "nccl" if options.use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
@@ -337,7 +350,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     tokens_per_step *= _dp_coordinates(mesh)[1]
     saved_path: Path | None = None
     step = start_step
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, reporter.bar_closed_on_error():
         while step < options.steps:
             started = time.perf_counter()
             train_loss = _train_step(model, optimizers, data, options, step, mesh, device)
@@ -389,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
     (or the one-line error) the ``mf-train`` launcher would. A run that stops
     (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
-    rank 0 printed why, without a traceback.
+    rank 0 printed why, without a traceback. A rank that loses its peers (one
+    died, or a collective outlived ``--timeout``) exits with code 1 and one line.
     """
     from mf.train.cli import STOPPED_EXIT_CODE, check_data, print_summary, user_error
     from mf.train.options import parse_options
@@ -408,6 +422,16 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(options)
     except RunStoppedError:
         return STOPPED_EXIT_CODE  # rank 0 printed why, in one line
+    except RuntimeError as error:
+        cause = lost_peer(error)
+        if cause is None:
+            raise
+        rank = os.environ.get("RANK", "?")
+        user_error(
+            f"rank {rank} lost contact with the other ranks (one died or stopped answering "
+            f"for --timeout {options.timeout:g} s): {cause}"
+        )
+        return 1
     if summary:
         print_summary(summary)
     return 0
