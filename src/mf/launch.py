@@ -1,7 +1,7 @@
 """One machine's worth of ranks under torch's elastic launcher (mf-train, mf-bench, benchmarks).
 
 Every local run here uses the same rendezvous: a c10d store on a free port of
-127.0.0.1, one node, no restarts (a failed rank fails the run).
+127.0.0.1, one node; by default no restarts (a failed rank fails the run).
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ def new_run_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def local_launch_config(nproc: int, run_id: str, *, monitor_interval: float = 0.1) -> LaunchConfig:
-    """The launch config of ``nproc`` ranks on this machine, rendezvous on 127.0.0.1."""
+def local_launch_config(
+    nproc: int, run_id: str, *, monitor_interval: float = 0.1, max_restarts: int = 0
+) -> LaunchConfig:
+    """The launch config of ``nproc`` ranks on this machine, rendezvous on 127.0.0.1.
+
+    ``max_restarts``: how often the agent restarts the whole group after a rank failed.
+    """
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
@@ -31,7 +36,7 @@ def local_launch_config(nproc: int, run_id: str, *, monitor_interval: float = 0.
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method="spawn",
     )

@@ -100,7 +100,9 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     """
     from torch.distributed.launcher.api import elastic_launch
 
-    config = local_launch_config(options.nproc, run_id, monitor_interval=0.2)
+    config = local_launch_config(
+        options.nproc, run_id, monitor_interval=0.2, max_restarts=options.max_restarts
+    )
     # The agent's own lines (worker groups, signals, "failed (exitcode: N)") are not for
     # users: main reports a failed worker in one line, or rank 0 already did. Its modules
     # set their loggers' levels themselves, so each one is quieted.

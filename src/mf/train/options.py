@@ -52,6 +52,7 @@ class TrainOptions:
     out_dir: str
     plot: bool = True
     timeout: float = 300.0
+    max_restarts: int = 0
 
     @property
     def use_cuda(self) -> bool:
@@ -144,6 +145,13 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--out-dir", default="runs/mf-train", help="metrics, loss curve, sample, model export")
     add("--no-plot", dest="plot", action="store_false", help="do not draw loss.png")
     add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all ranks this often after one fails; they resume from this run's "
+        "newest checkpoint (as torchrun --max-restarts)",
+    )
+    add(
         "--timeout",
         type=_finite_float,
         default=300.0,
@@ -175,6 +183,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError(f"--timeout must be a positive number of seconds, got {options.timeout}")
     if options.sample_tokens < 0:
         raise ValueError(f"--sample-tokens must be 0 or more, got {options.sample_tokens}")
+    if options.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     if options.save_every < 0:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
     if options.nproc % options.tp != 0:

@@ -35,7 +35,7 @@ from mf.models import (
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
 from mf.train.options import TrainOptions, local_cpu_cores
-from mf.train.report import Reporter
+from mf.train.report import Reporter, last_saved_checkpoint
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["RunStoppedError", "lost_peer", "main", "train"]
@@ -88,6 +88,23 @@ class _StopFlag:
         return bool(flag.item())
 
 
+def _join(options: TrainOptions) -> None:
+    """Join the default process group from the launcher's environment.
+
+    After an elastic restart the agent's store still holds the previous
+    attempt's keys (the ranks' old addresses), so each attempt's group lives
+    under its own prefix.
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    backend = "nccl" if options.use_cuda else "gloo"
+    timeout = timedelta(seconds=options.timeout)
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"mf-train/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
     """Pick the device, join the process group (if the caller has not) and build the mesh."""
     if options.use_cuda:
@@ -98,8 +115,7 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
         torch.set_num_threads(max(1, local_cpu_cores() // local_ranks))
     if not dist.is_initialized():
-        backend = "nccl" if options.use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+        _join(options)
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
@@ -173,6 +189,18 @@ def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
     return load_checkpoint(path, model, optimizers)["step"]
+
+
+def _restart_checkpoint(options: TrainOptions) -> Path | None:
+    """After an elastic restart: the newest checkpoint this run saved, else None.
+
+    Every rank reads the same ``last_checkpoint.json`` (the launcher's run id
+    survives restarts), so all resume from the same step by themselves; a
+    newer checkpoint of another run in the same folder is never picked.
+    """
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return None
+    return last_saved_checkpoint(Path(options.out_dir), os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def _newest(saved: Path | None) -> str:
@@ -336,7 +364,11 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         "optimizer": options.optimizer,
     }
     ckpt_dir = Path(options.ckpt_dir)
-    start_step = _resume(ckpt_dir, model, optimizers, info) if options.resume else 0
+    restart = _restart_checkpoint(options)
+    if restart is not None:  # the steps since that checkpoint are recomputed
+        start_step = load_checkpoint(restart, model, optimizers)["step"]
+    else:
+        start_step = _resume(ckpt_dir, model, optimizers, info) if options.resume else 0
     reporter = Reporter(
         options,
         dist.get_rank() == 0,
