@@ -450,10 +450,18 @@ def test_two_node_loopback_run_equals_one_node(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_a_hung_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> None:
-    """Two ranks started by hand (no elastic agent to kill the rest): rank 1 stops
-    answering (SIGSTOP) after the first step; rank 0 exits within ``--timeout`` (plus
-    one step) with one line naming the problem, instead of gloo's 30-minute default."""
+@pytest.mark.parametrize(
+    ("stop", "sign"),
+    [(signal.SIGSTOP, "Timed out"), (signal.SIGKILL, "(Connection|Timed out)")],
+    ids=["hung", "killed"],
+)
+def test_a_lost_peer_ends_the_survivor_within_the_timeout(
+    stop: signal.Signals, sign: str, tmp_path: Path
+) -> None:
+    """Two ranks started by hand (no elastic agent to stop the rest): rank 1 stops
+    answering (SIGSTOP) or dies (SIGKILL) after the first step; rank 0 exits within
+    ``--timeout`` (plus one step) with one line naming the problem, instead of
+    waiting for gloo's 30-minute default."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     command = [sys.executable, "-m", "mf.train.worker", *_TINY, "--steps", "100000"]
@@ -471,7 +479,7 @@ def test_a_hung_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     ]
     try:
         _wait_for_first_step(ranks[0], tmp_path / "metrics.jsonl", time.monotonic() + 90)
-        ranks[1].send_signal(signal.SIGSTOP)
+        ranks[1].send_signal(stop)
         stopped = time.monotonic()
         _, err = ranks[0].communicate(timeout=60)
         waited = time.monotonic() - stopped
@@ -485,7 +493,7 @@ def test_a_hung_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     assert len(lines) == 1, err
     assert re.fullmatch(
         r"mf-train: error: rank 0 lost contact with the other ranks \(one died or stopped "
-        r"answering for --timeout 5 s\): .*Timed out.*",
+        rf"answering for --timeout 5 s\): .*{sign}.*",
         lines[0],
     ), err
 
