@@ -83,7 +83,7 @@ def load_model(path: str | Path) -> GPT:
         raise ValueError(f"{str(folder)!r} is not a folder; expected an mf-train --out-dir")
     if (folder / EXPORT_FILE).is_file():
         return _from_export(folder)
-    if (folder / "checkpoints").is_dir() and not (folder / "checkpoints" / EXPORT_FILE).exists():
+    if (folder / "checkpoints").is_dir():  # an --out-dir whose run did not finish
         return _from_checkpoint(folder / "checkpoints")
     return _from_checkpoint(folder)
 
