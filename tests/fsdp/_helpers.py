@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -39,14 +41,17 @@ def reference_run(
     micro: int = 1,
     clip: float | None = None,
     per_token: bool = False,
+    make: Callable[[], torch.nn.Module] = make_model,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the global batch: losses and final parameters.
 
     With ``per_token`` the ranks' losses are summed, not averaged (the contract of
-    ``calculate_per_token_loss``).
+    ``calculate_per_token_loss``); ``make`` builds the model (the tiny GPT by default),
+    ``optimizer(opt_name, params)`` the optimizer (``make_optimizer`` by default).
     """
-    model = make_model()
-    opt = make_optimizer(opt_name, model.parameters())
+    model = make()
+    opt = (optimizer or make_optimizer)(opt_name, model.parameters())
     losses = []
     for step in range(steps):
         total = 0.0

@@ -1,17 +1,58 @@
 """Reference models used by mf's command-line jobs, benchmarks and tests."""
 
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
 from mf.models.gpt import GPT, PRESETS, Block, GPTConfig
 from mf.models.gpt_tp import GPTTensorParallel, TensorParallelBlock
+from mf.models.moe_gpt import (
+    MOE_PRESETS,
+    MoEBlock,
+    MoEGPT,
+    MoEGPTConfig,
+    MoEGPTTensorParallel,
+    MoETensorParallelBlock,
+    RoutingStats,
+)
 from mf.models.optimizers import OPTIMIZER_RECIPES, build_optimizers, hidden_matrices
 
 __all__ = [
     "GPT",
+    "MODEL_PRESETS",
+    "MOE_PRESETS",
     "OPTIMIZER_RECIPES",
     "PRESETS",
     "Block",
     "GPTConfig",
     "GPTTensorParallel",
+    "MoEBlock",
+    "MoEGPT",
+    "MoEGPTConfig",
+    "MoEGPTTensorParallel",
+    "MoETensorParallelBlock",
+    "RoutingStats",
     "TensorParallelBlock",
     "build_optimizers",
+    "config_from_dict",
     "hidden_matrices",
+    "plain_model",
 ]
+
+MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
+"""Every preset ``mf-train --model`` takes: the dense GPTs and the mixtures of experts."""
+
+
+def plain_model(config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """The model of ``config`` on one process (or its experts spread over ``ep_group``)."""
+    if isinstance(config, MoEGPTConfig):
+        return MoEGPT(config, ep_group)
+    if ep_group is not None:
+        raise ValueError(f"plain_model: ep_group needs a MoEGPTConfig, got {config!r}")
+    return GPT(config)
+
+
+def config_from_dict(fields: dict) -> GPTConfig:
+    """The config a ``dataclasses.asdict`` of a ``GPTConfig`` or ``MoEGPTConfig`` came from."""
+    return MoEGPTConfig(**fields) if "num_experts" in fields else GPTConfig(**fields)

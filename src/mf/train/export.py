@@ -2,10 +2,10 @@
 
 Every finished ``mf-train`` run writes ``<out-dir>/model.safetensors`` (the
 full, tp-gathered weights) and ``<out-dir>/model.json`` (the preset and its
-``GPTConfig``): whatever ``--tp``, ``--zero`` or world size trained it, the
-export loads into a plain ``mf.models.GPT`` with ``strict=True`` on one
-process. ``load_model`` reads that export, or a checkpoint folder, for
-``mf-sample``.
+``GPTConfig``): whatever ``--tp``, ``--ep``, ``--zero`` or world size trained
+it, the export loads into a plain ``mf.models.GPT`` (``MoEGPT`` with every
+expert, for a mixture of experts) with ``strict=True`` on one process.
+``load_model`` reads that export, or a checkpoint folder, for ``mf-sample``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from mf.models import GPT, PRESETS, GPTConfig
+from mf.models import MODEL_PRESETS, config_from_dict, plain_model
 
 __all__ = ["CONFIG_FILE", "EXPORT_FILE", "export_model", "load_model", "sample_text"]
 
@@ -34,26 +35,26 @@ def export_model(checkpoint: Path, out_dir: Path, preset: str) -> Path:
     state = checkpoint_to_full_state_dict(checkpoint)
     path = out_dir / EXPORT_FILE
     save_full_state_dict(state, path)
-    config = {"preset": preset, "config": dataclasses.asdict(PRESETS[preset])}
+    config = {"preset": preset, "config": dataclasses.asdict(MODEL_PRESETS[preset])}
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return path
 
 
-def _from_export(folder: Path) -> GPT:
+def _from_export(folder: Path) -> nn.Module:
     from safetensors.torch import load_file
 
     try:
-        config = GPTConfig(**json.loads((folder / CONFIG_FILE).read_text())["config"])
+        config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text())["config"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"{folder / CONFIG_FILE}: not an mf-train model config ({error})"
         ) from None
-    model = GPT(config)
+    model = plain_model(config)
     model.load_state_dict(load_file(folder / EXPORT_FILE), strict=True)
     return model
 
 
-def _from_checkpoint(checkpoint: Path) -> GPT:
+def _from_checkpoint(checkpoint: Path) -> nn.Module:
     from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
 
     if not (checkpoint / RECORD_FILE).is_file():
@@ -65,15 +66,17 @@ def _from_checkpoint(checkpoint: Path) -> GPT:
             )
         checkpoint = newest
     preset = json.loads((checkpoint / RECORD_FILE).read_text()).get("extra", {}).get("model")
-    if preset not in PRESETS:
+    if preset not in MODEL_PRESETS:
         raise ValueError(f"{checkpoint}: the checkpoint names no known --model ({preset!r})")
-    model = GPT(PRESETS[preset])
+    model = plain_model(MODEL_PRESETS[preset])
     model.load_state_dict(checkpoint_to_full_state_dict(checkpoint), strict=True)
     return model
 
 
-def load_model(path: str | Path) -> GPT:
-    """A plain GPT from an mf-train export folder, a checkpoint folder or a --ckpt-dir.
+def load_model(path: str | Path) -> nn.Module:
+    """A plain model from an mf-train export folder, a checkpoint folder or a --ckpt-dir.
+
+    A GPT, or a MoE GPT with every expert on this process.
 
     Raises:
         ValueError: if ``path`` holds none of those (one line naming it).

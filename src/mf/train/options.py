@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import torch
 
-from mf.models import OPTIMIZER_RECIPES, PRESETS
+from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.train.data import VOCAB_SIZE
 
 __all__ = ["TrainOptions", "local_cpu_cores", "parse_options"]
@@ -53,6 +53,7 @@ class TrainOptions:
     plot: bool = True
     timeout: float = 300.0
     max_restarts: int = 0
+    ep: int = 1
 
     @property
     def use_cuda(self) -> bool:
@@ -115,7 +116,19 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO strategy")
     add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
-    add("--model", choices=sorted(PRESETS), default="small", help="model preset")
+    add(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default="small",
+        help="model preset (moe-*: mixtures of experts)",
+    )
+    add(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (moe-* models): each group of --ep data-parallel ranks "
+        "holds the experts once between them",
+    )
     add("--steps", type=int, default=600, help="optimizer steps")
     add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -172,8 +185,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         gpus = torch.cuda.device_count() if options.use_cuda else 0
         options = dataclasses.replace(options, nproc=gpus or 2)
     if options.seq_len is None:
-        options = dataclasses.replace(options, seq_len=min(128, PRESETS[options.model].seq_len))
-    for name in ("nproc", "tp", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
+        options = dataclasses.replace(
+            options, seq_len=min(128, MODEL_PRESETS[options.model].seq_len)
+        )
+    for name in ("nproc", "tp", "ep", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
@@ -197,7 +212,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--dp-outer {options.dp_outer} does not divide the data-parallel size "
             f"{options.dp_size} (= --nproc {options.nproc} / --tp {options.tp})"
         )
-    preset = PRESETS[options.model]
+    preset = MODEL_PRESETS[options.model]
+    _check_experts(options, preset)
     if preset.vocab_size < VOCAB_SIZE:
         raise ValueError(
             f"--model {options.model!r} has {preset.vocab_size} tokens; bytes need 256"
@@ -217,6 +233,35 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if options.resume:
         _check_resumable(options)
     return options
+
+
+def _check_experts(options: TrainOptions, preset: object) -> None:
+    """Refuse an --ep that the model or the data-parallel ranks cannot take."""
+    if not isinstance(preset, MoEGPTConfig):
+        if options.ep > 1:
+            moe = sorted(n for n, c in MODEL_PRESETS.items() if isinstance(c, MoEGPTConfig))
+            raise ValueError(
+                f"--ep {options.ep} needs a mixture-of-experts --model (one of {moe}), "
+                f"got {options.model!r}"
+            )
+        return
+    if options.tp > 1:
+        raise ValueError(
+            f"--tp {options.tp} with the mixture-of-experts model {options.model!r}: mf-train "
+            "trains MoE models with --ep and data parallelism only; expected --tp 1"
+        )
+    dp_shard = options.dp_size // options.dp_outer
+    if dp_shard % options.ep != 0:
+        raise ValueError(
+            f"--ep {options.ep} does not divide the {dp_shard} sharded data-parallel ranks "
+            f"(--nproc {options.nproc} / --tp {options.tp} / --dp-outer {options.dp_outer}); "
+            "expected an expert-parallel size that divides them"
+        )
+    if preset.num_experts % options.ep != 0:
+        raise ValueError(
+            f"--ep {options.ep} does not divide the {preset.num_experts} experts of the "
+            f"{options.model!r} model; expected a divisor of {preset.num_experts}"
+        )
 
 
 def _check_resumable(options: TrainOptions) -> None:

@@ -100,9 +100,10 @@ class Reporter:
         self.metrics_path.write_text("".join(_json_line(r) for r in self.history))
         from tqdm import tqdm
 
+        experts = f"ep={options.ep}, " if options.ep > 1 else ""
         print(
             f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
-            f"{options.nproc} processes (tp={options.tp}, "
+            f"{options.nproc} processes (tp={options.tp}, {experts}"
             f"dp_outer={options.dp_outer}, ZeRO-{options.zero}, {options.precision}), "
             f"corpus {corpus}: {train_tokens:,} train / {validation_tokens:,} validation tokens",
             flush=True,
@@ -132,11 +133,13 @@ class Reporter:
         validation: float | None,
         tokens_per_s: float,
         device: torch.device,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        """Record one optimizer step."""
+        """Record one optimizer step (``extra``: more metrics, e.g. a MoE model's routing)."""
         if not self.active:
             return
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "time": time.time()}
+        record.update(extra or {})
         if validation is not None:
             record["validation_loss"] = validation
             self.bar.write(f"step {step}: train loss {loss:.4f}, validation loss {validation:.4f}")

@@ -25,12 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mf.models import (
-    GPT,
-    PRESETS,
+    MODEL_PRESETS,
     Block,
     GPTTensorParallel,
+    MoEBlock,
+    MoEGPTConfig,
     TensorParallelBlock,
     build_optimizers,
+    plain_model,
 )
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
@@ -137,6 +139,20 @@ def _dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
     )
 
 
+def _expert_mesh(options: TrainOptions, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of a MoE model's experts: each ``ep`` group is ``--ep`` consecutive dp ranks.
+
+    Same ranks and row-major order as ``mesh``, its ``dp`` dim split into the
+    expert-data-parallel ``dp`` (the ranks holding the same experts, which
+    their gradients are reduced over) and ``ep``.
+    """
+    return init_device_mesh(
+        mesh.device_type,
+        (options.dp_outer, mesh["dp"].size() // options.ep, options.ep, options.tp),
+        mesh_dim_names=("dp_outer", "dp", "ep", "tp"),
+    )
+
+
 def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
     """The GPT of the preset (tensor-parallel when --tp > 1), sharded, and its optimizers.
 
@@ -145,8 +161,12 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
     from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(options.seed)  # the same full weights on every rank
-    config = PRESETS[options.model]
-    module, unit = GPT(config), Block
+    config = MODEL_PRESETS[options.model]
+    expert_mesh = _expert_mesh(options, mesh) if isinstance(config, MoEGPTConfig) else None
+    if expert_mesh is not None:  # experts keyed globally: --ep does not change the model
+        module, unit = plain_model(config, expert_mesh["ep"].get_group()), MoEBlock
+    else:
+        module, unit = plain_model(config), Block
     if options.tp > 1:  # the same weights, split: --tp does not change the initial model
         full_weights = module.state_dict()
         module = GPTTensorParallel(config, mesh["tp"].get_group())
@@ -162,6 +182,7 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         dp_shard_dim="dp",
         dp_outer_dim="dp_outer",
         tp_dim="tp",
+        expt_device_mesh=expert_mesh,
         fsdp_unit_modules=[unit],
         zero_dp_strategy=options.zero,
         mixed_precision_policy=MixedPrecisionPolicy(
@@ -352,6 +373,28 @@ def _train_step(
     return _mean_over(torch.stack(losses).sum(), mesh)
 
 
+def _routing_metrics(model) -> dict[str, Any]:
+    """A MoE model's routing in the step's last micro-batch, over all ranks (collective).
+
+    ``load_balance_loss``: the blocks' summed balance losses, averaged over ranks;
+    ``tokens_per_expert``: per block, the tokens each expert received from every
+    rank. Empty for a dense model.
+    """
+    if not hasattr(model.module, "routing_stats"):
+        return {}
+    stats = model.module.routing_stats()
+    balance = torch.tensor([stats.load_balance_loss], dtype=torch.float64)
+    counts = stats.tokens_per_expert.to(torch.float64).cpu()
+    device = model.device
+    balance, counts = balance.to(device), counts.to(device)
+    dist.all_reduce(balance)
+    dist.all_reduce(counts)
+    return {
+        "load_balance_loss": balance.item() / dist.get_world_size(),
+        "tokens_per_expert": counts.long().tolist(),
+    }
+
+
 def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[str, Any]:
     text, corpus_name = load_corpus(options.data)
     data = TextData.from_text(text, options.seq_len)
@@ -359,6 +402,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     info = {
         "model": options.model,
         "tp": options.tp,
+        "ep": options.ep,
         "zero": options.zero,
         "seed": options.seed,
         "optimizer": options.optimizer,
@@ -376,7 +420,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         corpus_name,
         len(data.train),
         len(data.validation),
-        PRESETS[options.model].num_parameters(),
+        MODEL_PRESETS[options.model].num_parameters(),
     )
     tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum
     tokens_per_step *= _dp_coordinates(mesh)[1]
@@ -393,7 +437,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
                 step % options.eval_every == 0 or step == options.steps
             ):
                 validation = _validate(model, data, options, mesh, device)
-            reporter.step(step, train_loss, validation, rate, device)
+            reporter.step(step, train_loss, validation, rate, device, _routing_metrics(model))
             _stop_if_diverged(reporter, train_loss, step, saved_path)
             interrupted = stop.agreed(device)
             final = _last_save_reason(step, options.steps, interrupted)

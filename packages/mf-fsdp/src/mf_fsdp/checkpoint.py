@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +93,48 @@ def _step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def _every_rank(model: MegatronFSDP, value: Any) -> list[Any]:
+    """Every rank's ``value`` (collective) when ranks hold different parameters, else ``[value]``.
+
+    Only expert parallelism gives ranks different parameters (each holds its own
+    experts); a checkpoint's record then describes the union, the whole model.
+    """
+    if model.dist_index.expert_index is None:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def _model_fingerprint(model: MegatronFSDP) -> dict[str, Any]:
-    """FQN -> global shape and dtype of every tensor a checkpoint holds, plus tied names."""
+    """FQN -> global shape and dtype of every tensor a checkpoint holds, plus tied names.
+
+    Collective for a model with experts: the fingerprint of the whole model.
+    """
     tensors = {
         fqn: tensor_info(value.shape, value.dtype)
         for fqn, value in get_model_state_dict(model).items()
         if isinstance(value, torch.Tensor)
     }
-    return {"tensors": tensors, "aliases": alias_names(model)}
+    merged: dict[str, Any] = {}
+    for rank_tensors in _every_rank(model, tensors):
+        merged.update(rank_tensors)
+    return {"tensors": merged, "aliases": alias_names(model)}
+
+
+def _merge_optimizer_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer record of the whole model from every rank's (the ranks' experts differ).
+
+    Each group lists every rank's parameters in first-seen order; the non-tensor
+    state of every parameter is kept.
+    """
+    merged = records[0]
+    for other in records[1:]:
+        for group, other_group in zip(merged["param_groups"], other["param_groups"], strict=True):
+            seen = set(group["params"])
+            group["params"].extend(p for p in other_group["params"] if p not in seen)
+        merged["state"].update(other["state"])
+    return merged
 
 
 @contextlib.contextmanager
@@ -201,7 +235,7 @@ def _split_optimizer_state(
         "param_groups": to_json(saved["param_groups"], "optimizer param_groups"),
         "state": objects,
     }
-    return {"state": tensors}, record
+    return {"state": tensors}, _merge_optimizer_records(_every_rank(model, record))
 
 
 def save_checkpoint(
@@ -286,7 +320,11 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def _optimizer_target(
-    model: MegatronFSDP, optimizer: Optimizers, metadata: Metadata, path: Path
+    model: MegatronFSDP,
+    optimizer: Optimizers,
+    metadata: Metadata,
+    path: Path,
+    fingerprint_fqns: Collection[str],
 ) -> dict[str, Any]:
     """Empty optimizer tensors built from the checkpoint's DCP metadata, in this model's layout.
 
@@ -295,7 +333,8 @@ def _optimizer_target(
     own state tensor of that key and shape (eagerly created, so it exists: a
     parameter's rows, a row statistic's rows, a replicated column statistic),
     else, shaped like its parameter, the parameter's. Nothing is created by a
-    synthetic step.
+    synthetic step. Tensors of parameters another rank holds (``fingerprint_fqns``
+    names the whole model's) are left to that rank.
     """
     params = {fp.fqn: fp.sharded for fp in model.fsdp_params}
     states = {id(p): state for opt in optimizer_list(optimizer) for p, state in opt.state.items()}
@@ -305,6 +344,8 @@ def _optimizer_target(
             continue
         fqn, _, name = key[len(_OPTIMIZER_PREFIX) :].rpartition(".")
         param = params.get(fqn)
+        if param is None and fqn in fingerprint_fqns:
+            continue  # another expert-parallel rank's expert
         if param is None:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer tensor {key!r} does not belong to a "
@@ -321,17 +362,27 @@ def _optimizer_target(
     return target
 
 
-def _optimizer_state(flat: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``get_optimizer_state_dict`` structure: DCP's tensors and the record's values."""
+def _optimizer_state(
+    flat: Mapping[str, Any], record: Mapping[str, Any], local: Collection[str]
+) -> dict[str, Any]:
+    """The ``get_optimizer_state_dict`` structure: DCP's tensors and the record's values.
+
+    Restricted to the parameters this rank holds (``local``): the record describes
+    the whole model, whose experts may be spread over ranks.
+    """
     state: dict[str, dict[str, Any]] = {
         fqn: {key: from_json(value, f"optimizer state[{fqn!r}]") for key, value in values.items()}
         for fqn, values in record["state"].items()
+        if fqn in local
     }
     for key, value in flat.items():
         if key.startswith(_OPTIMIZER_PREFIX):
             fqn, _, name = key[len(_OPTIMIZER_PREFIX) :].rpartition(".")
             state.setdefault(fqn, {})[name] = value
-    return {"state": state, "param_groups": from_json(record["param_groups"], "param_groups")}
+    groups = from_json(record["param_groups"], "param_groups")
+    for group in groups:
+        group["params"] = [fqn for fqn in group["params"] if fqn in local]
+    return {"state": state, "param_groups": groups}
 
 
 def _verify(path: Path, record: Mapping[str, Any], caller: str, collective: bool = True) -> None:
@@ -394,7 +445,8 @@ def load_checkpoint(
     """
     record = read_record(path)
     path = Path(path)
-    compare_fingerprints(path, record, _model_fingerprint(model))
+    fingerprint = _model_fingerprint(model)
+    compare_fingerprints(path, record, fingerprint)
     if optimizer is not None:
         saved = record["optimizer"]["classes"] if record["optimizer"] else []
         if saved != _class_names(optimizer):
@@ -410,11 +462,12 @@ def load_checkpoint(
         _verify(path, record, "load_checkpoint")
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state.update(_optimizer_target(model, optimizer, metadata, path))
+        state.update(_optimizer_target(model, optimizer, metadata, path, fingerprint["tensors"]))
     _read_tensors(state, path, "load_checkpoint")
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        loaded = _optimizer_state(state, record["optimizer"])
+        local = {fp.fqn for fp in model.fsdp_params}
+        loaded = _optimizer_state(state, record["optimizer"], local)
         apply_optimizer_state(model, optimizer, loaded, owned=True)
     return {**record["extra"], "step": record["step"]}
 

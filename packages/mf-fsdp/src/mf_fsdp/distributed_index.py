@@ -39,11 +39,18 @@ class FSDPDistributedIndex:
             mesh when None and ``dp_outer_dim`` is set.
         hsdp_outer_dp_shard: shard main weights, gradient store and optimizer state
             across dp_outer too (hybrid-sharded HSDP); needs ``dp_outer_dim``.
-        expt_device_mesh: mesh for expert-parallel parameters, or None.
+        expt_device_mesh: mesh for expert parameters (marked with mf_utils'
+            ``set_expert_parallel_attribute``), or None. It covers the same ranks as
+            ``device_mesh`` and has a dim named like ``dp_shard_dim``: the
+            expert-data-parallel group experts are sharded and reduced over; dims named
+            like ``dp_outer_dim`` and ``tp_dim`` are used when present. Its other dims
+            (expert-parallel) are the model's business.
 
     Raises:
         TypeError: if ``device_mesh`` is not a DeviceMesh.
-        ValueError: if a named dim is not in the mesh, or the dims are ambiguous.
+        ValueError: if a named dim is not in the mesh, or the dims are ambiguous; if
+            ``expt_device_mesh`` covers other ranks than ``device_mesh`` or lacks the
+            ``dp_shard_dim``.
     """
 
     def __init__(
@@ -106,8 +113,58 @@ class FSDPDistributedIndex:
             if self._swapped_mesh is None
             else self._swapped_mesh[(self.dp_shard_dim, self.dp_outer_dim)]
         )
-        self.expt_fsdp_group = (
-            expt_device_mesh.get_group(dp_shard_dim) if expt_device_mesh is not None else None
+        self.expert_index = (
+            None if expt_device_mesh is None else self._build_expert_index(expt_device_mesh)
+        )
+        self.expt_fsdp_group = None if self.expert_index is None else self.expert_index.fsdp_group
+
+    @property
+    def expert_parallel_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Groups of the mesh dims the engine does not shard over (the expert-parallel dims).
+
+        Parameters differ across them (each expert-parallel rank holds other
+        experts), so a norm over all parameters sums across them too. Empty for a
+        mesh whose every dim is a dp or tp dim.
+        """
+        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim}
+        if self.device_mesh.ndim == 1:
+            return ()
+        return tuple(
+            self.device_mesh.get_group(name)
+            for name in get_mesh_names(self.device_mesh)
+            if name not in used
+        )
+
+    def _build_expert_index(self, expt_device_mesh: DeviceMesh) -> FSDPDistributedIndex:
+        # The expert parameters' own index: the same dim names on the expert mesh, whose
+        # dp_shard dim is the expert-data-parallel group (world / (EP x expert-TP) ranks).
+        if not isinstance(expt_device_mesh, DeviceMesh):
+            raise TypeError(
+                "FSDPDistributedIndex: expt_device_mesh must be a DeviceMesh or None, got "
+                f"{expt_device_mesh!r}"
+            )
+        dense = sorted(self.device_mesh.mesh.flatten().tolist())
+        expert = sorted(expt_device_mesh.mesh.flatten().tolist())
+        if dense != expert:
+            raise ValueError(
+                f"FSDPDistributedIndex: expt_device_mesh covers ranks {expert!r} but "
+                f"device_mesh covers {dense!r}; expected an expert mesh over the same ranks "
+                "(its dims: the expert-data-parallel dim, then expert-parallel and expert-TP)"
+            )
+        names = get_mesh_names(expt_device_mesh)
+        if self.dp_shard_dim not in names:
+            raise ValueError(
+                f"FSDPDistributedIndex: expt_device_mesh has dims {names!r}, none named "
+                f"dp_shard_dim={self.dp_shard_dim!r}; expected the expert-data-parallel dim "
+                "under the same name as the dense one"
+            )
+        outer = self.dp_outer_dim if self.dp_outer_dim in names else None
+        return FSDPDistributedIndex(
+            expt_device_mesh,
+            self.dp_shard_dim,
+            outer,
+            self.tp_dim if self.tp_dim in names else None,
+            hsdp_outer_dp_shard=self.hsdp_outer_dp_shard and outer is not None,
         )
 
     def _build_swapped_mesh(self) -> DeviceMesh:
@@ -166,9 +223,15 @@ class FSDPDistributedIndex:
         return mesh[dims if len(dims) > 1 else dims[0]]
 
     def get_dp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup:
-        """The whole data-parallel group: the hybrid group under HSDP, else the FSDP group."""
+        """The whole data-parallel group: the hybrid group under HSDP, else the FSDP group.
+
+        With ``is_expert_parallel``, the expert-data-parallel group of the expert mesh.
+
+        Raises:
+            ValueError: for the expert group when no expert mesh was given.
+        """
         if is_expert_parallel:
-            return self.get_fsdp_group(True)
+            return self.get_expert_index("get_dp_group").get_dp_group()
         return self.hybrid_fsdp_group or self.fsdp_group
 
     def get_fsdp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup:
@@ -177,14 +240,23 @@ class FSDPDistributedIndex:
         Raises:
             ValueError: for the expert group when no expert mesh was given.
         """
-        if not is_expert_parallel:
-            return self.fsdp_group
-        if self.expt_fsdp_group is None:
+        if is_expert_parallel:
+            return self.get_expert_index("get_fsdp_group").fsdp_group
+        return self.fsdp_group
+
+    def get_expert_index(self, caller: str = "get_expert_index") -> FSDPDistributedIndex:
+        """The index of the expert mesh: the groups expert parameters live on.
+
+        Raises:
+            ValueError: when no ``expt_device_mesh`` was given.
+        """
+        if self.expert_index is None:
             raise ValueError(
-                "FSDPDistributedIndex.get_fsdp_group: is_expert_parallel=True but no "
-                "expt_device_mesh was given"
+                f"FSDPDistributedIndex.{caller}: is_expert_parallel=True but no "
+                "expt_device_mesh was given; expected FSDPDistributedIndex(..., "
+                "expt_device_mesh=<mesh with the expert-data-parallel dim>)"
             )
-        return self.expt_fsdp_group
+        return self.expert_index
 
     def get_outer_fsdp_group(self) -> dist.ProcessGroup | None:
         """The ``dp_outer`` group (replicas under HSDP), or None without a dp_outer dim."""
@@ -196,14 +268,9 @@ class FSDPDistributedIndex:
         Raises:
             ValueError: for the expert mesh when none was given.
         """
-        if not is_expert_parallel:
-            return self.device_mesh
-        if self.expt_device_mesh is None:
-            raise ValueError(
-                "FSDPDistributedIndex.get_root_mesh: is_expert_parallel=True but no "
-                "expt_device_mesh was given"
-            )
-        return self.expt_device_mesh
+        if is_expert_parallel:
+            return self.get_expert_index("get_root_mesh").device_mesh
+        return self.device_mesh
 
     def get_logical_hybrid_fsdp_rank(self) -> int:
         """This process's index in the hybrid group, shard-major: ``shard * outer_size + outer``.

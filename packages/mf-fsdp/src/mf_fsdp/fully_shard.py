@@ -57,6 +57,7 @@ def fully_shard_model(
     *,
     gradient_scaling_factor: float | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
+    expt_device_mesh: DeviceMesh | None = None,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
@@ -86,6 +87,9 @@ def fully_shard_model(
         calculate_per_token_loss: reduce grads by sum instead of mean.
         gradient_scaling_factor: extra factor on every reduced gradient (finite, > 0).
         alignment: per-tensor alignment inside a bucket, in elements.
+        expt_device_mesh: the mesh of expert parameters (mixture-of-experts models):
+            over the same ranks, with a dim named like ``dp_shard_dim`` that is the
+            expert-data-parallel group (see ``FSDPDistributedIndex``).
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.
@@ -135,6 +139,7 @@ def fully_shard_model(
         dp_outer_dim=dp_outer_dim,
         tp_dim=tp_dim,
         hsdp_outer_dp_shard=hybrid,
+        expt_device_mesh=expt_device_mesh,
     )
     model = MegatronFSDP(
         module,

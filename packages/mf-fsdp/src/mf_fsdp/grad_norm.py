@@ -8,7 +8,8 @@ partials form one vector that is all-reduced once per distinct group. A
 partial whose signature lacks that group holds the same value on all of the
 group's ranks (a TP-duplicated parameter's grad is equal on every TP rank),
 so only the group's rank 0 keeps it for the sum: it is counted once, not
-group-size times. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
+group-size times. Expert gradients form a grid of their own (see
+``get_grad_norm``). The result equals ``torch.nn.utils.clip_grad_norm_`` on the
 unsharded model.
 """
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from mf_fsdp import collectives
 from mf_fsdp.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optimizer_params import SPREAD_ATTR
 from mf_fsdp.tp_params import local_value
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
@@ -89,6 +91,10 @@ def get_grad_norm(
 ) -> torch.Tensor:
     """Total ``norm_type``-norm of all gradients (dp-sharded and TP-sharded grads included).
 
+    Expert gradients (parameters an engine marked with the expert-parallel groups
+    they are spread over) form their own grid: summed over the expert-data-parallel,
+    expert-TP and expert-parallel groups, so each expert counts once.
+
     Args:
         parameters: a ``MegatronFSDP`` (its pending reductions finish first) or tensors.
         norm_type: p of the p-norm; ``inf`` for the max norm.
@@ -101,18 +107,33 @@ def get_grad_norm(
     """
     norm_type = _check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
-    grads_by_key: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    groups: dict[int, dist.ProcessGroup] = {}
+    grids: dict[int, list[tuple[torch.Tensor, list[dist.ProcessGroup]]]] = {}
     for p in _params(parameters):
         if p.grad is None:
             continue
-        signature = _signature(p.grad)
+        spread = list(getattr(p, SPREAD_ATTR, ()))
+        grids.setdefault(len(spread), []).append((p.grad, _signature(p.grad) + spread))
+    if not grids:
+        return torch.tensor(0.0)
+    totals = [_grid_part(grids[key], norm_type, is_inf) for key in sorted(grids)]
+    total = torch.stack([t.to(totals[0].device) for t in totals])
+    return total.max() if is_inf else total.sum().pow(1.0 / norm_type)
+
+
+def _grid_part(
+    grads: list[tuple[torch.Tensor, list[dist.ProcessGroup]]], norm_type: float, is_inf: bool
+) -> torch.Tensor:
+    """``sum |g|^p`` (or ``max |g|``) over one grid's gradients, reduced over its groups.
+
+    A partial whose signature lacks one of the grid's groups is equal on that group's
+    ranks, so only the group's rank 0 keeps it: counted once, not group-size times.
+    """
+    grads_by_key: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    groups: dict[int, dist.ProcessGroup] = {}
+    for grad, signature in grads:
         groups.update((id(g), g) for g in signature)
         key = tuple(sorted({id(g) for g in signature}))
-        grad = local_value(p.grad)
-        grads_by_key.setdefault(key, []).append(grad)
-    if not grads_by_key:
-        return torch.tensor(0.0)
+        grads_by_key.setdefault(key, []).append(local_value(grad))
     keys = list(grads_by_key)
     device = grads_by_key[keys[0]][0].device
     parts = torch.stack([_local_part(grads_by_key[k], norm_type, is_inf).to(device) for k in keys])
@@ -124,7 +145,7 @@ def get_grad_norm(
             replicated = torch.tensor([gid not in k for k in keys], device=device)
             parts.masked_fill_(replicated, 0.0)
         collectives.all_reduce(parts, dist.ReduceOp.SUM, group)
-    return parts.max() if is_inf else parts.sum().pow(1.0 / norm_type)
+    return parts.max() if is_inf else parts.sum()
 
 
 def _local_part(grads: list[torch.Tensor], norm_type: float, is_inf: bool) -> torch.Tensor:

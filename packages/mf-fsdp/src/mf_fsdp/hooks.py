@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
-from mf_fsdp.param_group import ParamGroup, ReduceSpec
+from mf_fsdp.param_group import ParamGroup
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks"]
 
@@ -89,7 +89,6 @@ class UnitHooks:
         groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
         strategy: the engine's ZeRO strategy.
         ddp_config: overlap options (read at each use, so later edits take effect).
-        spec: how gradients are scaled and reduced.
         reduce_now: the engine's policy (``SyncPolicy.reduce_at_unit_end``): reduce at a
             unit's backward end (else accumulate).
         on_backward_start: run once per backward, before any gradient is accumulated.
@@ -105,7 +104,6 @@ class UnitHooks:
         groups: list[ParamGroup],
         strategy: ZeroDPStrategy,
         ddp_config: DistributedDataParallelConfig,
-        spec: ReduceSpec,
         reduce_now: Callable[[], bool],
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[], None],
@@ -116,7 +114,6 @@ class UnitHooks:
         self._groups = groups
         self._strategy = strategy
         self._ddp_config = ddp_config
-        self._spec = spec
         self._reduce_now = reduce_now
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
@@ -258,7 +255,7 @@ class UnitHooks:
         if self._reduce_now():
             overlap = self._ddp_config.overlap_grad_reduce
             for group in unit.groups:
-                group.start_reduce(self._spec, async_op=overlap)
+                group.start_reduce(async_op=overlap)
                 if not overlap:
                     group.finish_reduce()
             self._reducing.append(unit)

@@ -31,11 +31,10 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp import collectives
@@ -47,7 +46,7 @@ from mf_fsdp.config import (
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine_state_dict import load_engine_state_dict
 from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks
-from mf_fsdp.layout import DEFAULT_ALIGNMENT
+from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.meta_init import materialize_meta_params
 from mf_fsdp.optimizer import install_optimizer_hooks
 from mf_fsdp.optimizer_params import OWNER_ATTR, build_sharded_params, owner_of
@@ -57,7 +56,7 @@ from mf_fsdp.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.sync_policy import SyncPolicy
 from mf_fsdp.tp_params import tp_info, validate_tp_params
 from mf_fsdp.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
-from mf_utils import get_group_device
+from mf_utils import get_group_device, is_expert_parallel_parameter
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
 
@@ -204,19 +203,16 @@ class MegatronFSDP(nn.Module):
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zero_pending = False
-        self._spec = ReduceSpec.build(
-            dist_index.dp_size,
-            calculate_per_token_loss,
-            self.ddp_config.average_in_collective,
-            gradient_scaling_factor,
-        )
         self._pool = BufferPool()
         self._sharded_registered = False
-        validate_tp_params(module.named_parameters(), dist_index, init_model_with_meta_device)
-        sources = _param_sources(module, dist_index, self.strategy)
+        index_of = _index_chooser(module, dist_index)
+        validate_tp_params(module.named_parameters(), index_of, init_model_with_meta_device)
+        sources = _param_sources(module, index_of, self.strategy)
         specs = plan_buckets(module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing)
-        self._build_units(specs, sources, alignment, init_model_with_meta_device)
-        build_sharded_params(self, self.groups, self.strategy, dist_index)
+        self._build_units(
+            specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
+        )
+        build_sharded_params(self, self.groups, self.strategy)
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
         self._register_sharded()
@@ -226,7 +222,6 @@ class MegatronFSDP(nn.Module):
             self.groups,
             self.strategy,
             self.ddp_config,
-            self._spec,
             reduce_now=self.sync_policy.reduce_at_unit_end,
             on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
@@ -241,47 +236,69 @@ class MegatronFSDP(nn.Module):
         sources: dict[int, ParamSource],
         alignment: int,
         meta_init: bool,
+        gradient_scaling_factor: float | None,
     ) -> None:
         by_unit: dict[int, Unit] = {}
         self._root = Unit(None, "", [])
         self._units: list[Unit] = []
         self.groups: list[ParamGroup] = []
-        index = self.dist_index
-        world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
-        outer_op = dist.ReduceOp.AVG if self._spec.op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
-        parts = [part for spec in specs for part in lay_out(spec, world, alignment)]
-        for spec, layout in parts:
-            dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
-            if self.strategy.level > 0 and dtypes.grads != dtypes.main:
-                raise ValueError(
-                    f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
-                    f"main_params_dtype={dtypes.main} for sharded strategies (the optimizer "
-                    "reads the reduced gradient store directly)"
+        dense = self.dist_index
+        reduce_specs: dict[int, ReduceSpec] = {}
+        for spec in specs:
+            index = dense.get_expert_index("MegatronFSDP") if spec.expert else dense
+            reduce_spec = reduce_specs.get(id(index))
+            if reduce_spec is None:
+                reduce_spec = reduce_specs[id(index)] = ReduceSpec.build(
+                    dense.dp_size,
+                    self.calculate_per_token_loss,
+                    self.ddp_config.average_in_collective,
+                    gradient_scaling_factor,
+                    reduce_size=index.dp_size,
                 )
-            if self.ddp_config.grad_reduce_in_fp32:
-                dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
-            group = ParamGroup(
-                list(spec.params),
-                [sources[id(p)] for p in spec.params],
-                layout,
-                self.strategy,
-                dtypes,
-                self.dist_index,
-                self.device,
-                self._pool,
-            )
-            group.set_outer_op(outer_op)
-            self.groups.append(group)
-            if spec.unit is None:
-                unit = self._root
-            else:
-                unit = by_unit.get(id(spec.unit))
-                if unit is None:
-                    unit = by_unit[id(spec.unit)] = Unit(spec.unit, spec.unit_name, [])
-                    self._units.append(unit)
-            unit.groups.append(group)
+            world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
+            for part, layout in lay_out(spec, world, alignment):
+                group = self._new_group(part, sources, layout, index, reduce_spec)
+                self.groups.append(group)
+                if part.unit is None:
+                    unit = self._root
+                else:
+                    unit = by_unit.get(id(part.unit))
+                    if unit is None:
+                        unit = by_unit[id(part.unit)] = Unit(part.unit, part.unit_name, [])
+                        self._units.append(unit)
+                unit.groups.append(group)
         for unit in (self._root, *self._units):
             self._fill(unit, meta_init)
+
+    def _new_group(
+        self,
+        spec: BucketSpec,
+        sources: dict[int, ParamSource],
+        layout: BucketLayout,
+        index: FSDPDistributedIndex,
+        reduce_spec: ReduceSpec,
+    ) -> ParamGroup:
+        """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
+        dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
+        if self.strategy.level > 0 and dtypes.grads != dtypes.main:
+            raise ValueError(
+                f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
+                f"main_params_dtype={dtypes.main} for sharded strategies (the optimizer "
+                "reads the reduced gradient store directly)"
+            )
+        if self.ddp_config.grad_reduce_in_fp32:
+            dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
+        return ParamGroup(
+            list(spec.params),
+            [sources[id(p)] for p in spec.params],
+            layout,
+            self.strategy,
+            dtypes,
+            index,
+            self.device,
+            self._pool,
+            reduce_spec,
+        )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
         """Copy a unit's parameter values into its buffers, materialising meta ones first."""
@@ -381,7 +398,7 @@ class MegatronFSDP(nn.Module):
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reduction of every group holding unreduced local grads."""
         for group in self.groups:
-            group.start_reduce(self._spec, async_op=self.ddp_config.overlap_grad_reduce)
+            group.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
 
     def synchronize_gradient_reduce(self) -> None:
         """Wait for every launched reduction and fold results into the grad stores.
@@ -493,8 +510,8 @@ class MegatronFSDP(nn.Module):
         the main weights refreshed from them; ZeRO-3 shards only have replicas across
         ``dp_outer``, so they are broadcast there (nothing to do without it).
         """
-        index = self.dist_index
         for group in self.groups:
+            index = group.dist_index
             if group.strategy.shards_params:
                 pg = index.outer_fsdp_group
                 if pg is None:
@@ -650,8 +667,37 @@ class MegatronFSDP(nn.Module):
             return load_engine_state_dict(self, state_dict, strict)
 
 
+def _index_chooser(
+    module: nn.Module, dist_index: FSDPDistributedIndex
+) -> Callable[[nn.Parameter], FSDPDistributedIndex]:
+    """The index each parameter of ``module`` lives on: the expert one for expert parameters.
+
+    Raises:
+        ValueError: naming an expert parameter when ``dist_index`` has no expert mesh.
+    """
+    expert = next(
+        (n for n, p in module.named_parameters() if is_expert_parallel_parameter(p)), None
+    )
+    if expert is not None and dist_index.expert_index is None:
+        raise ValueError(
+            f"dist_index: parameter {expert!r} is an expert parameter (allreduce=False) but "
+            "the FSDPDistributedIndex has no expt_device_mesh; expected one whose "
+            f"{dist_index.dp_shard_dim!r} dim is the expert-data-parallel group (its "
+            "gradients must not be reduced over the whole data-parallel group)"
+        )
+
+    def index_of(param: nn.Parameter) -> FSDPDistributedIndex:
+        if dist_index.expert_index is not None and is_expert_parallel_parameter(param):
+            return dist_index.expert_index
+        return dist_index
+
+    return index_of
+
+
 def _param_sources(
-    module: nn.Module, index: FSDPDistributedIndex, strategy: ZeroDPStrategy
+    module: nn.Module,
+    index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
+    strategy: ZeroDPStrategy,
 ) -> dict[int, ParamSource]:
     """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
 
@@ -675,6 +721,6 @@ def _param_sources(
                 "dim 0, so expected at least one dim (reshape it to (1,), as FSDP2 asks)"
             )
         sources[id(param)] = ParamSource(
-            tuple(names[id(param)]), tuple(slots[id(param)]), tp_info(name, param, index)
+            tuple(names[id(param)]), tuple(slots[id(param)]), tp_info(name, param, index_of(param))
         )
     return sources

@@ -37,11 +37,12 @@ from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.param import FSDPParam, ParamPieces
 from mf_fsdp.param_group import ParamGroup
+from mf_utils import is_expert_parallel_parameter, set_expert_parallel_attribute
 
 if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
 
-__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "build_sharded_params", "owner_of"]
+__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "SPREAD_ATTR", "build_sharded_params", "owner_of"]
 
 MANAGED_ATTR = "_mf_fsdp_managed"
 """Set on compute parameters, whose values the optimizer must not step directly."""
@@ -49,6 +50,10 @@ MANAGED_ATTR = "_mf_fsdp_managed"
 
 OWNER_ATTR = "_mf_fsdp_owner"
 """Weak reference from a managed parameter (either form) to the engine managing it."""
+
+SPREAD_ATTR = "_mf_fsdp_spread_over"
+"""On an expert's sharded parameter: the expert-parallel groups across which ranks hold
+other experts (a norm over all parameters sums across them as well)."""
 
 
 def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
@@ -72,24 +77,22 @@ def _dp_layout(
 
 
 def build_sharded_params(
-    owner: MegatronFSDP,
-    groups: list[ParamGroup],
-    strategy: ZeroDPStrategy,
-    dist_index: FSDPDistributedIndex,
+    owner: MegatronFSDP, groups: list[ParamGroup], strategy: ZeroDPStrategy
 ) -> None:
     """Create every managed parameter's sharded form and its gradient (``fp.sharded``/``fp.grad``).
+
+    Each group's parameters live on its own index's meshes (``dp_mesh()``, and
+    ``dp_tp_mesh()`` for TP parameters): the expert index for expert parameters.
 
     Args:
         owner: the engine; parameters keep a weak reference to it.
         groups: the engine's buckets, in order.
         strategy: the ZeRO strategy inside dp_shard.
-        dist_index: meshes (``dp_mesh()``, and ``dp_tp_mesh()`` for TP parameters).
     """
     owner_ref = weakref.ref(owner)
-    dp_placements, member_dims = _dp_layout(dist_index, strategy)
-    dp_mesh = dist_index.dp_mesh()
-    dp_tp_mesh = dist_index.dp_tp_mesh() if dist_index.tp_dim is not None else None
     for group in groups:
+        index = group.dist_index
+        dp_placements, member_dims = _dp_layout(index, strategy)
         for fp in group.fsdp_params:
             setattr(fp.compute, OWNER_ATTR, owner_ref)
             if strategy.level == 0 and fp.tp is None and not group.main_is_separate:
@@ -99,8 +102,7 @@ def build_sharded_params(
             values = group.main_view(fp, group.main)
             grad = group.main_view(fp, group.grad_store) if group.requires_grad else None
             if strategy.level > 0 or fp.tp is not None:
-                mesh = dp_mesh if fp.tp is None else dp_tp_mesh
-                assert mesh is not None  # internal invariant: TP parameters need a tp_dim
+                mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
                 placements, pieces = _placements_and_pieces(
                     group, fp, tuple(mesh.shape), dp_placements, member_dims
                 )
@@ -115,6 +117,9 @@ def build_sharded_params(
             fp.sharded = nn.Parameter(values, requires_grad=fp.compute.requires_grad)
             fp.grad = grad
             setattr(fp.sharded, OWNER_ATTR, owner_ref)
+            if is_expert_parallel_parameter(fp.compute):
+                set_expert_parallel_attribute(fp.sharded)
+                setattr(fp.sharded, SPREAD_ATTR, index.expert_parallel_groups)
 
 
 def _placements_and_pieces(

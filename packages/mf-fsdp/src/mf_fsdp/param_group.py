@@ -106,16 +106,35 @@ class ReduceSpec:
     op: dist.ReduceOp.RedOpType
     factor: float
 
+    @property
+    def outer_op(self) -> dist.ReduceOp.RedOpType:
+        """The op across dp_outer replicas (HSDP): averaging stays averaging."""
+        return dist.ReduceOp.AVG if self.op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
+
     @classmethod
     def build(
-        cls, dp_size: int, per_token: bool, in_collective: bool, scale: float | None
+        cls,
+        dp_size: int,
+        per_token: bool,
+        in_collective: bool,
+        scale: float | None,
+        reduce_size: int | None = None,
     ) -> ReduceSpec:
-        """Derive the spec from the contract's knobs (one place for all scaling)."""
+        """Derive the spec from the contract's knobs (one place for all scaling).
+
+        ``dp_size`` is the number of data-parallel replicas the mean is over;
+        ``reduce_size`` the ranks the collective runs over when that differs:
+        expert gradients are summed over the expert-data-parallel group only
+        (each expert-parallel rank already holds the contributions of its whole
+        expert-parallel group), yet averaged over all ``dp_size`` replicas.
+        """
         scale = 1.0 if scale is None else float(scale)
+        reduce_size = dp_size if reduce_size is None else reduce_size
         if per_token:
             return cls(scale, dist.ReduceOp.SUM, scale)
         if in_collective:
-            return cls(scale, dist.ReduceOp.AVG, scale / dp_size)
+            pre = scale if reduce_size == dp_size else scale * reduce_size / dp_size
+            return cls(pre, dist.ReduceOp.AVG, scale / dp_size)
         return cls(scale / dp_size, dist.ReduceOp.SUM, scale / dp_size)
 
 
@@ -130,9 +149,10 @@ class ParamGroup:
             ``outer x inner`` shards, under hybrid-sharded HSDP).
         strategy: the ZeRO strategy.
         dtypes: the group's dtypes.
-        dist_index: groups and meshes.
+        dist_index: groups and meshes (the expert index for expert parameters).
         device: where the buffers live.
         pool: the shared pool of temporary whole-bucket tensors.
+        reduce_spec: how this group's gradients are scaled and reduced.
     """
 
     def __init__(
@@ -145,8 +165,10 @@ class ParamGroup:
         dist_index: FSDPDistributedIndex,
         device: torch.device,
         pool: BufferPool,
+        reduce_spec: ReduceSpec,
     ) -> None:
         self.params = params
+        self.reduce_spec = reduce_spec
         self.strategy = strategy
         self.dtypes = dtypes
         self.dist_index = dist_index
@@ -427,8 +449,9 @@ class ParamGroup:
             store.add_(held)
             self.pool.give(held)
 
-    def start_reduce(self, spec: ReduceSpec, async_op: bool) -> None:
+    def start_reduce(self, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
+        spec = self.reduce_spec
         if not self.requires_grad or self.grads.local is not Local.ACCUMULATED:
             return
         local = self._need(self.grad_local, "the local buffer of accumulated grads")
@@ -532,7 +555,7 @@ class ParamGroup:
             if self.grads.reduced is Reduced.INNER:
                 if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
                     store = self._need(self.grad_store, "the grad store of inner-reduced grads")
-                    collectives.all_reduce(store, self._outer_op, self.outer)
+                    collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
                 self.grads.reduce_outer()
                 self._merge_aside(Reduced.FULL, self._need(self.grad_store, "the grad store"))
             return
@@ -542,17 +565,13 @@ class ParamGroup:
         store = self._need(store, "the grad store of pending inner grads")
         direct = self.grads.reduced is Reduced.NONE and store.dtype == pending.dtype
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
-        collectives.reduce_scatter_into(sub, pending, self._outer_op, self.outer)
+        collectives.reduce_scatter_into(sub, pending, self.reduce_spec.outer_op, self.outer)
         if sub is not store:
             store.add_(sub)
             self.pool.give(sub)
         self.pool.give(pending)
         self.pending_inner = None
         self.grads.reduce_outer()
-
-    def set_outer_op(self, op: dist.ReduceOp.RedOpType) -> None:
-        """Record the reduce op used across dp_outer replicas."""
-        self._outer_op = op
 
     def zero_grad(self) -> None:
         """Drop every gradient held for this group (local and reduced)."""

@@ -185,7 +185,7 @@ def apply_optimizer_state(
     saved_groups = state_dict["param_groups"]
     current = group_fqns(model, optimizers)
     saved = [list(g["params"]) for g in saved_groups]
-    if saved != current:
+    if [set(g) for g in saved] != [set(g) for g in current]:  # params are matched by name
         raise ValueError(
             f"state_dict['param_groups']: parameters per group {saved!r} do not match the "
             f"optimizer's {current!r}; expected the same groups in the same order"

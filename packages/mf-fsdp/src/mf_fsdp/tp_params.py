@@ -27,7 +27,7 @@ need (``tp_info``: tp mesh, rank, partition dim, stride). It must not communicat
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +91,13 @@ def wrap_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
 
 
 def validate_tp_params(
-    named_params: Iterable[tuple[str, nn.Parameter]], index: FSDPDistributedIndex, meta_init: bool
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
+    meta_init: bool,
 ) -> None:
     """Refuse TP parameters the engine cannot shard along dp only.
+
+    ``index_of`` gives the index a parameter lives on (the expert one for experts).
 
     Raises:
         ValueError: for a sequence-parallel parameter without a ``tp_dim``, and for a
@@ -102,10 +106,11 @@ def validate_tp_params(
             other than the tp sub-mesh, or on the meta device with
             ``init_model_with_meta_device``.
     """
-    tp_ranks = None
-    if index.tp_dim is not None:
-        tp_ranks = index.get_submesh(index.tp_dim).mesh.flatten().tolist()
     for name, param in named_params:
+        index = index_of(param)
+        tp_ranks = None
+        if index.tp_dim is not None:
+            tp_ranks = index.get_submesh(index.tp_dim).mesh.flatten().tolist()
         if getattr(param, "sequence_parallel", False) and tp_ranks is None:
             raise ValueError(
                 f"tp_dim=None but parameter {name!r} is marked sequence_parallel=True (its "

@@ -4,7 +4,9 @@ A unit is a module whose class is listed in ``fsdp_unit_modules`` and that
 does not sit inside another unit (the outermost match wins). A parameter
 belongs to the unit that contains it; a parameter reachable from several
 units (a tied weight) or from none goes to the root. Each unit's parameters
-are split by (dtype, requires_grad) into buckets, keeping model order; at a
+are split by (dtype, requires_grad, expert or not) into buckets, keeping
+model order (expert parameters, marked with mf_utils'
+``set_expert_parallel_attribute``, live on another process group); at a
 given world size ``lay_out`` may split a bucket further by row size (see
 ``mf_fsdp.layout.partition_bucket``).
 """
@@ -19,6 +21,7 @@ from torch import nn
 
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, partition_bucket
 from mf_fsdp.tp_params import local_shape
+from mf_utils import is_expert_parallel_parameter
 
 __all__ = [
     "BucketSpec",
@@ -38,12 +41,15 @@ class BucketSpec:
         unit_name: the unit's qualified name ("" for the root).
         params: parameters in bucket order.
         names: their qualified names (the first name of a tied parameter).
+        expert: the parameters are expert parameters (sharded and reduced over the
+            expert-data-parallel group).
     """
 
     unit: nn.Module | None
     unit_name: str
     params: tuple[nn.Parameter, ...]
     names: tuple[str, ...]
+    expert: bool = False
 
 
 def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
@@ -147,12 +153,13 @@ def _split(
     params: list[nn.Parameter],
     names: dict[nn.Parameter, str],
 ) -> list[BucketSpec]:
-    by_key: dict[tuple[object, bool], list[nn.Parameter]] = {}
+    by_key: dict[tuple[object, bool, bool], list[nn.Parameter]] = {}
     for param in params:
-        by_key.setdefault((param.dtype, param.requires_grad), []).append(param)
+        key = (param.dtype, param.requires_grad, is_expert_parallel_parameter(param))
+        by_key.setdefault(key, []).append(param)
     return [
-        BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group))
-        for group in by_key.values()
+        BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group), expert)
+        for (_, _, expert), group in by_key.items()
     ]
 
 
@@ -172,6 +179,7 @@ def lay_out(
                 spec.unit_name,
                 tuple(spec.params[i] for i in indices),
                 tuple(spec.names[i] for i in indices),
+                spec.expert,
             ),
             layout,
         )

@@ -8,6 +8,7 @@
 - :mod:`mf_tp.embedding`: VocabParallelEmbedding.
 - :mod:`mf_tp.cross_entropy`: vocab-parallel cross entropy.
 - :mod:`mf_tp.data`: broadcast_data.
+- :mod:`mf_tp.moe`: dropless expert-parallel mixture of experts (router, dispatch, MoELayer).
 - :mod:`mf_tp.inference`: inference layers with the fused RS + residual + RMSNorm + AG path.
 - :mod:`mf_tp.partition`: split helpers and VocabUtility.
 
@@ -50,6 +51,15 @@ from mf_tp.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from mf_tp.moe import (
+    ExpertMLP,
+    MoELayer,
+    RoutingResult,
+    TokenDispatchState,
+    TopKRouter,
+    combine_tokens,
+    dispatch_tokens,
+)
 from mf_tp.parallel_state import (
     ModelParallelGroups,
     destroy_model_parallel,
@@ -79,13 +89,18 @@ from mf_utils import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "ExpertMLP",
     "InferenceLayerNormColumnParallelLinear",
     "InferenceRowParallelLinear",
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
+    "MoELayer",
     "ModelParallelConfig",
     "ModelParallelGroups",
+    "RoutingResult",
     "RowParallelLinear",
+    "TokenDispatchState",
+    "TopKRouter",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabUtility",
@@ -94,9 +109,11 @@ __all__ = [
     "all_to_all_hp2sp",
     "all_to_all_sp2hp",
     "broadcast_data",
+    "combine_tokens",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "destroy_model_parallel",
+    "dispatch_tokens",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "gather_split_1d_tensor",

@@ -5,6 +5,10 @@ passed in by the caller.
 """
 
 from mf_utils.device import get_group_device
+from mf_utils.expert_parallel_attributes import (
+    is_expert_parallel_parameter,
+    set_expert_parallel_attribute,
+)
 from mf_utils.memory_buffer import (
     GlobalMemoryBuffer,
     default_device,
@@ -39,12 +43,14 @@ __all__ = [
     "get_mcore_tensor_parallel_partition_dim",
     "get_mesh_names",
     "get_te_version",
+    "is_expert_parallel_parameter",
     "is_mcore_tensor_model_parallel",
     "is_mcore_tensor_parallel_duplicated",
     "is_submodule",
     "is_te_min_version",
     "is_torch_min_version",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_expert_parallel_attribute",
     "set_tensor_model_parallel_attributes",
     "split_tensor_into_1d_equal_chunks",
     "use_global_memory_buffer",

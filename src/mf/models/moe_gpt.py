@@ -1,0 +1,282 @@
+"""A small mixture-of-experts GPT: :mod:`mf.models.gpt` with each MLP replaced by experts.
+
+Every block routes each token to ``top_k`` of ``num_experts`` expert MLPs
+(:class:`mf_tp.MoELayer`, dropless). With an expert-parallel group, each rank
+holds ``num_experts / ep_size`` experts and tokens travel to their experts
+and back by all-to-all; without one (``ep_group=None``) a single process
+holds every expert: that model is the single-process reference of every
+expert-parallel run. Experts are keyed by their global index, so state-dict
+keys (``blocks.0.moe.experts.5.fc.weight``) and values are the same at any
+EP size, and a checkpoint moves between EP sizes.
+
+Initialisation draws from torch's default generator in a fixed order (dense
+weights by name, then every block's experts, all of them, in global order),
+so seeding every rank alike gives the same model at any EP size. The loss
+the model returns is the language-model loss plus ``load_balance_coeff``
+times the blocks' summed load-balance losses; both parts and the tokens each
+expert received are kept for reporting (:meth:`MoEGPT.routing_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mf.models.gpt import CausalSelfAttention, GPTConfig, check_positions
+from mf.models.gpt_tp import GPTTensorParallel, TensorParallelAttention
+from mf_tp import ModelParallelConfig, MoELayer
+
+__all__ = [
+    "MOE_PRESETS",
+    "MoEBlock",
+    "MoEGPT",
+    "MoEGPTConfig",
+    "MoEGPTTensorParallel",
+    "MoETensorParallelBlock",
+    "RoutingStats",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEGPTConfig(GPTConfig):
+    """Shape of a mixture-of-experts GPT (the fields of ``GPTConfig``, plus the experts).
+
+    Attributes:
+        num_experts: experts per block.
+        top_k: experts each token is sent to.
+        expert_ffn_size: hidden units of one expert's MLP.
+        load_balance_coeff: weight of the load-balance loss in the returned loss.
+    """
+
+    num_experts: int = 4
+    top_k: int = 2
+    expert_ffn_size: int = 256
+    load_balance_coeff: float = 0.01
+
+    def __post_init__(self) -> None:
+        GPTConfig.__post_init__(self)
+        for name in ("num_experts", "top_k", "expert_ffn_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEGPTConfig: {name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEGPTConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}"
+            )
+        if not (math.isfinite(self.load_balance_coeff) and self.load_balance_coeff >= 0):
+            raise ValueError(
+                "MoEGPTConfig: load_balance_coeff must be finite and >= 0, got "
+                f"{self.load_balance_coeff!r}"
+            )
+
+    def num_parameters(self) -> int:
+        """Count the model's parameters (all experts, tied weights once) without building it."""
+        d, f, e = self.d_model, self.expert_ffn_size, self.num_experts
+        attention = d * 3 * d + 3 * d + d * d + d
+        experts = e * (d * f + f + f * d + d)
+        per_block = 2 * 2 * d + attention + e * d + experts
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return (self.vocab_size + self.seq_len) * d + self.n_layers * per_block + 2 * d + head
+
+
+MOE_PRESETS: dict[str, MoEGPTConfig] = {
+    "moe-tiny": MoEGPTConfig(
+        vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4, expert_ffn_size=128
+    ),
+    "moe-small": MoEGPTConfig(
+        vocab_size=256,
+        seq_len=256,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        num_experts=8,
+        top_k=2,
+        expert_ffn_size=512,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingStats:
+    """What the last forward's routers did.
+
+    Attributes:
+        load_balance_loss: the blocks' summed load-balance losses (before the coefficient).
+        language_loss: the cross-entropy part of the last loss (None without targets).
+        tokens_per_expert: tokens each expert received from this rank, ``[n_layers, E]``.
+    """
+
+    load_balance_loss: float
+    language_loss: float | None
+    tokens_per_expert: torch.Tensor
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm transformer block: attention, then a mixture of expert MLPs."""
+
+    def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.moe = MoELayer(
+            config.d_model,
+            config.expert_ffn_size,
+            config.num_experts,
+            config.top_k,
+            ep_group=ep_group,
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block: [B, S, D] -> [B, S, D]."""
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.moe(self.ln_2(x)))
+
+
+class _RoutedModel(nn.Module):
+    """What the MoE GPTs share: the balance term of the loss and the routing report."""
+
+    config: MoEGPTConfig
+    blocks: nn.ModuleList
+
+    def _with_balance(self, language_loss: torch.Tensor) -> torch.Tensor:
+        """The returned loss: the language loss plus the weighted load-balance losses."""
+        self._language_loss = language_loss.detach()
+        balance = torch.stack([block.moe.load_balance_loss for block in self.blocks]).sum()
+        return language_loss + self.config.load_balance_coeff * balance
+
+    def routing_stats(self) -> RoutingStats:
+        """The load-balance loss, language loss and per-expert token counts of the last forward.
+
+        Raises:
+            RuntimeError: before any forward.
+        """
+        if getattr(self.blocks[0].moe, "tokens_per_expert", None) is None:
+            raise RuntimeError(f"{type(self).__name__}.routing_stats: no forward has run yet")
+        balance = sum(float(block.moe.load_balance_loss.detach()) for block in self.blocks)
+        counts = torch.stack([block.moe.tokens_per_expert for block in self.blocks])
+        language = getattr(self, "_language_loss", None)
+        return RoutingStats(balance, None if language is None else float(language), counts)
+
+
+class MoEGPT(_RoutedModel):
+    """Token + position embedding, ``n_layers`` MoE blocks, final norm and LM head.
+
+    Args:
+        config: the model shape (e.g. ``MOE_PRESETS["moe-tiny"]``).
+        ep_group: the expert-parallel group (its size must divide ``num_experts``), or
+            None for one process holding every expert.
+    """
+
+    def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, MoEGPTConfig):
+            raise TypeError(f"MoEGPT: config must be a MoEGPTConfig, got {config!r}")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(MoEBlock(config, ep_group) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init for the dense weights, then every block's experts in global order."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if param.device.type == "meta" or ".moe." in name:
+                continue  # the MoE layers draw their own, below
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "ln" in name:
+                nn.init.ones_(param)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(param, std=residual_std)
+            else:
+                nn.init.normal_(param, std=0.02)
+        for block in self.blocks:
+            block.moe.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V]; given ``targets``, the mean cross entropy plus the balance term."""
+        seq = check_positions(self.config, tokens, "MoEGPT.forward")
+        x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return self._with_balance(loss)
+
+
+class MoETensorParallelBlock(nn.Module):
+    """A MoE block whose attention is split over the TP group; experts whole on each TP rank.
+
+    Every TP rank sees the same tokens after attention's all-reduce, so the
+    routers agree and each TP rank dispatches within its own expert-parallel
+    group: expert weights and gradients are equal across TP (expert-TP 1).
+    """
+
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        mp_config: ModelParallelConfig,
+        tp_group: dist.ProcessGroup,
+        ep_group: dist.ProcessGroup | None,
+    ) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = TensorParallelAttention(config, mp_config, tp_group)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.moe = MoELayer(
+            config.d_model,
+            config.expert_ffn_size,
+            config.num_experts,
+            config.top_k,
+            ep_group=ep_group,
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    forward = MoEBlock.forward
+
+
+class MoEGPTTensorParallel(GPTTensorParallel, _RoutedModel):
+    """:class:`MoEGPT` with attention, embedding and head split over ``tp_group``.
+
+    Load a plain ``MoEGPT``'s full weights (every expert) with
+    :meth:`load_full_weights`: each rank takes its TP pieces and its experts.
+
+    Args:
+        config: the model shape.
+        tp_group: the tensor-parallel group.
+        ep_group: the expert-parallel group (ranks of the same TP rank), or None.
+    """
+
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        tp_group: dist.ProcessGroup,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(config, tp_group)
+        mp_config = ModelParallelConfig(
+            tensor_model_parallel_size=dist.get_world_size(tp_group), use_cpu_initialization=True
+        )
+        self.blocks = nn.ModuleList(
+            MoETensorParallelBlock(config, mp_config, tp_group, ep_group)
+            for _ in range(config.n_layers)
+        )
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Full logits [B, S, V]; given ``targets``, cross entropy plus the balance term."""
+        out = super().forward(tokens, targets)
+        return out if targets is None else self._with_balance(out)
