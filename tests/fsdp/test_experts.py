@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import mf_fsdp
@@ -256,3 +256,32 @@ def _rank_resume_across_ep(rank: int, world: int, root: str) -> None:
 @pytest.mark.multiprocess
 def test_checkpoint_resumes_across_ep_sizes(tmp_path):
     run_on_ranks(_rank_resume_across_ep, 2, str(tmp_path), timeout=300)
+
+
+def _rank_expert_mesh_errors(rank: int, world: int) -> None:
+    mesh, expert_mesh = _meshes(world, 2)
+    index = mf_fsdp.FSDPDistributedIndex(mesh, "dp", expt_device_mesh=expert_mesh)
+    edp = expert_mesh["dp"].get_group()
+    assert index.get_fsdp_group(is_expert_parallel=True) is edp
+    assert index.get_dp_group(is_expert_parallel=True) is edp
+    assert index.get_root_mesh(is_expert_parallel=True) is expert_mesh
+    assert index.get_fsdp_group() is mesh.get_group()
+    plain = mf_fsdp.FSDPDistributedIndex(mesh, "dp")
+    with pytest.raises(ValueError, match="is_expert_parallel=True but no expt_device_mesh"):
+        plain.get_fsdp_group(is_expert_parallel=True)
+    other_ranks = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=r"expt_device_mesh covers ranks \[0\] but device_mesh"):
+        mf_fsdp.FSDPDistributedIndex(mesh, "dp", expt_device_mesh=other_ranks)
+    renamed = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
+    with pytest.raises(ValueError, match="none named dp_shard_dim='dp'"):
+        mf_fsdp.FSDPDistributedIndex(mesh, "dp", expt_device_mesh=renamed)
+    with pytest.raises(TypeError, match="expt_device_mesh must be a DeviceMesh or None"):
+        mf_fsdp.FSDPDistributedIndex(mesh, "dp", expt_device_mesh="ep")
+    module = make_moe(ep_group=expert_mesh["ep"].get_group())
+    with pytest.raises(ValueError, match="'blocks.0.moe.experts.*' is an expert parameter"):
+        mf_fsdp.fully_shard_model(module, device_mesh=mesh, dp_shard_dim="dp")
+
+
+@pytest.mark.multiprocess
+def test_expert_groups_and_clear_errors_for_a_wrong_expert_mesh():
+    run_on_ranks(_rank_expert_mesh_errors, 2)

@@ -44,6 +44,16 @@ def test_defaults_are_valid() -> None:
         (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
         (["--sample-tokens", "-1"], "--sample-tokens must be 0 or more, got -1"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--ep", "2"], r"--ep 2 needs a mixture-of-experts --model \(one of \['moe-small'"),
+        (["--model", "moe-tiny", "--ep", "0"], "--ep must be at least 1, got 0"),
+        (
+            ["--model", "moe-tiny", "--ep", "3", "--nproc", "3"],
+            "--ep 3 does not divide the 4 experts of the 'moe-tiny' model",
+        ),
+        (
+            ["--model", "moe-tiny", "--ep", "4", "--nproc", "4", "--tp", "2"],
+            r"--ep 4 does not divide the 2 sharded data-parallel ranks \(--nproc 4 / --tp 2",
+        ),
     ],
 )
 def test_option_errors(argv: list[str], message: str) -> None:

@@ -573,3 +573,37 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(
     assert [r["loss"] for r in killed] == [r["loss"] for r in whole]
     validations = [r.get("validation_loss") for r in killed]
     assert validations == [r.get("validation_loss") for r in whole]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_moe_trains_the_same_at_any_ep_or_tp_and_reports_its_routing(tmp_path: Path) -> None:
+    """``--model moe-tiny``: ``--ep 2`` (each rank holds 2 of the 4 experts), ``--ep 1`` and
+    ``--tp 2`` train the same model with the same losses; the loss falls; every step
+    records the load-balance loss and the tokens each expert received; the export holds
+    every expert and loads into a one-process ``MoEGPT`` with ``strict=True``."""
+
+    def run(out: str, *extra: str) -> list[dict]:
+        argv = [*_TINY, "--model", "moe-tiny", "--steps", "6", "--save-every", "0"]
+        argv += ["--sample-tokens", "0", "--out-dir", str(tmp_path / out)]
+        argv += ["--ckpt-dir", str(tmp_path / out / "ckpt"), *extra]
+        run_on_ranks(_rank_train, 1 if "--nproc" in extra else 2, argv, timeout=150)
+        return _metrics(tmp_path / out)
+
+    def losses(records: list[dict]) -> list[float]:
+        return [r["loss"] for r in records]
+
+    ep2, ep1 = run("ep2", "--ep", "2"), run("ep1")
+    assert losses(ep2)[-1] < losses(ep2)[0]
+    assert losses(ep1) == pytest.approx(losses(ep2), abs=2e-5)
+    tp2, one = run("tp2", "--tp", "2"), run("one", "--nproc", "1")  # one data-parallel rank
+    assert losses(tp2) == pytest.approx(losses(one), abs=2e-5)
+    for records, dp_ranks in ((ep2, 2), (tp2, 1)):
+        for record in records:
+            assert record["load_balance_loss"] > 0
+            counts = record["tokens_per_expert"]  # per block: dp ranks x 2 x 32 tokens, top-2
+            assert [len(block) for block in counts] == [4, 4]
+            assert [sum(block) for block in counts] == [dp_ranks * 2 * 32 * 2] * 2
+    model = load_model(tmp_path / "ep2")
+    assert type(model).__name__ == "MoEGPT"
+    assert sorted(model.blocks[0].moe.experts.keys()) == ["0", "1", "2", "3"]

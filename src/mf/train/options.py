@@ -245,11 +245,6 @@ def _check_experts(options: TrainOptions, preset: object) -> None:
                 f"got {options.model!r}"
             )
         return
-    if options.tp > 1:
-        raise ValueError(
-            f"--tp {options.tp} with the mixture-of-experts model {options.model!r}: mf-train "
-            "trains MoE models with --ep and data parallelism only; expected --tp 1"
-        )
     dp_shard = options.dp_size // options.dp_outer
     if dp_shard % options.ep != 0:
         raise ValueError(

@@ -30,6 +30,8 @@ from mf.models import (
     GPTTensorParallel,
     MoEBlock,
     MoEGPTConfig,
+    MoEGPTTensorParallel,
+    MoETensorParallelBlock,
     TensorParallelBlock,
     build_optimizers,
     plain_model,
@@ -162,16 +164,19 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 
     torch.manual_seed(options.seed)  # the same full weights on every rank
     config = MODEL_PRESETS[options.model]
-    expert_mesh = _expert_mesh(options, mesh) if isinstance(config, MoEGPTConfig) else None
-    if expert_mesh is not None:  # experts keyed globally: --ep does not change the model
-        module, unit = plain_model(config, expert_mesh["ep"].get_group()), MoEBlock
-    else:
-        module, unit = plain_model(config), Block
-    if options.tp > 1:  # the same weights, split: --tp does not change the initial model
-        full_weights = module.state_dict()
-        module = GPTTensorParallel(config, mesh["tp"].get_group())
+    moe = isinstance(config, MoEGPTConfig)
+    expert_mesh = _expert_mesh(options, mesh) if moe else None
+    ep_group = None if expert_mesh is None else expert_mesh["ep"].get_group()
+    if options.tp == 1:  # experts are keyed globally: --ep does not change the model either
+        module, unit = plain_model(config, ep_group), (MoEBlock if moe else Block)
+    else:  # the same weights, split: --tp does not change the initial model
+        tp_group = mesh["tp"].get_group()
+        full_weights = plain_model(config).state_dict()
+        if moe:
+            module, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoETensorParallelBlock
+        else:
+            module, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
         module.load_full_weights(full_weights)
-        unit = TensorParallelBlock
     module.to(device)
     optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
     compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
@@ -373,12 +378,13 @@ def _train_step(
     return _mean_over(torch.stack(losses).sum(), mesh)
 
 
-def _routing_metrics(model) -> dict[str, Any]:
+def _routing_metrics(model, tp: int) -> dict[str, Any]:
     """A MoE model's routing in the step's last micro-batch, over all ranks (collective).
 
     ``load_balance_loss``: the blocks' summed balance losses, averaged over ranks;
     ``tokens_per_expert``: per block, the tokens each expert received from every
-    rank. Empty for a dense model.
+    data-parallel rank (the ``tp`` ranks of one route the same tokens). Empty for a
+    dense model.
     """
     if not hasattr(model.module, "routing_stats"):
         return {}
@@ -391,7 +397,7 @@ def _routing_metrics(model) -> dict[str, Any]:
     dist.all_reduce(counts)
     return {
         "load_balance_loss": balance.item() / dist.get_world_size(),
-        "tokens_per_expert": counts.long().tolist(),
+        "tokens_per_expert": (counts / tp).long().tolist(),
     }
 
 
@@ -437,7 +443,8 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
                 step % options.eval_every == 0 or step == options.steps
             ):
                 validation = _validate(model, data, options, mesh, device)
-            reporter.step(step, train_loss, validation, rate, device, _routing_metrics(model))
+            routing = _routing_metrics(model, options.tp)
+            reporter.step(step, train_loss, validation, rate, device, routing)
             _stop_if_diverged(reporter, train_loss, step, saved_path)
             interrupted = stop.agreed(device)
             final = _last_save_reason(step, options.steps, interrupted)
