@@ -83,3 +83,31 @@ def full_params(model: mf_fsdp.MegatronFSDP) -> dict[str, torch.Tensor]:
 
 def unit_classes() -> list[type]:
     return [Block]
+
+
+def assert_matches_reference(
+    losses: list[float],
+    params: dict[str, torch.Tensor],
+    ref_losses: list[float],
+    ref_params: dict[str, torch.Tensor],
+    label: str,
+    rtol: float,
+    atol: float,
+) -> None:
+    """The sharded run's losses and every parameter it holds equal the reference run's.
+
+    ``params`` may be a subset of ``ref_params`` (an expert-parallel rank holds only
+    its experts); each of its names must be a reference parameter.
+    """
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(ref_losses),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{label} losses: {m}",
+    )
+    assert params.keys() <= ref_params.keys(), sorted(params.keys() - ref_params.keys())
+    for name, value in params.items():
+        torch.testing.assert_close(
+            value, ref_params[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{label} {n}: {m}"
+        )

@@ -21,6 +21,7 @@ import mf_fsdp
 from mf_fsdp import collectives
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
+    assert_matches_reference,
     batch,
     full_params,
     make_model,
@@ -63,19 +64,7 @@ def count_collectives(group: dist.ProcessGroup | None = None) -> Iterator[dict[s
 
 
 def _check(model, losses, ref, label: str) -> None:
-    ref_losses, ref_params = ref
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=RTOL,
-        atol=ATOL,
-        msg=lambda m: f"{label} losses: {m}",
-    )
-    params = full_params(model)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(
-            params[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{label} {n}: {m}"
-        )
+    assert_matches_reference(losses, full_params(model), *ref, label, RTOL, ATOL)
 
 
 def _train(model, opt, rank, world, *, micro, no_sync, per_token=False, check_silent=False):

@@ -23,10 +23,9 @@ from mf.models.moe_gpt import (
     MoEBlock,
     MoEGPT,
     MoEGPTTensorParallel,
-    MoETensorParallelBlock,
 )
 from tests._multiprocess import run_on_ranks
-from tests.fsdp._helpers import batch, reference_run
+from tests.fsdp._helpers import assert_matches_reference, batch, reference_run
 
 CONFIG = MOE_PRESETS["moe-tiny"]
 RTOL, ATOL = 1e-5, 1e-5  # the 1e-5; Adam turns rounding in near-zero grads into ~1e-6
@@ -100,21 +99,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _check(losses, params, ref_losses, ref_params, label: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=RTOL,
-        atol=ATOL,
-        msg=lambda m: f"{label} losses: {m}",
-    )
-    for name, value in params.items():
-        torch.testing.assert_close(
-            value,
-            ref_params[name],
-            rtol=RTOL,
-            atol=ATOL,
-            msg=lambda m, name=name: f"{label} {name}: {m}",
-        )
+    assert_matches_reference(losses, params, ref_losses, ref_params, label, RTOL, ATOL)
 
 
 def _rank_parity(rank: int, world: int, ep: int, zeros: list[int]) -> None:
@@ -169,19 +154,9 @@ def _rank_ep_tp_parity(rank: int, world: int) -> None:
             dp_shard_dim="dp",
             tp_dim="tp",
             expt_device_mesh=expert_mesh,
-            fsdp_unit_modules=[MoETensorParallelBlock],
+            fsdp_unit_modules=[MoEBlock],
         )
-        losses = []
-        for step in range(STEPS):
-            tokens, targets = batch(step, dp_rank)
-            loss = model(tokens, targets)
-            loss.backward()
-            mf_fsdp.clip_grad_norm_(model, CLIP)
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total.item() / world)
+        losses = _train(model, opt, dp_rank, world, STEPS)  # TP ranks share their dp batch
         _check(losses, _full(model), ref_losses, ref_params, f"ep2 x tp2 {opt_name}")
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import mf_fsdp
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
+    assert_matches_reference,
     batch,
     full_params,
     make_model,
@@ -50,17 +51,8 @@ def _train(model, opt, rank: int, world: int, steps: int, micro: int = 1, no_syn
 
 
 def _check(losses, params, ref_losses, ref_params, label: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=RTOL,
-        atol=ATOL,
-        msg=lambda m: f"{label} losses: {m}",
-    )
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(
-            params[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{label} {name}: {m}"
-        )
+    assert params.keys() == ref_params.keys(), label
+    assert_matches_reference(losses, params, ref_losses, ref_params, label, RTOL, ATOL)
 
 
 def _rank_parity(rank: int, world: int, strategies: list[int], optimizers: list[str]) -> None:

@@ -13,7 +13,6 @@ from mf.models.moe_gpt import (
     MoEGPT,
     MoEGPTConfig,
     MoEGPTTensorParallel,
-    MoETensorParallelBlock,
     RoutingStats,
 )
 from mf.models.optimizers import OPTIMIZER_RECIPES, build_optimizers, hidden_matrices
@@ -31,7 +30,6 @@ __all__ = [
     "MoEGPT",
     "MoEGPTConfig",
     "MoEGPTTensorParallel",
-    "MoETensorParallelBlock",
     "RoutingStats",
     "TensorParallelBlock",
     "build_optimizers",

@@ -10,6 +10,7 @@ unit; the token embedding and the LM head share one weight when
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,14 +125,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embedding, ``n_layers`` blocks, final norm and LM head."""
+    """Token + position embedding, ``n_layers`` blocks, final norm and LM head.
 
-    def __init__(self, config: GPTConfig) -> None:
+    Args:
+        config: the model shape.
+        block: builds each block from the config (``Block``; the MoE GPT's differ).
+    """
+
+    def __init__(self, config: GPTConfig, block: Callable[[GPTConfig], nn.Module] = Block) -> None:
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(block(config) for _ in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -142,7 +148,7 @@ class GPT(nn.Module):
         """GPT-2 style init: N(0, 0.02), residual projections scaled by depth."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if param.device.type == "meta":
+            if param.device.type == "meta" or self._initialises_itself(name):
                 continue
             if name.endswith("bias"):
                 nn.init.zeros_(param)
@@ -152,6 +158,10 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=residual_std)
             else:
                 nn.init.normal_(param, std=0.02)
+
+    def _initialises_itself(self, name: str) -> bool:
+        """Whether parameter ``name`` is left to its own module's init (none here)."""
+        return False
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Return logits [B, S, V], or the mean cross-entropy loss when ``targets`` are given."""

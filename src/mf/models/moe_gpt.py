@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from mf.models.gpt import CausalSelfAttention, GPTConfig, check_positions
+from mf.models.gpt import GPT, CausalSelfAttention, GPTConfig
 from mf.models.gpt_tp import GPTTensorParallel, TensorParallelAttention
 from mf_tp import ModelParallelConfig, MoELayer
 
@@ -37,7 +36,6 @@ __all__ = [
     "MoEGPT",
     "MoEGPTConfig",
     "MoEGPTTensorParallel",
-    "MoETensorParallelBlock",
     "RoutingStats",
 ]
 
@@ -117,12 +115,24 @@ class RoutingStats:
 
 
 class MoEBlock(nn.Module):
-    """Pre-norm transformer block: attention, then a mixture of expert MLPs."""
+    """Pre-norm transformer block: attention, then a mixture of expert MLPs (the FSDP unit).
 
-    def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None) -> None:
+    Args:
+        config: the model shape.
+        ep_group: the expert-parallel group, or None for every expert here.
+        attention: the attention module (default: ``CausalSelfAttention``; the TP
+            model passes its tensor-parallel one).
+    """
+
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        ep_group: dist.ProcessGroup | None,
+        attention: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config) if attention is None else attention
         self.ln_2 = nn.LayerNorm(config.d_model)
         self.moe = MoELayer(
             config.d_model,
@@ -140,10 +150,18 @@ class MoEBlock(nn.Module):
 
 
 class _RoutedModel(nn.Module):
-    """What the MoE GPTs share: the balance term of the loss and the routing report."""
+    """What the MoE GPTs share: the balance term of the loss and the routing report.
+
+    Listed first among the bases: its ``forward`` wraps the dense model's.
+    """
 
     config: MoEGPTConfig
     blocks: nn.ModuleList
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V]; given ``targets``, the mean cross entropy plus the balance term."""
+        out = super().forward(tokens, targets)
+        return out if targets is None else self._with_balance(out)
 
     def _with_balance(self, language_loss: torch.Tensor) -> torch.Tensor:
         """The returned loss: the language loss plus the weighted load-balance losses."""
@@ -165,8 +183,8 @@ class _RoutedModel(nn.Module):
         return RoutingStats(balance, None if language is None else float(language), counts)
 
 
-class MoEGPT(_RoutedModel):
-    """Token + position embedding, ``n_layers`` MoE blocks, final norm and LM head.
+class MoEGPT(_RoutedModel, GPT):
+    """:class:`~mf.models.gpt.GPT` whose blocks are :class:`MoEBlock` s.
 
     Args:
         config: the model shape (e.g. ``MOE_PRESETS["moe-tiny"]``).
@@ -175,81 +193,21 @@ class MoEGPT(_RoutedModel):
     """
 
     def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
         if not isinstance(config, MoEGPTConfig):
             raise TypeError(f"MoEGPT: config must be a MoEGPTConfig, got {config!r}")
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(config, ep_group) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
-        self.reset_parameters()
+        super().__init__(config, block=lambda c: MoEBlock(c, ep_group))
+
+    def _initialises_itself(self, name: str) -> bool:
+        return ".moe." in name  # drawn by reset_parameters, after the dense weights
 
     def reset_parameters(self) -> None:
         """GPT-2 style init for the dense weights, then every block's experts in global order."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if param.device.type == "meta" or ".moe." in name:
-                continue  # the MoE layers draw their own, below
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif "ln" in name:
-                nn.init.ones_(param)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(param, std=residual_std)
-            else:
-                nn.init.normal_(param, std=0.02)
+        super().reset_parameters()
         for block in self.blocks:
             block.moe.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V]; given ``targets``, the mean cross entropy plus the balance term."""
-        seq = check_positions(self.config, tokens, "MoEGPT.forward")
-        x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return self._with_balance(loss)
 
-
-class MoETensorParallelBlock(nn.Module):
-    """A MoE block whose attention is split over the TP group; experts whole on each TP rank.
-
-    Every TP rank sees the same tokens after attention's all-reduce, so the
-    routers agree and each TP rank dispatches within its own expert-parallel
-    group: expert weights and gradients are equal across TP (expert-TP 1).
-    """
-
-    def __init__(
-        self,
-        config: MoEGPTConfig,
-        mp_config: ModelParallelConfig,
-        tp_group: dist.ProcessGroup,
-        ep_group: dist.ProcessGroup | None,
-    ) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model)
-        self.attn = TensorParallelAttention(config, mp_config, tp_group)
-        self.ln_2 = nn.LayerNorm(config.d_model)
-        self.moe = MoELayer(
-            config.d_model,
-            config.expert_ffn_size,
-            config.num_experts,
-            config.top_k,
-            ep_group=ep_group,
-        )
-        self.drop = nn.Dropout(config.dropout)
-
-    forward = MoEBlock.forward
-
-
-class MoEGPTTensorParallel(GPTTensorParallel, _RoutedModel):
+class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
     """:class:`MoEGPT` with attention, embedding and head split over ``tp_group``.
 
     Load a plain ``MoEGPT``'s full weights (every expert) with
@@ -272,11 +230,6 @@ class MoEGPTTensorParallel(GPTTensorParallel, _RoutedModel):
             tensor_model_parallel_size=dist.get_world_size(tp_group), use_cpu_initialization=True
         )
         self.blocks = nn.ModuleList(
-            MoETensorParallelBlock(config, mp_config, tp_group, ep_group)
+            MoEBlock(config, ep_group, TensorParallelAttention(config, mp_config, tp_group))
             for _ in range(config.n_layers)
         )
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Full logits [B, S, V]; given ``targets``, cross entropy plus the balance term."""
-        out = super().forward(tokens, targets)
-        return out if targets is None else self._with_balance(out)

@@ -31,7 +31,6 @@ from mf.models import (
     MoEBlock,
     MoEGPTConfig,
     MoEGPTTensorParallel,
-    MoETensorParallelBlock,
     TensorParallelBlock,
     build_optimizers,
     plain_model,
@@ -173,7 +172,7 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         tp_group = mesh["tp"].get_group()
         full_weights = plain_model(config).state_dict()
         if moe:
-            module, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoETensorParallelBlock
+            module, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
         else:
             module, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
         module.load_full_weights(full_weights)
