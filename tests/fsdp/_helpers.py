@@ -85,6 +85,19 @@ def unit_classes() -> list[type]:
     return [Block]
 
 
+def assert_losses_match(
+    losses: list[float], ref_losses: list[float], label: str, rtol: float, atol: float
+) -> None:
+    """The sharded run's per-step losses equal the reference run's."""
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(ref_losses),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{label} losses: {m}",
+    )
+
+
 def assert_matches_reference(
     losses: list[float],
     params: dict[str, torch.Tensor],
@@ -99,13 +112,7 @@ def assert_matches_reference(
     ``params`` may be a subset of ``ref_params`` (an expert-parallel rank holds only
     its experts); each of its names must be a reference parameter.
     """
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=rtol,
-        atol=atol,
-        msg=lambda m: f"{label} losses: {m}",
-    )
+    assert_losses_match(losses, ref_losses, label, rtol, atol)
     assert params.keys() <= ref_params.keys(), sorted(params.keys() - ref_params.keys())
     for name, value in params.items():
         torch.testing.assert_close(

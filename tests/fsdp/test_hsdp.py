@@ -28,6 +28,7 @@ from mf_dtensor import UnevenDTensor
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,
+    assert_losses_match,
     batch,
     full_params,
     make_model,
@@ -169,13 +170,7 @@ def _check(model, losses, ref, label: str, adam: bool) -> None:
     zero (softmax is shift-invariant), so Adam steps it by lr along rounding noise.
     """
     ref_losses, ref_params = ref
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=RTOL,
-        atol=ATOL,
-        msg=lambda m: f"{label} losses: {m}",
-    )
+    assert_losses_match(losses, ref_losses, label, RTOL, ATOL)
     params = full_params(model)
     for name, value in ref_params.items():
         got = params[name]
