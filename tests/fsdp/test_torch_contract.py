@@ -337,3 +337,41 @@ def _rank_ndim_groups(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_param_groups_by_ndim_after_wrapping() -> None:
     run_on_ranks(_rank_ndim_groups, 2, timeout=120)
+
+
+def _rank_inner_module_calls(rank: int, world: int) -> None:
+    # What HF ``generate`` does: it calls the wrapped module itself, not the wrapper.
+    from mf.train.export import sample_text
+    from tests.fsdp._helpers import batch, make_model, make_optimizer, reference_run, unit_classes
+
+    plain = make_model()
+    module = make_model()
+    opt = make_optimizer("sgd", module.parameters())
+    model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
+    tokens, targets = batch(0, 0)
+    with torch.no_grad():
+        for _ in range(3):  # repeatedly: every call gathers and releases
+            torch.testing.assert_close(model.module(tokens), plain(tokens))
+            assert all(not g.gathered for g in model.groups)
+        prompt = tokens[0, :4]
+        sampled = sample_text(model.module, prompt, 6, 16, seed=3)
+        assert torch.equal(sampled, sample_text(plain, prompt, 6, 16, seed=3))
+    assert all(not g.gathered for g in model.groups)
+    # Training goes on as if nothing had happened.
+    ref_losses, _ = reference_run("sgd", world, 3)
+    losses = []
+    for step in range(3):
+        tokens, targets = batch(step, rank)
+        loss = model.module(tokens, targets)  # the inner module trains too
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total.item() / world)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_calling_the_wrapped_module_itself_gathers_releases_and_trains() -> None:
+    run_on_ranks(_rank_inner_module_calls, 2)

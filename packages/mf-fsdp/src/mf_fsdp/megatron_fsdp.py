@@ -227,6 +227,10 @@ class MegatronFSDP(nn.Module):
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
         )
+        # The root's gather and release run around every call of the wrapped module,
+        # also one the wrapper does not make (HF ``generate`` calls the module itself).
+        module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        module.register_forward_hook(self._root_post_forward)
         install_optimizer_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -315,9 +319,15 @@ class MegatronFSDP(nn.Module):
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with the engine's gathers, releases and reductions."""
+        return self.module(*inputs, **kwargs)
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Before the wrapped module runs: compute forms registered, root bucket(s) gathered."""
         self._register_compute()
         self._unit_hooks.root_pre_forward()
-        out = self.module(*inputs, **kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        """After it: hook the backward, or release the root when no backward follows."""
         return self._unit_hooks.root_post_forward(out)
 
     # The reference's public sync switches, kept in the policy.
