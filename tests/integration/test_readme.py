@@ -29,6 +29,8 @@ def test_readme_examples_run() -> None:
         (True, False),
         (False, True),
         (True, False),
+        (True, False),
     ]
     assert "get_state_dict" in examples[2]
+    assert "LlamaForCausalLM" in examples[3]
     run_on_ranks(_rank_examples, 2, examples, timeout=100)

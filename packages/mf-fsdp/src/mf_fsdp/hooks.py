@@ -91,10 +91,12 @@ class UnitHooks:
         ddp_config: overlap options (read at each use, so later edits take effect).
         reduce_now: the engine's policy (``SyncPolicy.reduce_at_unit_end``): reduce at a
             unit's backward end (else accumulate).
-        on_backward_start: run once per backward, before any gradient is accumulated.
+        on_backward_start: run once per backward, before any gradient is accumulated
+            (and before any recomputed forward, which needs the compute forms).
         on_backward_end: run once per backward, after every unit is back to IDLE.
-        on_idle: run when an iteration is over (after a backward, or after a forward
-            that no backward will follow), to put the sharded parameters back.
+        on_idle: run after every forward and every backward: between passes the
+            modules hold the sharded parameters (a released bucket's compute views
+            have no storage).
     """
 
     def __init__(
@@ -163,7 +165,7 @@ class UnitHooks:
             for group in self._root.groups:
                 group.reshard()
             self._root.state = TrainingState.IDLE
-            self._on_idle()
+        self._on_idle()  # until a backward starts, the modules hold the sharded forms
         return out
 
     def _unit_pre_forward(

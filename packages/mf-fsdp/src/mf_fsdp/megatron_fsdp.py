@@ -309,7 +309,7 @@ class MegatronFSDP(nn.Module):
         params = {p for g in unit.groups for p in g.params}
         if meta_init and any(p.is_meta for p in params):
             root = self.module if unit.module is None else unit.module
-            materialize_meta_params(root, params, self.device)
+            materialize_meta_params(self.module, root, params, self.device)
         for group in unit.groups:
             for index, param in enumerate(group.params):
                 group.copy_in(index, param)
@@ -355,7 +355,8 @@ class MegatronFSDP(nn.Module):
         return self.sync_policy.microbatch_count
 
     def _on_backward_start(self) -> None:
-        """Run the zeroing of the grad buffers deferred by ``request_zero_grad``."""
+        """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
+        self._register_compute()
         if not self._zero_pending:
             return
         kept = [type(o).__name__ for o in self._optimizers if o not in self._zeroed_by]
