@@ -332,16 +332,29 @@ def _rank_compile(rank: int, world: int, name: str) -> None:
 
     torch._dynamo.reset()
     ref_losses, _ = reference_run(name, world)
-    model, opt = wrap(name, make_model(name), 3)
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(model, backend=counter)
-    losses = train(compiled, opt, rank, world)
-    # Inductor fuses and reorders float ops: its own noise, well above fp32 rounding.
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
-    frames = counter.frame_count
-    assert frames > 0, "nothing was compiled"
-    train(compiled, opt, rank, world)
-    assert counter.frame_count == frames, f"recompiled: {frames} -> {counter.frame_count} frames"
+    for per_unit in (False, True):
+        model, opt = wrap(name, make_model(name), 3)
+        counter = CompileCounterWithBackend("inductor")
+        if per_unit:  # torchtitan's way: each decoder layer compiled, the wrapper eager
+            for layer in model.module.model.layers:
+                layer.compile(backend=counter)
+            step_fn = model
+        else:
+            step_fn = torch.compile(model, backend=counter)
+        losses = train(step_fn, opt, rank, world)
+        # Inductor fuses and reorders float ops: its own noise, well above fp32 rounding.
+        label = "per unit" if per_unit else "whole model"
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(ref_losses),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, label=label: f"{label}: {m}",
+        )
+        frames = counter.frame_count
+        assert frames > 0, f"{label}: nothing was compiled"
+        train(step_fn, opt, rank, world)
+        assert counter.frame_count == frames, f"{label}: recompiled after {frames} frames"
 
 
 @pytest.mark.multiprocess
