@@ -1,7 +1,8 @@
 """The engine's gloo collectives against torch's own: same results, fewer bytes.
 
 ``mf_fsdp.collectives`` replaces gloo's reduce-scatter (an all-reduce of the
-whole bucket) and all-gather with point-to-point transfers. Each must give
+whole bucket) and all-gather with point-to-point transfers (buckets of 1 MiB
+and more; smaller ones keep the native calls, AVG summed then divided). Each must give
 what ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` give, for sum and
 avg, shards of any size (1 and odd ones: the tail of a bucket), in place or
 not, synchronous or not, on 2, 3 and 4 ranks.
@@ -21,8 +22,19 @@ SHARD_SIZES = (1, 7, 64, 1001)
 
 
 def _rank_against_torch(rank: int, world: int) -> None:
+    # Point-to-point for every size (the threshold lowered to 0), then the default:
+    # these small shards take the native path (gloo's reduce-scatter has no AVG).
+    default = collectives.POINT_TO_POINT_MIN_BYTES
+    for threshold in (0, default):
+        collectives.POINT_TO_POINT_MIN_BYTES = threshold
+        point_to_point = collectives.uses_point_to_point(torch.zeros(1001), dist.group.WORLD)
+        assert point_to_point == (threshold == 0)
+        _check_against_torch(rank, world)
+    collectives.POINT_TO_POINT_MIN_BYTES = default
+
+
+def _check_against_torch(rank: int, world: int) -> None:
     group = dist.group.WORLD
-    assert collectives.uses_point_to_point(torch.zeros(1), group)
     for shard in SHARD_SIZES:
         g = torch.Generator().manual_seed(100 * rank + shard)
         # Integer values: every summation order gives the same bits (checked exactly);

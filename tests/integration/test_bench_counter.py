@@ -30,8 +30,11 @@ def _rank_counts(rank: int, world_size: int) -> None:
         dist.all_to_all_single(
             received, torch.ones(sum(splits)), [r + 1 for r in range(world_size)], splits
         )
-        # mf's gloo reduce-scatter: point-to-point sends, counted exactly (24 bytes per peer).
+        # mf's gloo reduce-scatter: point-to-point sends, counted exactly (24 bytes per peer);
+        # a bucket this small would take the native call, so the threshold is lowered.
+        default, collectives.POINT_TO_POINT_MIN_BYTES = collectives.POINT_TO_POINT_MIN_BYTES, 0
         collectives.reduce_scatter_into(shard, full, dist.ReduceOp.SUM, dist.group.WORLD)
+        collectives.POINT_TO_POINT_MIN_BYTES = default
     dist.all_reduce(shard)  # uninstalled: not counted
     assert counter.calls == {
         "all_gather_single": 1,

@@ -180,6 +180,7 @@ def fully_shard_optimizer(
     check_supported(optimizer, [model.optimizer_param(p) for p in _params(optimizer)])
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
+    _prefer_foreach(optimizer)
     setattr(optimizer, _CHECKED_ATTR, True)
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
     _ensure_load_hooks(optimizer)
@@ -193,6 +194,34 @@ def fully_shard_optimizer(
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     init_optimizer_state(optimizer)
     return optimizer
+
+
+_FOREACH_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+
+
+def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Let torch's optimizers that left ``foreach`` to torch use the multi-tensor path.
+
+    On the CPU torch picks the per-parameter loop, whose every op dispatches once
+    per parameter through the sharded DTensors (measured on the tiny preset: 3 ms
+    of a 17 ms step); the multi-tensor path dispatches once per op. The arithmetic
+    is the same. A group that chose ``foreach`` (True or False) keeps its choice.
+    """
+    if type(optimizer) not in _FOREACH_OPTIMIZERS:
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach", False) is None and not group.get("differentiable", False):
+            group["foreach"] = True
 
 
 def _find_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
