@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import mf_fsdp
@@ -67,6 +68,26 @@ def reference_run(
         opt.zero_grad()
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def optimizer_step(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    world: int,
+    before_step: Callable[[], object] | None = None,
+) -> float:
+    """Backward ``loss``, step and zero the optimizer; return the loss averaged over ranks.
+
+    ``before_step`` runs between the backward and the step (e.g. gradient clipping).
+    """
+    loss.backward()
+    if before_step is not None:
+        before_step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    optimizer.step()
+    optimizer.zero_grad()
+    return total.item() / world
 
 
 def full_params(model: mf_fsdp.MegatronFSDP) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import mf_fsdp
@@ -22,6 +21,7 @@ from tests.fsdp._helpers import (
     batch,
     make_model,
     make_optimizer,
+    optimizer_step,
     reference_run,
     unit_classes,
 )
@@ -43,13 +43,7 @@ def _train_compiled(rank: int, world: int, per_unit: bool) -> tuple[list[float],
     losses, frames = [], []
     for step in range(STEPS):
         tokens, targets = batch(step, rank)
-        loss = step_fn(tokens, targets)
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item() / world)
+        losses.append(optimizer_step(step_fn(tokens, targets), opt, world))
         frames.append(counter.frame_count)
     return losses, frames
 

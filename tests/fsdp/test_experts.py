@@ -11,6 +11,8 @@ expert-data-parallel group only; dense ones over the whole dp group.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +27,12 @@ from mf.models.moe_gpt import (
     MoEGPTTensorParallel,
 )
 from tests._multiprocess import run_on_ranks
-from tests.fsdp._helpers import assert_matches_reference, batch, reference_run
+from tests.fsdp._helpers import (
+    assert_matches_reference,
+    batch,
+    optimizer_step,
+    reference_run,
+)
 
 CONFIG = MOE_PRESETS["moe-tiny"]
 RTOL, ATOL = 1e-5, 1e-5  # the 1e-5; Adam turns rounding in near-zero grads into ~1e-6
@@ -79,14 +86,8 @@ def _train(model, opt, rank: int, world: int, steps: int, first_step: int = 0) -
     losses = []
     for step in range(first_step, first_step + steps):
         tokens, targets = batch(step, rank)
-        loss = model(tokens, targets)
-        loss.backward()
-        mf_fsdp.clip_grad_norm_(model, CLIP)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item() / world)
+        clip = functools.partial(mf_fsdp.clip_grad_norm_, model, CLIP)
+        losses.append(optimizer_step(model(tokens, targets), opt, world, clip))
     return losses
 
 

@@ -342,7 +342,14 @@ def test_param_groups_by_ndim_after_wrapping() -> None:
 def _rank_inner_module_calls(rank: int, world: int) -> None:
     # What HF ``generate`` does: it calls the wrapped module itself, not the wrapper.
     from mf.train.export import sample_text
-    from tests.fsdp._helpers import batch, make_model, make_optimizer, reference_run, unit_classes
+    from tests.fsdp._helpers import (
+        batch,
+        make_model,
+        make_optimizer,
+        optimizer_step,
+        reference_run,
+        unit_classes,
+    )
 
     plain = make_model()
     module = make_model()
@@ -363,12 +370,7 @@ def _rank_inner_module_calls(rank: int, world: int) -> None:
     for step in range(3):
         tokens, targets = batch(step, rank)
         loss = model.module(tokens, targets)  # the inner module trains too
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item() / world)
+        losses.append(optimizer_step(loss, opt, world))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
 
 

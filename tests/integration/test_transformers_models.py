@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -52,7 +51,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import mf_fsdp
 from tests._multiprocess import run_on_ranks
-from tests.fsdp._helpers import assert_matches_reference, full_params, make_optimizer
+from tests.fsdp._helpers import (
+    assert_matches_reference,
+    full_params,
+    make_optimizer,
+    optimizer_step,
+)
 
 WORLD = 2
 VOCAB, BATCH, SEQ = 128, 2, 16
@@ -159,13 +163,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -
     """STEPS steps on this rank's batches; the mean loss over ranks of each step."""
     losses = []
     for step in range(STEPS):
-        loss = lm_loss(model, batch(step, rank))
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item() / world)
+        losses.append(optimizer_step(lm_loss(model, batch(step, rank)), opt, world))
     return losses
 
 
