@@ -6,13 +6,28 @@ Every local run here uses the same rendezvous: a c10d store on a free port of
 
 from __future__ import annotations
 
+import gc
 import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
-__all__ = ["local_launch_config", "new_run_id"]
+__all__ = ["leave_process_group", "local_launch_config", "new_run_id"]
+
+
+def leave_process_group() -> None:
+    """Destroy every process group and free the ones unreachable objects still hold.
+
+    A gloo group that outlives this call (held by a model in a reference cycle)
+    is otherwise torn down while the interpreter exits: its worker threads then
+    release tensors without a live interpreter and the process aborts
+    ("terminate called without an active exception") after a successful run.
+    """
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def new_run_id(prefix: str) -> str:

@@ -10,6 +10,9 @@ not, synchronous or not, on 2, 3 and 4 ranks.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,6 +101,18 @@ def _rank_minimum_bytes(rank: int, world: int) -> None:
     assert theirs > 1.9, theirs  # what the engine moved before
 
 
+def _rank_group_dies_when_destroyed(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))
+    for numel in (16, collectives.POINT_TO_POINT_MIN_BYTES):  # native and point-to-point
+        out = torch.empty(world * numel)
+        collectives.all_gather_into(out, torch.full((numel,), float(rank)), group)
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert alive() is None, "the collectives' group cache keeps a destroyed group alive"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo_paths_equal_torch(world: int) -> None:
@@ -107,3 +122,10 @@ def test_gloo_paths_equal_torch(world: int) -> None:
 @pytest.mark.multiprocess
 def test_gloo_paths_send_the_minimum() -> None:
     run_on_ranks(_rank_minimum_bytes, 2, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_a_destroyed_group_is_not_kept_alive() -> None:
+    """A group kept until interpreter exit is torn down mid-finalisation (gloo then aborts
+    the process after a successful run): the engine's caches must not hold one."""
+    run_on_ranks(_rank_group_dies_when_destroyed, 2, timeout=120)

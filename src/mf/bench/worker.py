@@ -20,6 +20,7 @@ from torch import nn
 
 from mf.bench.comm_counter import CommCounter
 from mf.bench.engines import build_engine
+from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS
 
 __all__ = ["RunResult", "RunSpec", "bytes_written", "run"]
@@ -164,6 +165,15 @@ def run(spec: RunSpec) -> dict[str, Any]:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
+    try:
+        return asdict(_measure(spec, device, distributed))
+    finally:
+        if distributed:
+            leave_process_group()
+
+
+def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResult:
+    """Build the engine on the joined group, train, and measure every rank's steps."""
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
     if device.type == "cpu":
@@ -240,9 +250,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     else:
         peak = _rss_bytes("VmHWM") - baseline
     result.peak_bytes = int(_max_over_ranks(float(peak), device))
-    if distributed:
-        dist.destroy_process_group()
-    return asdict(result)
+    return result
 
 
 def _ddp_traffic(model: nn.Module, result: RunResult, world_size: int) -> None:

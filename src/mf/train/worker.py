@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from mf.launch import leave_process_group
 from mf.models import (
     MODEL_PRESETS,
     Block,
@@ -475,7 +476,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
         return _run(options, device, mesh)
     finally:
         if owns_group:
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

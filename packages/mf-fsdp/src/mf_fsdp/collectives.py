@@ -27,6 +27,7 @@ posted.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,7 +87,9 @@ class _GroupFacts:
 
 
 _WORKSPACES = BufferPool()
-_GROUPS: dict[dist.ProcessGroup, _GroupFacts] = {}
+# Weak: a group must die when its owner destroys it. A gloo group kept alive until
+# interpreter exit is torn down while Python finalizes, which can abort the process.
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts] = weakref.WeakKeyDictionary()
 
 
 def workspace_bytes() -> int:
