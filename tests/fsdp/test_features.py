@@ -172,9 +172,44 @@ def _rank_grad_buffers_are_bounded(rank: int, world: int) -> None:
     assert 0 < pooled <= 4 * block_bytes * 1.01, (pooled, block_bytes)
 
 
+def _rank_idle_grad_memory_is_freed(rank: int, world: int) -> None:
+    # What would sit under a forward's activations: sharded grads after
+    # zero_grad(set_to_none=True) (FSDP2 frees them too) and the pool's idle buffers.
+    for strategy in (2, 3):
+        torch.manual_seed(0)
+        module = GPT(CONFIG)  # tied head: the root bucket's first grad comes at the loss
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
+        )
+        root = [g for g in model.groups if g.late_grads]
+        assert root and all(g.strategy.level == strategy for g in root)
+        assert model.memory_footprint()["grads"] == 0  # nothing reduced yet
+        for step in range(2):
+            loss = model(*batch(step, rank))
+            assert model.memory_footprint()["pool"] == 0, "idle buffers under the forward"
+            with model.no_sync():
+                loss.backward()
+            # The root's grads stay autograd's own until its reduction: no bucket buffer.
+            assert all(g.grad_local is None for g in root)
+            assert all(p.grad is not None for g in root for p in g.params)
+            model(*batch(step + 10, rank)).backward()
+            opt.step()
+            assert model.memory_footprint()["grads"] > 0
+            opt.zero_grad(set_to_none=True)
+            assert model.memory_footprint()["grads"] == 0, strategy
+            assert all(p.grad is None for p in opt.param_groups[0]["params"])
+        # zero_grad(set_to_none=False) keeps readable zeros.
+        model(*batch(0, rank)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        assert all(not p.grad.to_local().any() for p in opt.param_groups[0]["params"])
+
+
 def _rank_memory_and_buffers(rank: int, world: int) -> None:
     _rank_memory(rank, world)
     _rank_grad_buffers_are_bounded(rank, world)
+    _rank_idle_grad_memory_is_freed(rank, world)
 
 
 @pytest.mark.multiprocess

@@ -1,8 +1,10 @@
-"""BufferPool: flat temporary tensors reused across steps instead of allocated anew.
+"""BufferPool: flat temporary tensors reused instead of allocated anew.
 
 A fresh large CPU tensor costs page faults on first touch every time; the
 engine's whole-bucket temporaries and the collectives' receive buffers come
-from pools so that a training step allocates nothing after the first one.
+from pools, so the units of one backward reuse each other's buffers. The
+engine empties its pool when a forward starts: idle gradient buffers would
+otherwise sit under that forward's activations and raise the peak.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ class BufferPool:
     def give(self, tensor: torch.Tensor) -> None:
         """Hand a tensor from ``take`` back for reuse."""
         self._free.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
+
+    def clear(self) -> None:
+        """Free every tensor waiting in the pool (those taken stay with their holders)."""
+        self._free.clear()
 
     def held_bytes(self) -> int:
         """Bytes of the tensors waiting in the pool."""

@@ -203,6 +203,7 @@ class MegatronFSDP(nn.Module):
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zero_pending = False
+        self._zero_releases = True  # every zero_grad since the last zeroing set grads to None
         self._pool = BufferPool()
         self._sharded_registered = False
         index_of = _index_chooser(module, dist_index)
@@ -213,6 +214,7 @@ class MegatronFSDP(nn.Module):
             specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
         )
         build_sharded_params(self, self.groups, self.strategy)
+        self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
         self._register_sharded()
@@ -302,6 +304,7 @@ class MegatronFSDP(nn.Module):
             self.device,
             self._pool,
             reduce_spec,
+            late_grads=spec.unit is None and self.strategy.shards_grads,
         )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
@@ -322,7 +325,12 @@ class MegatronFSDP(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def _root_pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Before the wrapped module runs: compute forms registered, root bucket(s) gathered."""
+        """Before the wrapped module runs: compute forms registered, root bucket(s) gathered.
+
+        The pool's idle buffers (last backward's gradients) are freed first, so
+        they do not add to this forward's activation peak.
+        """
+        self._pool.clear()
         self._register_compute()
         self._unit_hooks.root_pre_forward()
 
@@ -368,7 +376,7 @@ class MegatronFSDP(nn.Module):
                 "instead of accumulating",
                 stacklevel=2,
             )
-        self.zero_grad_buffer()
+        self.zero_grad_buffer(release=self._zero_releases)
 
     def _on_backward_end(self) -> None:
         """Count the micro-batch; with auto-sync, wait for the reductions and attach grads."""
@@ -442,6 +450,7 @@ class MegatronFSDP(nn.Module):
             if fp.grad is not None:
                 fp.sharded.grad = fp.grad
         for group in self.groups:
+            group.hold_grads()
             if self.strategy.level == 0 and not group.main_is_separate:
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
@@ -453,24 +462,29 @@ class MegatronFSDP(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient: the engine's buffers and the optimizer parameters' ``.grad``."""
-        self.zero_grad_buffer()
+        self.zero_grad_buffer(release=set_to_none)
         if set_to_none:
             for fp in self.fsdp_params:
                 if fp.grad is not None:
                     fp.sharded.grad = None
 
-    def zero_grad_buffer(self) -> None:
-        """Zero every gradient buffer now."""
+    def zero_grad_buffer(self, release: bool = False) -> None:
+        """Zero every gradient buffer now.
+
+        ``release``: nothing reads the reduced grads until the next reduction (the
+        optimizer parameters' ``.grad`` are None), so ZeRO-2/3 stores free their bytes.
+        """
         self._zero_pending = False
+        self._zero_releases = True
         self._zeroed_by = weakref.WeakSet()
         for group in self.groups:
-            group.zero_grad()
+            group.zero_grad(release)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer`` among those stepping this model (``fully_shard_optimizer`` does)."""
         self._optimizers.add(optimizer)
 
-    def request_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def request_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer`` zeroed its parameters' grads: zero the buffers once every optimizer has.
 
         The buffers hold every parameter's gradient. With several optimizers (Muon
@@ -479,8 +493,9 @@ class MegatronFSDP(nn.Module):
         the latest until the next backward starts.
         """
         self._zeroed_by.add(optimizer)
+        self._zero_releases = self._zero_releases and set_to_none
         if all(o in self._zeroed_by for o in self._optimizers):
-            self.zero_grad_buffer()
+            self.zero_grad_buffer(release=self._zero_releases)
         else:
             self._zero_pending = True
 

@@ -188,7 +188,7 @@ def fully_shard_optimizer(
 
     def zero_grad(set_to_none: bool = True) -> None:
         plain_zero_grad(set_to_none)
-        model.request_zero_grad(optimizer)
+        model.request_zero_grad(optimizer, set_to_none)
 
     model.add_optimizer(optimizer)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]

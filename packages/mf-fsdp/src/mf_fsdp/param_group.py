@@ -13,7 +13,9 @@ buffer              size                         held when
 ``grad_local``      whole bucket, compute dtype  ZeRO-0/1 always; ZeRO-2/3 from a unit's
                                                  backward until its reduction
 ``grad_store``      shard (full for ZeRO-0),     ZeRO-1 fp32: a view of ``grad_local``'s
-                    main dtype                   own region; ZeRO-0: ``grad_local`` itself
+                    main dtype                   own region; ZeRO-0: ``grad_local`` itself;
+                                                 ZeRO-2/3: from a reduction until
+                                                 ``zero_grad(set_to_none=True)``
 ==================  ===========================  =====================================
 
 The layout cuts shards between dim-0 rows only, so each parameter's rows on
@@ -62,7 +64,14 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.grad_state import Gather, GradState, Local, Reduced, check_invariant
 from mf_fsdp.layout import BucketLayout
 from mf_fsdp.param import FSDPParam
-from mf_fsdp.tp_params import TPInfo, local_shape, local_value, set_local_data, wrap_grad
+from mf_fsdp.tp_params import (
+    TPInfo,
+    local_grad,
+    local_shape,
+    local_value,
+    set_local_data,
+    wrap_grad,
+)
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
 
@@ -153,6 +162,11 @@ class ParamGroup:
         device: where the buffers live.
         pool: the shared pool of temporary whole-bucket tensors.
         reduce_spec: how this group's gradients are scaled and reduced.
+        late_grads: (ZeRO-2/3) let autograd keep the parameters' own ``.grad`` during
+            backward and copy them into a local buffer only when the reduction starts.
+            For the root bucket: its first gradient (a tied LM head's) arrives when
+            the activations peak, and a whole-bucket buffer taken then would add to
+            that peak; its reduction comes last, when the activations are freed.
     """
 
     def __init__(
@@ -166,8 +180,10 @@ class ParamGroup:
         device: torch.device,
         pool: BufferPool,
         reduce_spec: ReduceSpec,
+        late_grads: bool = False,
     ) -> None:
         self.params = params
+        self.late_grads = late_grads
         self.reduce_spec = reduce_spec
         self.strategy = strategy
         self.dtypes = dtypes
@@ -276,8 +292,9 @@ class ParamGroup:
             self.main = (
                 own if d.main == d.compute else torch.zeros(main_numel, dtype=d.main, device=dev)
             )
-        self.grad_store: torch.Tensor | None = None
+        self._grad_store: torch.Tensor | None = None
         self._store_aliases_local = False
+        self._store_released = False
         if not self.requires_grad:
             return
         # The store aliases the local accumulation buffer when dtypes allow (one copy).
@@ -285,12 +302,13 @@ class ParamGroup:
         if level <= 1:
             self.grad_local = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
             if self._store_aliases_local:
-                self.grad_store = (
+                self._grad_store = (
                     self.grad_local if level == 0 else self.grad_local[self.lo : self.hi]
                 )
-        if self.grad_store is None:
+        if self._grad_store is None:
             store_numel = layout.padded_numel if level == 0 else self.main_layout.shard_size
-            self.grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
+            self._grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
+        self._store_nbytes = self._grad_store.untyped_storage().nbytes()
 
     def own_sub_shard(self) -> torch.Tensor:
         """The part of ``model_shard`` this rank's optimizer owns (all of it unless hybrid)."""
@@ -298,6 +316,34 @@ class ParamGroup:
             return self.model_shard
         lo = self.sub_lo - self.lo
         return self.model_shard[lo : lo + self.main_layout.shard_size]
+
+    def _store(self, zeroed: bool = True) -> torch.Tensor:
+        """The grad store with its bytes present.
+
+        A released store comes back zeroed, or uninitialised when ``zeroed`` is
+        False (the caller overwrites all of it).
+        """
+        store = self._need(self._grad_store, "the grad store")
+        if self._store_released:
+            store.untyped_storage().resize_(self._store_nbytes)
+            self._store_released = False
+            if zeroed:
+                store.zero_()
+        return store
+
+    @property
+    def grad_store(self) -> torch.Tensor | None:
+        """The reduced grads (the optimizer's ``.grad`` are views of it); None without grads.
+
+        Reading it gives a released store its bytes back (zeros): a view of a
+        store without bytes must never escape.
+        """
+        return self._store() if self.requires_grad else None
+
+    def hold_grads(self) -> None:
+        """Give a released grad store its bytes back (zeros) before views of it are handed out."""
+        if self.requires_grad:
+            self._store()
 
     @property
     def main_is_separate(self) -> bool:
@@ -402,9 +448,9 @@ class ParamGroup:
         if self.grads_handed_out and self.fsdp_params[0].sharded.grad is None:
             # The optimizer dropped the grads it was given (``zero_grad()`` of an
             # optimizer built on the sharded parameters): start from zero, as torch does.
-            self.zero_grad()
+            self.zero_grad(release=True)
         if self.strategy.level >= 2:
-            if self.grad_local is None:
+            if self.grad_local is None and not self.late_grads:
                 self.grad_local = self.pool.take(
                     self.layout.padded_numel, self.dtypes.compute, self.device
                 )
@@ -423,13 +469,33 @@ class ParamGroup:
             for p, v in zip(self.params, self._views(self.grad_local, True), strict=True):
                 p.grad = v
 
+    def _collect_late_grads(self) -> None:
+        """Copy the parameters' own ``.grad`` into a pooled local buffer and drop them."""
+        local = self.pool.take(self.layout.padded_numel, self.dtypes.compute, self.device)
+        local.zero_()
+        for p, view in zip(self.params, self._views(local), strict=True):
+            if p.grad is not None:
+                view.copy_(local_grad(p, p.grad))
+                p.grad = None
+        self.grad_local = local
+
+    def _give_back_local_grads(self) -> None:
+        """Detach the parameters from the pooled local grad buffer and return it (ZeRO-2/3)."""
+        local = self._need(self.grad_local, "the local grad buffer")
+        for p in self.params:
+            p.grad = None
+        for as_grads in (False, True):  # cached views would keep it alive
+            self._view_cache.pop((id(local), as_grads), None)
+        self.pool.give(local)
+        self.grad_local = None
+
     def _set_store_aside(self) -> None:
         """Move the reduced grads out of a store that shares the local buffer, and clear it.
 
         New local grads are about to be accumulated there; the reduced ones wait
         aside and rejoin the store once the new ones are reduced as far.
         """
-        store = self._need(self.grad_store, "the grad store")
+        store = self._store()
         self._put_aside(store, self.grads.reduced)
         self._need(self.grad_local, "the local grad buffer").zero_()
         self.grads.set_aside()
@@ -454,6 +520,8 @@ class ParamGroup:
         spec = self.reduce_spec
         if not self.requires_grad or self.grads.local is not Local.ACCUMULATED:
             return
+        if self.late_grads:
+            self._collect_late_grads()
         local = self._need(self.grad_local, "the local buffer of accumulated grads")
         if self.dtypes.comm != local.dtype:
             src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
@@ -471,11 +539,11 @@ class ParamGroup:
                 self.strategy.level >= 2
                 and self.grads.reduced is Reduced.NONE
                 and not self.hybrid
-                and self.grad_store is not None
-                and self.grad_store.dtype == src.dtype
+                and self._grad_store is not None
+                and self._grad_store.dtype == src.dtype
             )
             out = (
-                self.grad_store
+                self._store(zeroed=False)  # the reduction overwrites all of it
                 if direct
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
@@ -507,7 +575,7 @@ class ParamGroup:
         self._pending = None
         if work is not None:
             work.wait()
-        store = self._need(self.grad_store, "the grad store of a finished reduction")
+        store = self._store()
         local = self._need(self.grad_local, "the local buffer of a finished reduction")
         level = self.strategy.level
         if self.hybrid:
@@ -526,10 +594,7 @@ class ParamGroup:
             if out is not store:
                 store.add_(out)
         if level >= 2:
-            for p in self.params:
-                p.grad = None
-            self.pool.give(local)
-            self.grad_local = None
+            self._give_back_local_grads()
         elif not self._store_aliases_local:
             local.zero_()
         self.grads.land(outer_due=self.outer is not None, hybrid=self.hybrid)
@@ -554,16 +619,17 @@ class ParamGroup:
             # A dp_outer of one replica has nothing to reduce.
             if self.grads.reduced is Reduced.INNER:
                 if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
-                    store = self._need(self.grad_store, "the grad store of inner-reduced grads")
+                    store = self._store()
                     collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
                 self.grads.reduce_outer()
-                self._merge_aside(Reduced.FULL, self._need(self.grad_store, "the grad store"))
+                self._merge_aside(Reduced.FULL, self._store())
             return
-        pending, store = self.pending_inner, self.grad_store
+        pending, store = self.pending_inner, self._grad_store
         if pending is None:
             return
-        store = self._need(store, "the grad store of pending inner grads")
-        direct = self.grads.reduced is Reduced.NONE and store.dtype == pending.dtype
+        held = self._need(store, "the grad store")
+        direct = self.grads.reduced is Reduced.NONE and held.dtype == pending.dtype
+        store = self._store(zeroed=not direct)
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
         collectives.reduce_scatter_into(sub, pending, self.reduce_spec.outer_op, self.outer)
         if sub is not store:
@@ -573,12 +639,22 @@ class ParamGroup:
         self.pending_inner = None
         self.grads.reduce_outer()
 
-    def zero_grad(self) -> None:
-        """Drop every gradient held for this group (local and reduced)."""
+    def zero_grad(self, release: bool = False) -> None:
+        """Drop every gradient held for this group (local and reduced).
+
+        ``release`` (the optimizer set its grads to None): a ZeRO-2/3 grad store
+        also gives its bytes back until the next reduction, so it does not sit
+        under the next forward's activations (FSDP2 frees sharded grads alike).
+        """
         if not self.requires_grad:
             return
         self.finish_reduce()
-        self._need(self.grad_store, "the grad store").zero_()
+        store = self._need(self._grad_store, "the grad store")
+        if release and self.strategy.level >= 2:
+            store.untyped_storage().resize_(0)
+            self._store_released = True
+        elif not self._store_released:
+            store.zero_()
         if self.pending_inner is not None:
             self.pool.give(self.pending_inner)
             self.pending_inner = None
@@ -589,20 +665,25 @@ class ParamGroup:
             self._need(self.grad_local, "the ZeRO-0/1 local grad buffer").zero_()
             self.attach_local_grads()
         elif self.grad_local is not None:
+            self._give_back_local_grads()
+        else:  # late grads still on the parameters
             for p in self.params:
                 p.grad = None
-            self.pool.give(self.grad_local)
-            self.grad_local = None
         self.grads_handed_out = False
         self.grads.reset()
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the reduced and any unreduced local grads by ``factor``."""
-        for reduced in (self.grad_store, self.pending_inner, *self._aside.values()):
+        store = None if self._store_released else self._grad_store
+        for reduced in (store, self.pending_inner, *self._aside.values()):
             if reduced is not None:
                 reduced.mul_(factor)
         if self.grad_local is not None and not self._store_aliases_local:
             self.grad_local.mul_(factor)
+        elif self.late_grads and self.grad_local is None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
         elif self.grad_local is not None and self.strategy.level == 1:
             self.grad_local[: self.lo].mul_(factor)
             self.grad_local[self.hi :].mul_(factor)
@@ -631,7 +712,10 @@ class ParamGroup:
         )
 
     def owned_bytes(self) -> dict[str, int]:
-        """Bytes of the persistent buffers this group holds, by kind (pool excluded)."""
+        """Bytes of the persistent buffers this group holds now, by kind (pool excluded).
+
+        A released grad store (ZeRO-2/3 after ``zero_grad(set_to_none=True)``) counts 0.
+        """
 
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
@@ -642,8 +726,8 @@ class ParamGroup:
         grads = 0
         if self.requires_grad:
             grads = nbytes(self.grad_local) if level <= 1 else 0
-            if not (level <= 1 and self._store_aliases_local):
-                grads += nbytes(self.grad_store)
+            if not (level <= 1 and self._store_aliases_local or self._store_released):
+                grads += nbytes(self._grad_store)
         return {"params": params, "main_params": main, "grads": grads}
 
 

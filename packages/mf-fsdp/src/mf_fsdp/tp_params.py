@@ -56,6 +56,21 @@ def local_value(param: torch.Tensor) -> torch.Tensor:
     return param.detach()
 
 
+def local_grad(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``grad``, laid out like ``param``.
+
+    A DTensor grad is redistributed to the parameter's placements first, as
+    accumulating it into ``param.grad`` would.
+    """
+    if (
+        isinstance(grad, DTensor)
+        and isinstance(param, DTensor)
+        and grad.placements != param.placements
+    ):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local_value(grad)
+
+
 def local_shape(param: torch.Tensor) -> torch.Size:
     """Shape of this rank's part of ``param`` (the TP-local shape of a DTensor)."""
     return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
