@@ -65,8 +65,9 @@ def _rank_simulate(rank: int, world: int) -> None:
     tokens = torch.zeros(1, 17, dtype=torch.long)
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
-    optimizer.zero_grad()
     footprint = model.memory_footprint(optimizer)
+    optimizer.zero_grad()  # set_to_none: the grad shard frees its bytes until the next backward
+    assert model.memory_footprint()["grads"] == 0
     # One fp32 copy of the weights (no separate main copy), the grad shard and two Adam
     # moments: 16 bytes per element of this rank's shard, nothing proportional to the model.
     assert footprint["main_params"] == 0
