@@ -183,7 +183,8 @@ def _rank_idle_grad_memory_is_freed(rank: int, world: int) -> None:
             module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
         )
         root = [g for g in model.groups if g.late_grads]
-        assert root and all(g.strategy.level == strategy for g in root)
+        assert root
+        assert all(g.strategy.level == strategy for g in root)
         assert model.memory_footprint()["grads"] == 0  # nothing reduced yet
         for step in range(2):
             loss = model(*batch(step, rank))

@@ -345,7 +345,7 @@ def _rank_layout_and_features(rank: int, world: int, ckpt_dir: str, ref: Any) ->
         assert mf_fsdp.get_grad_norm(model).item() == 0.0
         with torch.no_grad():  # make the replicas differ, then restore rank 0's copy
             for group in model.groups:
-                weights = group.model_shard if group.strategy.shards_params else group.full
+                weights = group.weights.kept()
                 weights.add_(float(rank))
         model.broadcast_params()
         flat = torch.cat([p.reshape(-1) for p in full_params(model).values()])

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mf_fsdp import collectives
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
@@ -537,24 +536,7 @@ class MegatronFSDP(nn.Module):
         ``dp_outer``, so they are broadcast there (nothing to do without it).
         """
         for group in self.groups:
-            index = group.dist_index
-            if group.strategy.shards_params:
-                pg = index.outer_fsdp_group
-                if pg is None:
-                    continue
-                tensors = [group.model_shard]
-                if group.main_is_separate and not group.hybrid:
-                    tensors.append(group.main)
-                for tensor in tensors:
-                    collectives.broadcast_from_first(tensor, pg)
-                if group.main_is_separate and group.hybrid:  # sub-shards have no replicas
-                    group.main.copy_(group.own_sub_shard())
-                continue
-            pg = index.get_dp_group()
-            collectives.broadcast_from_first(group.full, pg)
-            if group.main_is_separate:
-                own = group.full if group.strategy.level == 0 else group.own_weights()
-                group.main.copy_(own)
+            group.weights.broadcast_replicas()
 
     # ------------------------------------------------------------------ introspection
     @staticmethod

@@ -1,17 +1,16 @@
 """ParamGroup: one flat bucket of parameters, its buffers and its collectives.
 
 A group owns, for the parameters of one FSDP unit with one dtype (or one
-row-size group of them):
+row-size group of them), its weights (``weights``: the storage class of its
+ZeRO strategy, picked once at construction, see ``weight_storage.py``) and
+its gradient buffers:
 
 ==================  ===========================  =====================================
 buffer              size                         held when
 ==================  ===========================  =====================================
-``full``            whole bucket, compute dtype  ZeRO-0/1/2 always; ZeRO-3 while gathered
-``model_shard``     one shard, compute dtype     ZeRO-3
-``main``            shard (full for ZeRO-0),     only when its dtype differs from the
-                    main dtype                   compute dtype; else a view of the above
 ``grad_local``      whole bucket, compute dtype  ZeRO-0/1 always; ZeRO-2/3 from a unit's
-                                                 backward until its reduction
+                                                 backward until its reduction (the root
+                                                 bucket's: only from its reduction on)
 ``grad_store``      shard (full for ZeRO-0),     ZeRO-1 fp32: a view of ``grad_local``'s
                     main dtype                   own region; ZeRO-0: ``grad_local`` itself;
                                                  ZeRO-2/3: from a reduction until
@@ -19,15 +18,15 @@ buffer              size                         held when
 ==================  ===========================  =====================================
 
 The layout cuts shards between dim-0 rows only, so each parameter's rows on
-this rank (its ``FSDPParam.main_rows``) are viewed in ``main`` and
+this rank (its ``FSDPParam.main_rows``) are viewed in the main weights and
 ``grad_store`` with the parameter's trailing shape (``main_view``): the
 sharded form the optimizer steps. Compute parameters' ``.data`` and ``.grad``
-are views of ``full`` / ``grad_local``; between passes a ZeRO-3
-parameter keeps its view of ``full`` whose storage is resized to zero.
-Where the gradients are in their reduction, and whether the weights are
+are views of the whole-bucket weights / ``grad_local``; between passes a
+ZeRO-3 parameter keeps its view of a whole bucket whose storage is resized to
+zero. Where the gradients are in their reduction, and whether the weights are
 gathered, are explicit states (``grad_state.py``).
 Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
-to it, so a training step allocates nothing after the first one.
+to it, so the units of one backward reuse each other's buffers.
 
 Reduction contract (see the README): after ``reduce_outer`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
@@ -72,6 +71,7 @@ from mf_fsdp.tp_params import (
     set_local_data,
     wrap_grad,
 )
+from mf_fsdp.weight_storage import BucketGeometry, weight_storage_for
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
 
@@ -206,8 +206,8 @@ class ParamGroup:
             )
             self.main_rank = dist_index.get_logical_hybrid_fsdp_rank()
         self.layout = layout
-        self.lo, self.hi = layout.shard_range(self.rank)
-        self.sub_lo, _ = self.main_layout.shard_range(self.main_rank)
+        self.geometry = BucketGeometry(layout, self.main_layout, self.rank, self.main_rank)
+        self.lo, self.hi, self.sub_lo = self.geometry.lo, self.geometry.hi, self.geometry.sub_lo
         self._slices = [
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
@@ -238,7 +238,6 @@ class ParamGroup:
         self._view_cache: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.name = f"the bucket of {sources[0].fqns[0]!r} ({len(params)} parameters)"
         self.grads = GradState(dist.get_rank(), self.name)
-        self._gather: collectives.Handle | None = None  # the all-gather in flight
         self._pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None = None
         self.grad_local: torch.Tensor | None = None
         # The optimizer's parameters hold this group's grads (attach_grad_to_optimizer_state).
@@ -262,36 +261,13 @@ class ParamGroup:
     @property
     def gathered(self) -> bool:
         """True while the whole bucket of weights is present on this rank."""
-        return self.gather is Gather.GATHERED
+        return self.weights.gather is Gather.GATHERED
 
     def _allocate(self) -> None:
         layout, d, dev = self.layout, self.dtypes, self.device
         level = self.strategy.level
-        shard = layout.shard_size
-        if level == 3:
-            self.model_shard = torch.zeros(shard, dtype=d.compute, device=dev)
-            self.main = (
-                self.own_sub_shard()
-                if d.main == d.compute
-                else torch.zeros(self.main_layout.shard_size, dtype=d.main, device=dev)
-            )
-            # One full-bucket tensor for the group's lifetime: releasing it resizes its
-            # storage to zero, gathering resizes it back. Views of it (parameters' .data
-            # and any view autograd saved in forward) therefore always see the current
-            # gather; a pooled tensor would leave saved views pointing at another unit.
-            # It starts released, so building the engine never holds every bucket at once.
-            self.full = torch.empty(layout.padded_numel, dtype=d.compute, device=dev)
-            self._full_nbytes = self.full.untyped_storage().nbytes()
-            self.full.untyped_storage().resize_(0)
-            self.gather = Gather.RELEASED
-        else:
-            self.full = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
-            self.gather = Gather.GATHERED
-            main_numel = layout.padded_numel if level == 0 else shard
-            own = self.full if level == 0 else self.full[self.lo : self.hi]
-            self.main = (
-                own if d.main == d.compute else torch.zeros(main_numel, dtype=d.main, device=dev)
-            )
+        storage = weight_storage_for(self.strategy)
+        self.weights = storage(self.geometry, d.compute, d.main, dev, self.dist_index, self.name)
         self._grad_store: torch.Tensor | None = None
         self._store_aliases_local = False
         self._store_released = False
@@ -309,13 +285,6 @@ class ParamGroup:
             store_numel = layout.padded_numel if level == 0 else self.main_layout.shard_size
             self._grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
         self._store_nbytes = self._grad_store.untyped_storage().nbytes()
-
-    def own_sub_shard(self) -> torch.Tensor:
-        """The part of ``model_shard`` this rank's optimizer owns (all of it unless hybrid)."""
-        if not self.hybrid:
-            return self.model_shard
-        lo = self.sub_lo - self.lo
-        return self.model_shard[lo : lo + self.main_layout.shard_size]
 
     def _store(self, zeroed: bool = True) -> torch.Tensor:
         """The grad store with its bytes present.
@@ -348,30 +317,12 @@ class ParamGroup:
     @property
     def main_is_separate(self) -> bool:
         """True when main weights are their own buffer (their dtype differs from compute)."""
-        return self.main.dtype != self.dtypes.compute
+        return self.weights.main_is_separate
 
     def copy_in(self, index: int, value: torch.Tensor) -> None:
         """Write parameter ``index``'s full value into this rank's buffers (init and load)."""
-        start, end, _ = self._slices[index]
-        flat = local_value(value).reshape(-1)
-        level = self.strategy.level
-        if level < 3:
-            self.full[start:end].copy_(flat)
-        if level == 0:
-            if self.main_is_separate:
-                self.main[start:end].copy_(flat)
-            return
-        b, e = self.layout.local_piece(index, self.rank)
-        if level == 3 and b < e:
-            self.model_shard[start + b - self.lo : start + e - self.lo].copy_(flat[b:e])
-        b, e = self.main_layout.local_piece(index, self.main_rank)
-        if self.main_is_separate and b < e:
-            self.main[start + b - self.sub_lo : start + e - self.sub_lo].copy_(flat[b:e])
-
-    def own_weights(self) -> torch.Tensor:
-        """This rank's shard region of the full compute weights (ZeRO-0/1/2)."""
-        self._check(self.gathered, "own_weights() of a released bucket")
-        return self.full[self.lo : self.hi]
+        start, _, _ = self._slices[index]
+        self.weights.copy_in(index, start, local_value(value).reshape(-1))
 
     def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
         # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
@@ -393,50 +344,29 @@ class ParamGroup:
         ``buffer`` is the main weights or the grad store: the whole bucket under
         ZeRO-0 (the whole parameter), else this rank's shard (its ``main_rows``).
         """
-        if self.strategy.level == 0:
-            return buffer[fp.start : fp.start + fp.numel].view(fp.shape)
-        begin, end = fp.main_rows
-        row = fp.row_numel
-        first = fp.start + begin * row - self.sub_lo if begin < end else 0
-        return buffer[first : first + (end - begin) * row].view(end - begin, *fp.shape[1:])
+        return self.weights.owned_view(fp, buffer)
 
     # ------------------------------------------------------------------ ZeRO-3 gather
     def unshard(self, async_op: bool) -> None:
         """Start (or do) the all-gather of the bucket's weights; no-op when gathered."""
-        if self.gather is not Gather.RELEASED:
-            return
-        self.full.untyped_storage().resize_(self._full_nbytes)
-        self._gather = (
-            collectives.all_gather_into(
-                self.full, self.model_shard, self.dist_index.fsdp_group, async_op=async_op
-            )
-            or _DONE
-        )
-        self.gather = Gather.GATHERING
+        self.weights.unshard(async_op)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the parameters' views now hold the whole weights."""
-        if self.gather is not Gather.GATHERING:
-            return
-        self._check(self._gather is not None, "gathering without an all-gather in flight")
-        self._gather.wait()
-        self._gather = None
-        self.gather = Gather.GATHERED
+        self.weights.wait_unshard()
 
     def reshard(self) -> None:
         """Free the gathered bucket (ZeRO-3); parameters keep their shapes, lose storage."""
-        if self.strategy.level < 3:
-            return
-        self.wait_unshard()
-        self.gather = Gather.RELEASED
-        self.full.untyped_storage().resize_(0)
+        self.weights.reshard()
 
     def point_params_at_buffer(self) -> None:
-        """Make every parameter's ``.data`` a view of the whole-bucket weights (once)."""
-        if self.gather is Gather.RELEASED:
-            # Views need the bytes to exist; the caller releases them again with reshard().
-            self.full.untyped_storage().resize_(self._full_nbytes)
-        for p, v in zip(self.params, self._views(self.full), strict=True):
+        """Make every parameter's ``.data`` a view of the whole-bucket weights (once).
+
+        A released bucket gets its bytes for the views; the caller releases them
+        again with ``reshard()``.
+        """
+        self.weights.hold_full_bytes()
+        for p, v in zip(self.params, self._views(self.weights.full), strict=True):
             set_local_data(p, v)
 
     # ------------------------------------------------------------------ gradients
@@ -691,25 +621,7 @@ class ParamGroup:
     # ------------------------------------------------------------------ weights
     def install_main_weights(self, async_op: bool) -> collectives.Handle | None:
         """Copy updated main weights into the compute weights (all-gather for ZeRO-1/2)."""
-        level = self.strategy.level
-        if level == 3:
-            own = self.own_sub_shard()
-            if self.main_is_separate:
-                own.copy_(self.main)
-            if not self.hybrid:
-                return None
-            # In-place all-gather across dp_outer: the sub-shards rebuild the inner shard.
-            return collectives.all_gather_into(self.model_shard, own, self.outer, async_op=async_op)
-        if level == 0:
-            if self.main is not self.full:
-                self.full.copy_(self.main)
-            return None
-        own = self.full[self.lo : self.hi]
-        if self.main is not own:
-            own.copy_(self.main)
-        return collectives.all_gather_into(
-            self.full, own, self.dist_index.fsdp_group, async_op=async_op
-        )
+        return self.weights.install(async_op)
 
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of the persistent buffers this group holds now, by kind (pool excluded).
@@ -721,21 +633,11 @@ class ParamGroup:
             return 0 if t is None else t.numel() * t.element_size()
 
         level = self.strategy.level
-        params = nbytes(self.model_shard) if level == 3 else nbytes(self.full)
-        main = nbytes(self.main) if self.main_is_separate else 0
+        params = nbytes(self.weights.kept())
+        main = nbytes(self.weights.main) if self.main_is_separate else 0
         grads = 0
         if self.requires_grad:
             grads = nbytes(self.grad_local) if level <= 1 else 0
-            if not (level <= 1 and self._store_aliases_local or self._store_released):
+            if not ((level <= 1 and self._store_aliases_local) or self._store_released):
                 grads += nbytes(self._grad_store)
         return {"params": params, "main_params": main, "grads": grads}
-
-
-class _Done:
-    """A finished collective (what a synchronous call returns in place of a Work)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
