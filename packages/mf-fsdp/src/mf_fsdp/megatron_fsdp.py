@@ -450,7 +450,7 @@ class MegatronFSDP(nn.Module):
                 fp.sharded.grad = fp.grad
         for group in self.groups:
             group.hold_grads()
-            if self.strategy.level == 0 and not group.main_is_separate:
+            if group.replicated and not group.main_is_separate:
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
 

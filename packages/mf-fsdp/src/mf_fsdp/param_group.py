@@ -1,27 +1,17 @@
 """ParamGroup: one flat bucket of parameters, its buffers and its collectives.
 
 A group owns, for the parameters of one FSDP unit with one dtype (or one
-row-size group of them), its weights (``weights``: the storage class of its
-ZeRO strategy, picked once at construction, see ``weight_storage.py``) and
-its gradient buffers:
-
-==================  ===========================  =====================================
-buffer              size                         held when
-==================  ===========================  =====================================
-``grad_local``      whole bucket, compute dtype  ZeRO-0/1 always; ZeRO-2/3 from a unit's
-                                                 backward until its reduction (the root
-                                                 bucket's: only from its reduction on)
-``grad_store``      shard (full for ZeRO-0),     ZeRO-1 fp32: a view of ``grad_local``'s
-                    main dtype                   own region; ZeRO-0: ``grad_local`` itself;
-                                                 ZeRO-2/3: from a reduction until
-                                                 ``zero_grad(set_to_none=True)``
-==================  ===========================  =====================================
+row-size group of them), its weights (``weights``, see ``weight_storage.py``)
+and its gradient buffers (``buffers``, see ``grad_storage.py``): each the
+class of its ZeRO strategy, picked once when the group is built. The group
+decides when to accumulate, reduce, set aside and zero; the classes keep the
+buffers and their lifetimes.
 
 The layout cuts shards between dim-0 rows only, so each parameter's rows on
 this rank (its ``FSDPParam.main_rows``) are viewed in the main weights and
 ``grad_store`` with the parameter's trailing shape (``main_view``): the
 sharded form the optimizer steps. Compute parameters' ``.data`` and ``.grad``
-are views of the whole-bucket weights / ``grad_local``; between passes a
+are views of the whole-bucket weights / local grads; between passes a
 ZeRO-3 parameter keeps its view of a whole bucket whose storage is resized to
 zero. Where the gradients are in their reduction, and whether the weights are
 gathered, are explicit states (``grad_state.py``).
@@ -61,11 +51,11 @@ from mf_fsdp.buffer_pool import BufferPool
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.grad_state import Gather, GradState, Local, Reduced, check_invariant
+from mf_fsdp.grad_storage import GradBuffers, grad_buffers_for
 from mf_fsdp.layout import BucketLayout
 from mf_fsdp.param import FSDPParam
 from mf_fsdp.tp_params import (
     TPInfo,
-    local_grad,
     local_shape,
     local_value,
     set_local_data,
@@ -212,7 +202,7 @@ class ParamGroup:
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
         ]
-        sharded = strategy.level > 0
+        self.replicated = strategy.level == 0  # ZeRO-0: every rank owns the whole bucket
         self.fsdp_params = [
             FSDPParam(
                 param,
@@ -223,7 +213,7 @@ class ParamGroup:
                 local_shape(param),
                 source.tp,
                 self.main_layout.local_rows(index, self.main_rank)
-                if sharded
+                if not self.replicated
                 else (0, local_shape(param)[0] if param.dim() else 1),
             )
             for index, (param, source) in enumerate(zip(params, sources, strict=True))
@@ -239,7 +229,6 @@ class ParamGroup:
         self.name = f"the bucket of {sources[0].fqns[0]!r} ({len(params)} parameters)"
         self.grads = GradState(dist.get_rank(), self.name)
         self._pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None = None
-        self.grad_local: torch.Tensor | None = None
         # The optimizer's parameters hold this group's grads (attach_grad_to_optimizer_state).
         self.grads_handed_out = False
         # Hybrid HSDP: dp_shard-reduced grads waiting for the dp_outer reduce-scatter.
@@ -264,41 +253,31 @@ class ParamGroup:
         return self.weights.gather is Gather.GATHERED
 
     def _allocate(self) -> None:
-        layout, d, dev = self.layout, self.dtypes, self.device
-        level = self.strategy.level
+        d, dev = self.dtypes, self.device
         storage = weight_storage_for(self.strategy)
         self.weights = storage(self.geometry, d.compute, d.main, dev, self.dist_index, self.name)
-        self._grad_store: torch.Tensor | None = None
-        self._store_aliases_local = False
-        self._store_released = False
-        if not self.requires_grad:
-            return
-        # The store aliases the local accumulation buffer when dtypes allow (one copy).
-        self._store_aliases_local = level <= 1 and d.grads == d.compute
-        if level <= 1:
-            self.grad_local = torch.zeros(layout.padded_numel, dtype=d.compute, device=dev)
-            if self._store_aliases_local:
-                self._grad_store = (
-                    self.grad_local if level == 0 else self.grad_local[self.lo : self.hi]
-                )
-        if self._grad_store is None:
-            store_numel = layout.padded_numel if level == 0 else self.main_layout.shard_size
-            self._grad_store = torch.zeros(store_numel, dtype=d.grads, device=dev)
-        self._store_nbytes = self._grad_store.untyped_storage().nbytes()
+        self.buffers: GradBuffers | None = None
+        if self.requires_grad:
+            self.buffers = grad_buffers_for(self.strategy)(
+                self.geometry,
+                d.compute,
+                d.grads,
+                dev,
+                self.pool,
+                self.params,
+                self._views,
+                self.replicated,
+                self.late_grads,
+            )
 
-    def _store(self, zeroed: bool = True) -> torch.Tensor:
-        """The grad store with its bytes present.
+    def _grad_buffers(self) -> GradBuffers:
+        self._check(self.buffers is not None, "the grad buffers are missing")
+        return cast(GradBuffers, self.buffers)
 
-        A released store comes back zeroed, or uninitialised when ``zeroed`` is
-        False (the caller overwrites all of it).
-        """
-        store = self._need(self._grad_store, "the grad store")
-        if self._store_released:
-            store.untyped_storage().resize_(self._store_nbytes)
-            self._store_released = False
-            if zeroed:
-                store.zero_()
-        return store
+    @property
+    def grad_local(self) -> torch.Tensor | None:
+        """The local (unreduced) grads of the bucket, flat; None while none are held."""
+        return None if self.buffers is None else self.buffers.local
 
     @property
     def grad_store(self) -> torch.Tensor | None:
@@ -307,12 +286,12 @@ class ParamGroup:
         Reading it gives a released store its bytes back (zeros): a view of a
         store without bytes must never escape.
         """
-        return self._store() if self.requires_grad else None
+        return None if self.buffers is None else self.buffers.store()
 
     def hold_grads(self) -> None:
         """Give a released grad store its bytes back (zeros) before views of it are handed out."""
-        if self.requires_grad:
-            self._store()
+        if self.buffers is not None:
+            self.buffers.store()
 
     @property
     def main_is_separate(self) -> bool:
@@ -324,7 +303,9 @@ class ParamGroup:
         start, _, _ = self._slices[index]
         self.weights.copy_in(index, start, local_value(value).reshape(-1))
 
-    def _views(self, buffer: torch.Tensor, as_grads: bool = False) -> list[torch.Tensor]:
+    def _views(
+        self, buffer: torch.Tensor, as_grads: bool = False, cache: bool = True
+    ) -> list[torch.Tensor]:
         # as_grads: wrapped for assignment to .grad (DTensor params get DTensor grads).
         key = (id(buffer), as_grads)
         hit = self._view_cache.get(key)
@@ -333,6 +314,8 @@ class ParamGroup:
         views = [buffer[s:e].view(shape) for s, e, shape in self._slices]
         if as_grads:
             views = [wrap_grad(p, v) for p, v in zip(self.params, views, strict=True)]
+        if not cache:
+            return views
         if len(self._view_cache) > 8:
             self._view_cache.clear()
         self._view_cache[key] = (buffer, views)
@@ -379,45 +362,16 @@ class ParamGroup:
             # The optimizer dropped the grads it was given (``zero_grad()`` of an
             # optimizer built on the sharded parameters): start from zero, as torch does.
             self.zero_grad(release=True)
-        if self.strategy.level >= 2:
-            if self.grad_local is None and not self.late_grads:
-                self.grad_local = self.pool.take(
-                    self.layout.padded_numel, self.dtypes.compute, self.device
-                )
-                self.grad_local.zero_()
-                self.attach_local_grads()
-        else:
-            if self._store_aliases_local and self.grads.reduced is not Reduced.NONE:
-                self._set_store_aside()
-            if self.params[0].grad is None:
-                self.attach_local_grads()
+        buffers = self._grad_buffers()
+        if buffers.aliases_local and self.grads.reduced is not Reduced.NONE:
+            self._set_store_aside()
+        buffers.prepare()
         self.grads.accumulate()
 
     def attach_local_grads(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""
-        if self.grad_local is not None:
-            for p, v in zip(self.params, self._views(self.grad_local, True), strict=True):
-                p.grad = v
-
-    def _collect_late_grads(self) -> None:
-        """Copy the parameters' own ``.grad`` into a pooled local buffer and drop them."""
-        local = self.pool.take(self.layout.padded_numel, self.dtypes.compute, self.device)
-        local.zero_()
-        for p, view in zip(self.params, self._views(local), strict=True):
-            if p.grad is not None:
-                view.copy_(local_grad(p, p.grad))
-                p.grad = None
-        self.grad_local = local
-
-    def _give_back_local_grads(self) -> None:
-        """Detach the parameters from the pooled local grad buffer and return it (ZeRO-2/3)."""
-        local = self._need(self.grad_local, "the local grad buffer")
-        for p in self.params:
-            p.grad = None
-        for as_grads in (False, True):  # cached views would keep it alive
-            self._view_cache.pop((id(local), as_grads), None)
-        self.pool.give(local)
-        self.grad_local = None
+        if self.buffers is not None:
+            self.buffers.attach()
 
     def _set_store_aside(self) -> None:
         """Move the reduced grads out of a store that shares the local buffer, and clear it.
@@ -425,9 +379,9 @@ class ParamGroup:
         New local grads are about to be accumulated there; the reduced ones wait
         aside and rejoin the store once the new ones are reduced as far.
         """
-        store = self._store()
-        self._put_aside(store, self.grads.reduced)
-        self._need(self.grad_local, "the local grad buffer").zero_()
+        buffers = self._grad_buffers()
+        self._put_aside(buffers.store(), self.grads.reduced)
+        buffers.local_for_reduction().zero_()
         self.grads.set_aside()
 
     def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
@@ -450,9 +404,8 @@ class ParamGroup:
         spec = self.reduce_spec
         if not self.requires_grad or self.grads.local is not Local.ACCUMULATED:
             return
-        if self.late_grads:
-            self._collect_late_grads()
-        local = self._need(self.grad_local, "the local buffer of accumulated grads")
+        buffers = self._grad_buffers()
+        local = buffers.local_for_reduction()
         if self.dtypes.comm != local.dtype:
             src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
         else:
@@ -461,19 +414,18 @@ class ParamGroup:
             src.mul_(spec.pre)
         self._sum_sequence_parallel_grads(src)
         index = self.dist_index
-        if self.strategy.level == 0:
+        if self.replicated:
             work = collectives.all_reduce(src, spec.op, index.fsdp_group, async_op=async_op)
             out = src
         else:
             direct = (
-                self.strategy.level >= 2
+                not buffers.aliases_local
                 and self.grads.reduced is Reduced.NONE
                 and not self.hybrid
-                and self._grad_store is not None
-                and self._grad_store.dtype == src.dtype
+                and buffers.store_dtype == src.dtype
             )
             out = (
-                self._store(zeroed=False)  # the reduction overwrites all of it
+                buffers.store(zeroed=False)  # the reduction overwrites all of it
                 if direct
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
@@ -505,15 +457,15 @@ class ParamGroup:
         self._pending = None
         if work is not None:
             work.wait()
-        store = self._store()
-        local = self._need(self.grad_local, "the local buffer of a finished reduction")
-        level = self.strategy.level
+        buffers = self._grad_buffers()
+        store = buffers.store()
+        local = buffers.local_for_reduction()
         if self.hybrid:
             if self.pending_inner is None:
                 self.pending_inner = out  # the pooled result is kept until reduce_outer
             else:
                 self.pending_inner.add_(out)
-        elif level <= 1 and self._store_aliases_local:
+        elif buffers.aliases_local:
             if out is not local:  # ZeRO-1: the reduced shard arrived in a temporary
                 store.copy_(out)
         else:
@@ -523,10 +475,7 @@ class ParamGroup:
                 store.zero_()
             if out is not store:
                 store.add_(out)
-        if level >= 2:
-            self._give_back_local_grads()
-        elif not self._store_aliases_local:
-            local.zero_()
+        buffers.after_reduction()
         self.grads.land(outer_due=self.outer is not None, hybrid=self.hybrid)
         if not self.hybrid:
             self._merge_aside(self.grads.reduced, store)
@@ -549,17 +498,16 @@ class ParamGroup:
             # A dp_outer of one replica has nothing to reduce.
             if self.grads.reduced is Reduced.INNER:
                 if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
-                    store = self._store()
+                    store = self._grad_buffers().store()
                     collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
                 self.grads.reduce_outer()
-                self._merge_aside(Reduced.FULL, self._store())
+                self._merge_aside(Reduced.FULL, self._grad_buffers().store())
             return
-        pending, store = self.pending_inner, self._grad_store
+        pending, buffers = self.pending_inner, self._grad_buffers()
         if pending is None:
             return
-        held = self._need(store, "the grad store")
-        direct = self.grads.reduced is Reduced.NONE and held.dtype == pending.dtype
-        store = self._store(zeroed=not direct)
+        direct = self.grads.reduced is Reduced.NONE and buffers.store_dtype == pending.dtype
+        store = buffers.store(zeroed=not direct)
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
         collectives.reduce_scatter_into(sub, pending, self.reduce_spec.outer_op, self.outer)
         if sub is not store:
@@ -579,44 +527,27 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
-        store = self._need(self._grad_store, "the grad store")
-        if release and self.strategy.level >= 2:
-            store.untyped_storage().resize_(0)
-            self._store_released = True
-        elif not self._store_released:
-            store.zero_()
+        buffers = self._grad_buffers()
+        buffers.zero_store(release)
         if self.pending_inner is not None:
             self.pool.give(self.pending_inner)
             self.pending_inner = None
         for held in self._aside.values():
             self.pool.give(held)
         self._aside.clear()
-        if self.strategy.level <= 1:
-            self._need(self.grad_local, "the ZeRO-0/1 local grad buffer").zero_()
-            self.attach_local_grads()
-        elif self.grad_local is not None:
-            self._give_back_local_grads()
-        else:  # late grads still on the parameters
-            for p in self.params:
-                p.grad = None
+        buffers.zero_local()
         self.grads_handed_out = False
         self.grads.reset()
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the reduced and any unreduced local grads by ``factor``."""
-        store = None if self._store_released else self._grad_store
+        if self.buffers is None:
+            return
+        store = None if self.buffers.released else self.buffers.store()
         for reduced in (store, self.pending_inner, *self._aside.values()):
             if reduced is not None:
                 reduced.mul_(factor)
-        if self.grad_local is not None and not self._store_aliases_local:
-            self.grad_local.mul_(factor)
-        elif self.late_grads and self.grad_local is None:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-        elif self.grad_local is not None and self.strategy.level == 1:
-            self.grad_local[: self.lo].mul_(factor)
-            self.grad_local[self.hi :].mul_(factor)
+        self.buffers.scale_local(factor)
 
     # ------------------------------------------------------------------ weights
     def install_main_weights(self, async_op: bool) -> collectives.Handle | None:
@@ -632,12 +563,7 @@ class ParamGroup:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        level = self.strategy.level
         params = nbytes(self.weights.kept())
         main = nbytes(self.weights.main) if self.main_is_separate else 0
-        grads = 0
-        if self.requires_grad:
-            grads = nbytes(self.grad_local) if level <= 1 else 0
-            if not ((level <= 1 and self._store_aliases_local) or self._store_released):
-                grads += nbytes(self._grad_store)
+        grads = 0 if self.buffers is None else self.buffers.held_bytes()
         return {"params": params, "main_params": main, "grads": grads}

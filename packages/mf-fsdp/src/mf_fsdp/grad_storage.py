@@ -1,0 +1,266 @@
+"""Where a bucket's gradients live: one buffer class per ZeRO strategy, picked once.
+
+=====================  ==================================  ================================
+buffers                local grads (``local``)             reduced grads (``store``)
+=====================  ==================================  ================================
+``PersistentGrads``    the whole bucket, always; the       this rank's owned part: a view
+(ZeRO-0/1)             parameters' ``.grad`` are views     of ``local`` when the dtypes
+                       of it                               agree (ZeRO-0: ``local``
+                                                           itself), else its own buffer
+``TransientGrads``     a pooled whole bucket from a        its own buffer (this rank's
+(ZeRO-2/3)             unit's backward until its           shard), whose bytes are freed
+                       reduction; late (the root): the     by ``release_store`` until the
+                       parameters' own ``.grad`` until     next reduction
+                       the reduction starts
+=====================  ==================================  ================================
+
+The classes keep the buffers and their lifetimes; when to accumulate, reduce
+and zero is the ``ParamGroup``'s (and its ``GradState``'s) business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mf_fsdp.buffer_pool import BufferPool
+from mf_fsdp.config import ZeroDPStrategy
+from mf_fsdp.tp_params import local_grad
+from mf_fsdp.weight_storage import BucketGeometry
+
+__all__ = ["GradBuffers", "PersistentGrads", "TransientGrads", "grad_buffers_for"]
+
+Views = Callable[[torch.Tensor, bool, bool], list[torch.Tensor]]
+
+
+class GradBuffers:
+    """A bucket's local and reduced gradient buffers (the base: the store's bytes).
+
+    Args:
+        geometry: where this rank's pieces are.
+        compute: the dtype autograd accumulates in; grads: the reduced grads' dtype.
+        device: where the buffers live.
+        pool: the engine's pool of temporary whole-bucket tensors.
+        params: the bucket's compute parameters (their ``.grad`` are attached here).
+        views: the bucket's per-parameter views of a flat buffer: ``views(buffer,
+            as_grads, cache)`` (``as_grads`` wraps them as the parameters' grads;
+            ``cache`` keeps them for the next call with the same buffer).
+        replicated: every rank owns the whole bucket (ZeRO-0).
+        late: (ZeRO-2/3) take the local buffer only when the reduction starts.
+    """
+
+    local: torch.Tensor | None = None
+    _cache_views = True  # the local buffer lives as long as the bucket
+    aliases_local = False
+    """The store is a view of ``local`` (reduced grads must be set aside before
+    new ones accumulate there)."""
+
+    def __init__(
+        self,
+        geometry: BucketGeometry,
+        compute: torch.dtype,
+        grads: torch.dtype,
+        device: torch.device,
+        pool: BufferPool,
+        params: list[nn.Parameter],
+        views: Views,
+        replicated: bool,
+        late: bool,
+    ) -> None:
+        self.geometry = geometry
+        self._compute = compute
+        self._device = device
+        self._pool = pool
+        self._params = params
+        self._views = views
+        self._released = False
+        self._store = self._allocate(grads, replicated, late)
+        self._store_nbytes = self._store.untyped_storage().nbytes()
+
+    def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
+        """Create the buffers; return the store."""
+        raise NotImplementedError
+
+    def _separate_store(self, grads: torch.dtype, replicated: bool) -> torch.Tensor:
+        g = self.geometry
+        numel = g.layout.padded_numel if replicated else g.main_layout.shard_size
+        return torch.zeros(numel, dtype=grads, device=self._device)
+
+    def _whole_bucket(self) -> torch.Tensor:
+        return self._pool.take(self.geometry.layout.padded_numel, self._compute, self._device)
+
+    # ------------------------------------------------------------------ reduced grads
+    @property
+    def released(self) -> bool:
+        """True while the store holds no bytes (its grads are zeros by definition)."""
+        return self._released
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The reduced grads' dtype."""
+        return self._store.dtype
+
+    def store(self, zeroed: bool = True) -> torch.Tensor:
+        """The store with its bytes present.
+
+        A released store comes back zeroed, or uninitialised when ``zeroed`` is
+        False (the caller overwrites all of it).
+        """
+        if self._released:
+            self._store.untyped_storage().resize_(self._store_nbytes)
+            self._released = False
+            if zeroed:
+                self._store.zero_()
+        return self._store
+
+    def zero_store(self, release: bool) -> None:
+        """Zero the reduced grads; ``release``: free the store's bytes where it may."""
+        if not self._released:
+            self._store.zero_()
+
+    # ------------------------------------------------------------------ local grads
+    def attach(self) -> None:
+        """Point every parameter's ``.grad`` at its view of the local buffer."""
+        if self.local is not None:
+            views = self._views(self.local, True, self._cache_views)
+            for p, v in zip(self._params, views, strict=True):
+                p.grad = v
+
+    def prepare(self) -> None:
+        """Have the local buffer ready before autograd accumulates into it."""
+        raise NotImplementedError
+
+    def local_for_reduction(self) -> torch.Tensor:
+        """The local grads, flat, for the reduction about to start."""
+        if self.local is None:
+            raise RuntimeError("mf_fsdp internal error: a reduction without local grads")
+        return self.local
+
+    def after_reduction(self) -> None:
+        """The local grads were reduced: clear them for the next accumulation."""
+        raise NotImplementedError
+
+    def zero_local(self) -> None:
+        """Drop the local grads (``zero_grad``)."""
+        raise NotImplementedError
+
+    def scale_local(self, factor: float) -> None:
+        """Multiply the local grads that are not also reduced ones by ``factor``."""
+        if self.local is not None:
+            self.local.mul_(factor)
+
+    def held_bytes(self) -> int:
+        """Bytes held now outside the pool: persistent local grads and a store with bytes."""
+        return 0 if self._released else self._store.numel() * self._store.element_size()
+
+
+class PersistentGrads(GradBuffers):
+    """ZeRO-0/1: the local buffer lives as long as the bucket, the parameters' grads view it."""
+
+    def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
+        g = self.geometry
+        self.local = torch.zeros(g.layout.padded_numel, dtype=self._compute, device=self._device)
+        self.aliases_local = grads == self._compute
+        self._own = (0, g.layout.padded_numel) if replicated else (g.lo, g.hi)
+        if self.aliases_local:
+            return self.local[self._own[0] : self._own[1]]
+        return self._separate_store(grads, replicated)
+
+    def _local(self) -> torch.Tensor:
+        return self.local_for_reduction()
+
+    def prepare(self) -> None:
+        """Attach the parameters' grads again if something dropped them."""
+        if self._params[0].grad is None:
+            self.attach()
+
+    def after_reduction(self) -> None:
+        """Zero the local buffer unless it also holds the reduced grads."""
+        if not self.aliases_local:
+            self._local().zero_()
+
+    def zero_local(self) -> None:
+        """Zero the buffer and attach the parameters' grads to it."""
+        self._local().zero_()
+        self.attach()
+
+    def scale_local(self, factor: float) -> None:
+        """Scale what is not this rank's store: all of it, or (aliased) outside its region."""
+        local = self._local()
+        if not self.aliases_local:
+            local.mul_(factor)
+            return
+        lo, hi = self._own
+        local[:lo].mul_(factor)
+        local[hi:].mul_(factor)
+
+    def held_bytes(self) -> int:
+        """The local buffer, and the store unless it is a view of it."""
+        local = self._local()
+        held = local.numel() * local.element_size()
+        return held if self.aliases_local else held + super().held_bytes()
+
+
+class TransientGrads(GradBuffers):
+    """ZeRO-2/3: a pooled local buffer per backward, a store freed when the grads are dropped."""
+
+    _cache_views = False  # cached views would keep a returned buffer alive
+
+    def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
+        self._late = late
+        return self._separate_store(grads, replicated)
+
+    def zero_store(self, release: bool) -> None:
+        """Free the store's bytes on ``release`` (nothing reads it before the next reduction)."""
+        if release:
+            self._store.untyped_storage().resize_(0)
+            self._released = True
+        else:
+            super().zero_store(release)
+
+    def prepare(self) -> None:
+        """Take a zeroed buffer from the pool and attach the grads (not when late)."""
+        if self.local is None and not self._late:
+            self.local = self._whole_bucket()
+            self.local.zero_()
+            self.attach()
+
+    def local_for_reduction(self) -> torch.Tensor:
+        """Late: copy the parameters' own grads into a pooled buffer and drop them."""
+        if self._late and self.local is None:
+            local = self._whole_bucket()
+            local.zero_()
+            for p, view in zip(self._params, self._views(local, False, False), strict=True):
+                if p.grad is not None:
+                    view.copy_(local_grad(p, p.grad))
+                    p.grad = None
+            self.local = local
+        return super().local_for_reduction()
+
+    def after_reduction(self) -> None:
+        """Detach the parameters and return the buffer to the pool."""
+        self.zero_local()
+
+    def zero_local(self) -> None:
+        """Detach the parameters' grads; the pooled buffer goes back."""
+        for p in self._params:
+            p.grad = None
+        if self.local is not None:
+            self._pool.give(self.local)
+            self.local = None
+
+    def scale_local(self, factor: float) -> None:
+        """Scale the pooled buffer, or the late grads still on the parameters."""
+        if self.local is not None:
+            self.local.mul_(factor)
+            return
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+def grad_buffers_for(strategy: ZeroDPStrategy) -> type[GradBuffers]:
+    """The buffer class of ``strategy`` (see the module table)."""
+    return TransientGrads if strategy.shards_grads else PersistentGrads
