@@ -2,16 +2,22 @@
 
 A fresh large CPU tensor costs page faults on first touch every time; the
 engine's whole-bucket temporaries and the collectives' receive buffers come
-from pools, so the units of one backward reuse each other's buffers. The
-engine empties its pool when a forward starts: idle gradient buffers would
-otherwise sit under that forward's activations and raise the peak.
+from pools, so the units of one backward reuse each other's buffers. When a
+forward starts the engine frees the pool's large idle buffers
+(``release_large``): they would otherwise sit under that forward's
+activations and raise the peak.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BufferPool"]
+__all__ = ["KEEP_BELOW_BYTES", "BufferPool"]
+
+KEEP_BELOW_BYTES = 1 << 20
+"""Idle buffers smaller than this stay pooled across forwards: their bytes do not
+move a peak, while making them (and views of them) again every step costs host
+time that a small model's step is made of."""
 
 
 class BufferPool:
@@ -29,10 +35,16 @@ class BufferPool:
         """Hand a tensor from ``take`` back for reuse."""
         self._free.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
 
-    def clear(self) -> None:
-        """Free every tensor waiting in the pool (those taken stay with their holders)."""
-        self._free.clear()
+    def release_large(self) -> None:
+        """Free the waiting tensors of ``KEEP_BELOW_BYTES`` or more (taken ones stay taken)."""
+        large = [k for k, ts in self._free.items() if ts and _nbytes(ts[0]) >= KEEP_BELOW_BYTES]
+        for key in large:
+            del self._free[key]
 
     def held_bytes(self) -> int:
         """Bytes of the tensors waiting in the pool."""
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mf_fsdp.buffer_pool import BufferPool
+from mf_fsdp.buffer_pool import KEEP_BELOW_BYTES, BufferPool
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.tp_params import local_grad
 from mf_fsdp.weight_storage import BucketGeometry
@@ -52,7 +52,6 @@ class GradBuffers:
     """
 
     local: torch.Tensor | None = None
-    _cache_views = True  # the local buffer lives as long as the bucket
     aliases_local = False
     """The store is a view of ``local`` (reduced grads must be set aside before
     new ones accumulate there)."""
@@ -124,9 +123,13 @@ class GradBuffers:
     def attach(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local buffer."""
         if self.local is not None:
-            views = self._views(self.local, True, self._cache_views)
+            views = self._views(self.local, True, self._cache_views(self.local))
             for p, v in zip(self._params, views, strict=True):
                 p.grad = v
+
+    def _cache_views(self, buffer: torch.Tensor) -> bool:
+        """Whether views of ``buffer`` may be kept (here: it lives as long as the bucket)."""
+        return True
 
     def prepare(self) -> None:
         """Have the local buffer ready before autograd accumulates into it."""
@@ -206,7 +209,9 @@ class PersistentGrads(GradBuffers):
 class TransientGrads(GradBuffers):
     """ZeRO-2/3: a pooled local buffer per backward, a store freed when the grads are dropped."""
 
-    _cache_views = False  # cached views would keep a returned buffer alive
+    def _cache_views(self, buffer: torch.Tensor) -> bool:
+        """Only for buffers the pool keeps: cached views would keep a freed one alive."""
+        return buffer.numel() * buffer.element_size() < KEEP_BELOW_BYTES
 
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         self._late = late
@@ -232,7 +237,8 @@ class TransientGrads(GradBuffers):
         if self._late and self.local is None:
             local = self._whole_bucket()
             local.zero_()
-            for p, view in zip(self._params, self._views(local, False, False), strict=True):
+            views = self._views(local, False, self._cache_views(local))
+            for p, view in zip(self._params, views, strict=True):
                 if p.grad is not None:
                     view.copy_(local_grad(p, p.grad))
                     p.grad = None

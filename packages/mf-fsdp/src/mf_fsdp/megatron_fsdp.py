@@ -326,10 +326,10 @@ class MegatronFSDP(nn.Module):
     def _root_pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Before the wrapped module runs: compute forms registered, root bucket(s) gathered.
 
-        The pool's idle buffers (last backward's gradients) are freed first, so
-        they do not add to this forward's activation peak.
+        The pool's large idle buffers (last backward's gradients) are freed first,
+        so they do not add to this forward's activation peak.
         """
-        self._pool.clear()
+        self._pool.release_large()
         self._register_compute()
         self._unit_hooks.root_pre_forward()
 
