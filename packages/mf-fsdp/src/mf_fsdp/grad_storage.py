@@ -21,12 +21,15 @@ and zero is the ``ParamGroup``'s (and its ``GradState``'s) business.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buffer_pool import KEEP_BELOW_BYTES, BufferPool
 from mf_fsdp.config import ZeroDPStrategy
+from mf_fsdp.grad_state import check_invariant
 from mf_fsdp.tp_params import local_grad
 from mf_fsdp.weight_storage import BucketGeometry
 
@@ -49,6 +52,7 @@ class GradBuffers:
             ``cache`` keeps them for the next call with the same buffer).
         replicated: every rank owns the whole bucket (ZeRO-0).
         late: (ZeRO-2/3) take the local buffer only when the reduction starts.
+        name: the bucket's name, for invariant errors.
     """
 
     local: torch.Tensor | None = None
@@ -67,8 +71,10 @@ class GradBuffers:
         views: Views,
         replicated: bool,
         late: bool,
+        name: str,
     ) -> None:
         self.geometry = geometry
+        self.name = name
         self._compute = compute
         self._device = device
         self._pool = pool
@@ -137,9 +143,8 @@ class GradBuffers:
 
     def local_for_reduction(self) -> torch.Tensor:
         """The local grads, flat, for the reduction about to start."""
-        if self.local is None:
-            raise RuntimeError("mf_fsdp internal error: a reduction without local grads")
-        return self.local
+        check_invariant(self.local is not None, dist.get_rank(), self.name, "no local grads")
+        return cast(torch.Tensor, self.local)
 
     def after_reduction(self) -> None:
         """The local grads were reduced: clear them for the next accumulation."""

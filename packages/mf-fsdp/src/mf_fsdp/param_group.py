@@ -268,6 +268,7 @@ class ParamGroup:
                 self._views,
                 self.replicated,
                 self.late_grads,
+                self.name,
             )
 
     def _grad_buffers(self) -> GradBuffers:
