@@ -93,9 +93,6 @@ class GradBuffers:
         numel = g.layout.padded_numel if replicated else g.main_layout.shard_size
         return torch.zeros(numel, dtype=grads, device=self._device)
 
-    def _whole_bucket(self) -> torch.Tensor:
-        return self._pool.take(self.geometry.layout.padded_numel, self._compute, self._device)
-
     # ------------------------------------------------------------------ reduced grads
     @property
     def released(self) -> bool:
@@ -221,6 +218,9 @@ class TransientGrads(GradBuffers):
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         self._late = late
         return self._separate_store(grads, replicated)
+
+    def _whole_bucket(self) -> torch.Tensor:
+        return self._pool.take(self.geometry.layout.padded_numel, self._compute, self._device)
 
     def zero_store(self, release: bool) -> None:
         """Free the store's bytes on ``release`` (nothing reads it before the next reduction)."""

@@ -197,7 +197,6 @@ class ParamGroup:
             self.main_rank = dist_index.get_logical_hybrid_fsdp_rank()
         self.layout = layout
         self.geometry = BucketGeometry(layout, self.main_layout, self.rank, self.main_rank)
-        self.lo, self.hi, self.sub_lo = self.geometry.lo, self.geometry.hi, self.geometry.sub_lo
         self._slices = [
             (s, s + n, local_shape(p))
             for s, n, p in zip(layout.starts, layout.numels, params, strict=True)
@@ -241,11 +240,6 @@ class ParamGroup:
     # ------------------------------------------------------------------ buffers
     def _check(self, condition: bool, what: str) -> None:
         check_invariant(condition, self.grads.rank, self.name, what)
-
-    def _need(self, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
-        """``tensor``; its absence is an invariant error naming the rank and the bucket."""
-        self._check(tensor is not None, f"{what} is missing")
-        return cast(torch.Tensor, tensor)
 
     @property
     def gathered(self) -> bool:
