@@ -5,7 +5,9 @@ whole bucket) and all-gather with point-to-point transfers (buckets of 1 MiB
 and more; smaller ones keep the native calls, AVG summed then divided). Each must give
 what ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` give, for sum and
 avg, shards of any size (1 and odd ones: the tail of a bucket), in place or
-not, synchronous or not, on 2, 3 and 4 ranks.
+not, synchronous or not, on 2, 3 and 4 ranks. Inside ``collectives.coalescing``,
+small asynchronous calls share one collective: the same results, one
+``torch.distributed`` call per pack.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mf.bench import bytes_written
+from mf.bench.comm_counter import CommCounter
 from mf_fsdp import collectives
 from tests._multiprocess import run_on_ranks
 
@@ -101,6 +104,78 @@ def _rank_minimum_bytes(rank: int, world: int) -> None:
     assert theirs > 1.9, theirs  # what the engine moved before
 
 
+def _rank_coalescing(rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    window = 64 * world  # whole-bucket elements: shards of 1, 7 and 40 pack; 64 does not
+    shards = (64, 1, 7, 40)
+    g = torch.Generator().manual_seed(rank)
+    sources = [torch.randint(-1000, 1000, (world * n,), generator=g).float() for n in shards]
+    mine = [source[:n] for source, n in zip(sources, shards, strict=True)]
+    gathered = [torch.full((world * n,), float("nan")) for n in shards]
+    summed = [torch.full((n,), float("nan")) for n in shards]
+    averaged = [torch.full((n,), float("nan")) for n in shards]
+    reduced = [source.clone() for source in sources]
+    counter = CommCounter()
+    with counter.installed():
+        counter.enabled = True
+        with collectives.coalescing(window):
+            handles = [
+                collectives.all_gather_into(out, shard, group, async_op=True)
+                for out, shard in zip(gathered, mine, strict=True)
+            ]
+            with pytest.raises(RuntimeError, match="before it was issued"):
+                handles[1].wait()
+            for out, source in zip(summed, sources, strict=True):
+                handles.append(
+                    collectives.reduce_scatter_into(out, source, dist.ReduceOp.SUM, group, True)
+                )
+            # A synchronous call issues what was recorded first (program order kept).
+            collectives.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)
+            for out, source in zip(averaged, sources, strict=True):
+                handles.append(
+                    collectives.reduce_scatter_into(out, source, dist.ReduceOp.AVG, group, True)
+                )
+            handles += [
+                collectives.all_reduce(t, dist.ReduceOp.SUM, group, async_op=True) for t in reduced
+            ]
+        for handle in handles:
+            assert handle is not None
+            handle.wait()
+        counter.enabled = False
+    # Each call on 64 elements per rank alone (it flushes what was recorded), then one
+    # pack per kind for 1, 7 and 40 (sums and averages apart); the synchronous all-reduce.
+    assert counter.calls == {
+        "all_gather_single": 2,
+        "reduce_scatter_single": 4,
+        "all_reduce": 3,
+    }, counter.calls
+    for n, source, shard, out, total, mean, all_sum in zip(
+        shards, sources, mine, gathered, summed, averaged, reduced, strict=True
+    ):
+        expected_full = torch.empty(world * n)
+        dist.all_gather_into_tensor(expected_full, shard, group=group)
+        assert torch.equal(out, expected_full)
+        expected = torch.empty(n)
+        dist.reduce_scatter_tensor(expected, source.clone(), group=group)
+        assert torch.equal(total, expected)
+        assert torch.equal(mean, expected / world)
+        expected_all = source.clone()
+        dist.all_reduce(expected_all)
+        assert torch.equal(all_sum, expected_all)
+    # A block left by an exception issues nothing: its handles say so.
+    lost = []
+
+    def fail_inside() -> None:
+        with collectives.coalescing(window):
+            lost.append(collectives.all_gather_into(gathered[1], mine[1], group, async_op=True))
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        fail_inside()
+    with pytest.raises(RuntimeError, match="ended with an exception"):
+        lost[0].wait()
+
+
 def _rank_group_dies_when_destroyed(rank: int, world: int) -> None:
     group = dist.new_group(list(range(world)))
     for numel in (16, collectives.POINT_TO_POINT_MIN_BYTES):  # native and point-to-point
@@ -117,6 +192,12 @@ def _rank_group_dies_when_destroyed(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo_paths_equal_torch(world: int) -> None:
     run_on_ranks(_rank_against_torch, world, timeout=120)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_collectives_equal_torch_in_fewer_calls(world: int) -> None:
+    run_on_ranks(_rank_coalescing, world, timeout=120)
 
 
 @pytest.mark.multiprocess

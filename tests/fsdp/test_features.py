@@ -157,20 +157,28 @@ def _rank_memory(rank: int, world: int) -> None:
 
 def _rank_grad_buffers_are_bounded(rank: int, world: int) -> None:
     # Eight equal blocks: if every unit's whole-bucket grad buffer lived until the end of
-    # backward, the pool would end up holding all eight.
+    # backward, the pool would end up holding all eight. Each unit reduced alone, and
+    # two units per communication window (one window is reduced while the next fills):
+    # the same bound. (The default window holds this whole model: all may be in flight.)
     config = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=8, n_heads=4)
-    torch.manual_seed(0)
-    module = GPT(config)
-    block_bytes = sum(p.numel() for p in module.blocks[0].parameters()) * 4
-    opt = make_optimizer("sgd", module.parameters())
-    model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
-    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
-    for _ in range(2):
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-    pooled = model.memory_footprint()["pool"]
-    assert 0 < pooled <= 4 * block_bytes * 1.01, (pooled, block_bytes)
+    block_numel = sum(p.numel() for p in GPT(config).blocks[0].parameters())
+    for window in (0, 2 * block_numel + 1):
+        torch.manual_seed(0)
+        module = GPT(config)
+        opt = make_optimizer("sgd", module.parameters())
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            opt,
+            fsdp_unit_modules=unit_classes(),
+            suggested_communication_unit_size=window,
+        )
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        pooled = model.memory_footprint()["pool"]
+        assert 0 < pooled <= 4 * block_numel * 4 * 1.01, (window, pooled, block_numel)
 
 
 def _rank_idle_grad_memory_is_freed(rank: int, world: int) -> None:
@@ -314,13 +322,16 @@ def _rank_features(rank: int, world: int) -> None:
     del ref_losses
 
     # Recomputing a whole unit gathers its weights once for recompute + backward.
+    # Each unit communicates alone here (window 0), so every gather is counted.
     counts_by_mode, params_by_mode = {}, {}
     for recompute in (False, True):
         module = make_model()
         if recompute:
             module.blocks = nn.ModuleList(_Recomputed(b) for b in module.blocks)
         opt = make_optimizer("sgd", module.parameters())
-        model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), suggested_communication_unit_size=0
+        )
         for step in range(steps):
             with count_collectives() as counts:
                 model(*batch(step, rank)).backward()
@@ -332,7 +343,9 @@ def _rank_features(rank: int, world: int) -> None:
         }
     for name, value in params_by_mode[False].items():
         torch.testing.assert_close(params_by_mode[True][name], value, rtol=1e-5, atol=1e-6)
-    assert counts_by_mode[True] == counts_by_mode[False] == 1 + 2 * CONFIG.n_layers
+    # The root once, every block in forward and again in backward, except the last:
+    # the backward starts with it, so it stays gathered from its forward on.
+    assert counts_by_mode[True] == counts_by_mode[False] == 1 + 2 * CONFIG.n_layers - 1
 
     # bf16 compute with fp32 main weights stays close to the fp32 run, in every strategy.
     fp32_losses, _ = reference_run("adam", world, 10)

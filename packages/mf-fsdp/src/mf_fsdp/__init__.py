@@ -14,6 +14,7 @@ from mf_fsdp.checkpoint import (
     save_full_state_dict,
 )
 from mf_fsdp.config import (
+    DEFAULT_COMMUNICATION_UNIT_SIZE,
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
     TrainingState,
@@ -43,6 +44,7 @@ from mf_fsdp.units import plan_bucket_layouts
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_COMMUNICATION_UNIT_SIZE",
     "ELEMENTWISE_OPTIMIZERS",
     "RECORD_FILE",
     "BucketLayout",

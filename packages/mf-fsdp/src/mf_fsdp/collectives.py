@@ -20,6 +20,16 @@ Asynchronous calls return a handle whose ``wait()`` finishes the transfer and
 the local work after it (the sum of a reduce-scatter); synchronous calls return
 None, as ``torch.distributed`` does.
 
+Inside ``coalescing(max_numel)``, asynchronous calls on tensors of fewer than
+``max_numel`` elements are recorded, not issued: when the block ends, the
+recorded calls of one kind, group, dtype and op are packed into one flat
+buffer and run as one collective (then copied out), so several small buckets
+cost one collective's latency instead of one each. That is what a small
+model's ZeRO-3 step is made of on gloo, where each collective costs a few
+hundred microseconds however few its bytes. A synchronous call, or one on a
+larger tensor, first issues what was recorded, so calls still go out in
+program order.
+
 All ranks of a group must call these in the same order (as for any collective):
 point-to-point messages between two ranks are matched in the order they were
 posted.
@@ -27,10 +37,11 @@ posted.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +55,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast_from_first",
+    "coalescing",
     "reduce_scatter_into",
     "uses_point_to_point",
     "workspace_bytes",
@@ -64,7 +76,7 @@ class Handle(Protocol):
 class _Then:
     """Transfers in flight and the local work that completes them, run once on ``wait``."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None]) -> None:
+    def __init__(self, works: list[dist.Work] | list[Handle], finish: Callable[[], None]) -> None:
         self._works = works
         self._finish: Callable[[], None] | None = finish
 
@@ -157,6 +169,15 @@ def all_gather_into(
 
     ``shard`` may be this rank's own region of ``output`` (an in-place gather).
     """
+    recorded = _record_or_flush("all_gather", output, shard, None, group, async_op)
+    if recorded is not None:
+        return recorded
+    return _all_gather_now(output, shard, group, async_op)
+
+
+def _all_gather_now(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> Handle | None:
     if not uses_point_to_point(output, group):
         return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     facts = _facts(group)
@@ -187,6 +208,19 @@ def reduce_scatter_into(
     changed. On gloo the peers' pieces are summed in rank order, so every rank's
     result is bitwise reproducible.
     """
+    recorded = _record_or_flush("reduce_scatter", output, input, op, group, async_op)
+    if recorded is not None:
+        return recorded
+    return _reduce_scatter_now(output, input, op, group, async_op)
+
+
+def _reduce_scatter_now(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> Handle | None:
     if op not in _SUMMING or not uses_point_to_point(input, group):
         return _native_reduce_scatter(output, input, op, group, async_op)
     facts = _facts(group)
@@ -246,6 +280,15 @@ def all_reduce(
     async_op: bool = False,
 ) -> Handle | None:
     """Reduce ``tensor`` in place over ``group`` (the native call on every backend)."""
+    recorded = _record_or_flush("all_reduce", tensor, tensor, op, group, async_op)
+    if recorded is not None:
+        return recorded
+    return _all_reduce_now(tensor, op, group, async_op)
+
+
+def _all_reduce_now(
+    tensor: torch.Tensor, op: ReduceOp, group: dist.ProcessGroup, async_op: bool
+) -> Handle | None:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -263,3 +306,166 @@ def all_to_all(
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the first member's."""
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+
+
+# ---------------------------------------------------------------------- coalescing
+class _Deferred:
+    """The handle of a call recorded inside ``coalescing()``; bound when the block issues it."""
+
+    __slots__ = ("issued",)
+
+    def __init__(self) -> None:
+        self.issued: Handle | None = None
+
+    def wait(self) -> object:
+        if self.issued is None:
+            raise RuntimeError(
+                "collectives: a collective recorded inside coalescing() was waited on before "
+                "it was issued (the block has not ended, or it ended with an exception)"
+            )
+        return self.issued.wait()
+
+
+@dataclass(slots=True)
+class _Call:
+    """One recorded call: ``output`` receives, ``input`` is sent (one tensor for an all-reduce)."""
+
+    kind: str
+    output: torch.Tensor
+    input: torch.Tensor
+    op: ReduceOp | None
+    group: dist.ProcessGroup
+    handle: _Deferred = field(default_factory=_Deferred)
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """Calls with equal keys can share one collective."""
+        return (self.kind, self.group, self.input.dtype, self.input.device, self.op)
+
+    @property
+    def numel(self) -> int:
+        """The call's size: its whole bucket (the gathered output, the reduced input)."""
+        return max(self.output.numel(), self.input.numel())
+
+
+@dataclass(slots=True)
+class _Batch:
+    max_numel: int
+    calls: list[_Call] = field(default_factory=list)
+
+
+_BATCH: _Batch | None = None
+
+
+@contextlib.contextmanager
+def coalescing(max_numel: int) -> Iterator[None]:
+    """Pack the small asynchronous collectives issued inside the block (see the module doc).
+
+    A call's size is its whole bucket: an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor. Calls of ``max_numel``
+    elements or more are issued at once; packs hold at most ``max_numel``
+    elements. Handles of recorded calls may be waited on only after the block.
+    A block inside another joins it; ``max_numel`` 0 records nothing.
+    """
+    global _BATCH
+    if _BATCH is not None:
+        yield
+        return
+    _BATCH = batch = _Batch(max_numel)
+    try:
+        yield
+    except BaseException:
+        batch.calls.clear()  # never issued: their handles say so when waited on
+        raise
+    finally:
+        _BATCH = None
+    _issue(batch.calls, max_numel)
+
+
+def _record_or_flush(
+    kind: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp | None,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> Handle | None:
+    """Record the call in the open batch and return its handle; else issue what was recorded."""
+    batch = _BATCH
+    if batch is None:
+        return None
+    call = _Call(kind, output, input, op, group)
+    if async_op and call.numel < batch.max_numel:
+        batch.calls.append(call)
+        return call.handle
+    recorded, batch.calls = batch.calls, []
+    _issue(recorded, batch.max_numel)
+    return None
+
+
+def _issue(calls: list[_Call], max_numel: int) -> None:
+    """Issue recorded calls, packing those of one key up to ``max_numel`` elements together."""
+    global _BATCH
+    if not calls:
+        return
+    outer, _BATCH = _BATCH, None  # the packed calls themselves are issued, not recorded
+    try:
+        _issue_packs(calls, max_numel)
+    finally:
+        _BATCH = outer
+
+
+def _issue_packs(calls: list[_Call], max_numel: int) -> None:
+    open_packs: dict[tuple[object, ...], list[_Call]] = {}
+    packs: list[list[_Call]] = []
+    for call in calls:
+        pack = open_packs.get(call.key)
+        if pack is None or sum(c.numel for c in pack) + call.numel > max_numel:
+            pack = open_packs[call.key] = []
+            packs.append(pack)
+        pack.append(call)
+    for pack in packs:
+        handle = _run_pack(pack)
+        for call in pack:
+            call.handle.issued = handle
+
+
+def _run_pack(pack: list[_Call]) -> Handle:
+    """One collective for every call of ``pack`` (the call itself when it is alone)."""
+    first = pack[0]
+    group, op = first.group, cast(ReduceOp, first.op)
+    if len(pack) == 1:
+        if first.kind == "all_gather":
+            handle = _all_gather_now(first.output, first.input, group, True)
+        elif first.kind == "reduce_scatter":
+            handle = _reduce_scatter_now(first.output, first.input, op, group, True)
+        else:
+            handle = _all_reduce_now(first.output, op, group, True)
+        return cast(Handle, handle)
+    # Packed buffers are fresh, not pooled: packs vary in size, and a pool would keep
+    # one of each size for good (they are under the window: cheap for the allocator).
+    rows = 1 if first.kind == "all_reduce" else len(_facts(group).ranks)
+    widths = [call.numel // rows for call in pack]
+    total = sum(widths)
+    packed_in = torch.empty(
+        (rows if first.kind == "reduce_scatter" else 1, total),
+        dtype=first.input.dtype,
+        device=first.input.device,
+    )
+    for column, call in zip(packed_in.split(widths, dim=1), pack, strict=True):
+        column.copy_(call.input.view(column.shape))
+    if first.kind == "all_gather":
+        packed_out = packed_in.new_empty((rows, total))
+        work = _all_gather_now(packed_out, packed_in, group, True)
+    elif first.kind == "reduce_scatter":
+        packed_out = packed_in.new_empty((1, total))
+        work = _reduce_scatter_now(packed_out, packed_in, op, group, True)
+    else:
+        packed_out = packed_in
+        work = _all_reduce_now(packed_in, op, group, True)
+
+    def copy_out() -> None:
+        for column, call in zip(packed_out.split(widths, dim=1), pack, strict=True):
+            call.output.view(column.shape).copy_(column)
+
+    return _Then([cast(Handle, work)], copy_out)

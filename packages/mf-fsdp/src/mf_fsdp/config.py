@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DEFAULT_COMMUNICATION_UNIT_SIZE",
     "DistributedDataParallelConfig",
     "MixedPrecisionPolicy",
     "TrainingState",
@@ -158,6 +159,12 @@ class MixedPrecisionPolicy:
         return compute, main, grads, self.grad_comm_dtype or grads
 
 
+DEFAULT_COMMUNICATION_UNIT_SIZE = 1 << 18
+"""Elements (1 MiB of fp32): below this, a bucket's collective costs its latency, not its bytes,
+so consecutive units that fit together are gathered and reduced in one collective. Units of a
+model large enough for sharding to matter are bigger, and communicate alone as before."""
+
+
 @dataclass(slots=True)
 class DistributedDataParallelConfig:
     """The reference's DDP/FSDP configuration fields that this engine honours.
@@ -175,6 +182,12 @@ class DistributedDataParallelConfig:
         average_in_collective: divide inside the collective (``ReduceOp.AVG``)
             instead of before it; the result is the same.
         grad_reduce_in_fp32: reduce gradients in fp32 whatever the compute dtype.
+        suggested_communication_unit_size: the communication window, in elements of
+            whole buckets (the reference's name). Units whose buckets fit in it
+            together share one collective: ZeRO-3 prefetches the next units up to
+            it (at least one), and reductions of consecutive units are held until
+            the next would overflow it, then packed into one. 0 turns coalescing off
+            (one unit prefetched, each unit reduced alone).
     """
 
     data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
@@ -183,9 +196,16 @@ class DistributedDataParallelConfig:
     overlap_param_gather: bool = True
     average_in_collective: bool = False
     grad_reduce_in_fp32: bool = False
+    suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE
 
     def __post_init__(self) -> None:
         """Normalise the strategies; outer sharding needs inner ZeRO-3 (as in the reference)."""
+        window = self.suggested_communication_unit_size
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(
+                f"suggested_communication_unit_size: expected an int >= 0 (elements), "
+                f"got {window!r}"
+            )
         inner = normalize_strategy(
             self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy"
         )

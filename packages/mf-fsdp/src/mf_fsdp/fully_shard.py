@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mf_fsdp.config import (
+    DEFAULT_COMMUNICATION_UNIT_SIZE,
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
     ZeroDPStrategy,
@@ -58,6 +59,7 @@ def fully_shard_model(
     gradient_scaling_factor: float | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     expt_device_mesh: DeviceMesh | None = None,
+    suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
@@ -90,6 +92,9 @@ def fully_shard_model(
         expt_device_mesh: the mesh of expert parameters (mixture-of-experts models):
             over the same ranks, with a dim named like ``dp_shard_dim`` that is the
             expert-data-parallel group (see ``FSDPDistributedIndex``).
+        suggested_communication_unit_size: the communication window in elements
+            (``DistributedDataParallelConfig``): consecutive units whose buckets fit
+            in it together are gathered and reduced in one collective; 0 turns that off.
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.
@@ -108,6 +113,7 @@ def fully_shard_model(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         average_in_collective=average_in_collective,
+        suggested_communication_unit_size=suggested_communication_unit_size,
     )
     hybrid = config.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
     if hybrid and dp_outer_dim is None:

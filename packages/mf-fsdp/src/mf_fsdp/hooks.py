@@ -3,12 +3,15 @@
 Hooks (per unit, registered once):
 
 - forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next
-  unit in last iteration's forward order, and thread the unit's inputs
+  units in last iteration's forward order, and thread the unit's inputs
   through ``RegisterFSDPBackwardFunction`` so its backward end is observable;
-- forward post-hook: release the bucket (ZeRO-3) and hook the outputs' grads
-  (pre-backward: gather again, prefetch the previous unit, get the grad buffer);
+- forward post-hook: release the bucket (ZeRO-3; not the units the backward
+  starts with, which it would gather again at once: the last unit, and those
+  before it that fit in the communication window with it) and hook the
+  outputs' grads (pre-backward: gather again, prefetch the previous
+  units, get the grad buffer);
 - post-backward (the identity function's backward): reduce the unit's grads
-  now (overlapped with the rest of backward) and release its bucket;
+  (overlapped with the rest of backward) and release its bucket;
 - a callback queued on the autograd engine at the first pre-backward finishes
   the root and any unit whose post-backward did not fire, then hands over to
   the engine's end-of-backward step (micro-batch count, auto-sync).
@@ -16,6 +19,15 @@ Hooks (per unit, registered once):
 A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
 recompute and backward share one gather.
+
+[Note: communication window] Prefetching walks ahead in the recorded order
+(forward order, or its reverse in backward) while the buckets ahead fit in
+``suggested_communication_unit_size`` elements, at least one unit, and starts
+their gathers as one coalesced collective (``collectives.coalescing``). A
+unit's reduction waits in a queue until the next unit's would overflow that
+window (or the backward ends), then the queue is reduced in one collective.
+Units bigger than the window gather one ahead and reduce at once, as without
+it; small ones (whose collectives cost their latency, not their bytes) share.
 
 This module owns only the per-iteration order and states; it does not build
 buckets, decide *whether* to reduce (the engine's ``SyncPolicy`` does),
@@ -34,13 +46,15 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from mf_fsdp import collectives
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.param_group import ParamGroup
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks"]
 
 _REDUCTIONS_IN_FLIGHT = 1
-"""Units whose gradient reduction may still run when the next unit's backward ends."""
+"""Launched reductions (of one unit, or of a window's queue) that may still run when the next
+one is launched."""
 
 
 class RegisterFSDPBackwardFunction(torch.autograd.Function):
@@ -78,6 +92,11 @@ class Unit:
         self.groups = groups
         self.state = TrainingState.IDLE
         self.forwarded = False
+
+    @property
+    def numel(self) -> int:
+        """Elements of the unit's whole buckets (what a gather or a reduction moves)."""
+        return sum(group.layout.padded_numel for group in self.groups)
 
 
 class UnitHooks:
@@ -123,7 +142,9 @@ class UnitHooks:
         self._callback_queued = False
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
-        self._reducing: list[Unit] = []
+        self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
+        self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
+        self._queued: list[Unit] = []  # reductions waiting for the window to fill
         self._handles: list[RemovableHandle] = []
         for unit in units:
             assert unit.module is not None  # internal invariant
@@ -140,18 +161,33 @@ class UnitHooks:
     def _prefetching(self) -> bool:
         return self._strategy.shards_params and self._ddp_config.overlap_param_gather
 
+    @property
+    def _window(self) -> int:
+        return self._ddp_config.suggested_communication_unit_size
+
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s), prefetch the first unit."""
+        # A forward whose backward never ran left the root (and the units kept for the
+        # backward) gathered; the weights may have changed since: gather them afresh.
+        for unit in (self._root, *self._units):
+            if unit.state is TrainingState.FORWARD:
+                for group in unit.groups:
+                    group.reshard()
+        # The units the backward starts with (its first window) stay gathered from
+        # their forward on: the backward would gather them again at once.
+        self._kept = (
+            self._window_of(self._prev_order, len(self._prev_order) - 1, -1, self._window)
+            if self._prefetching
+            else []
+        )
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
         self._root.forwarded = True
+        ahead = self._prev_order if self._prefetching else []
+        self._start_gathers(self._root, ahead, 0, +1)
         for group in self._root.groups:
-            group.unshard(async_op=False)
             group.wait_unshard()
-        if self._prefetching and self._prev_order:
-            for group in self._prev_order[0].groups:
-                group.unshard(async_op=True)
 
     def root_post_forward(self, out: Any) -> Any:
         """Hook the root's pre-backward on ``out`` (or release the root without grad)."""
@@ -162,9 +198,10 @@ class UnitHooks:
                 tensors, self._root_pre_backward, mode="any"
             )
         else:
-            for group in self._root.groups:
-                group.reshard()
-            self._root.state = TrainingState.IDLE
+            for unit in (self._root, *self._units):
+                for group in unit.groups:
+                    group.reshard()
+                unit.state = TrainingState.IDLE
         self._on_idle()  # until a backward starts, the modules hold the sharded forms
         return out
 
@@ -199,9 +236,14 @@ class UnitHooks:
     ) -> None:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
-        for group in unit.groups:
-            group.reshard()
         tensors = _grad_tensors(output)
+        # The last units of the forward are the first of the backward: keep them
+        # gathered when a backward will come (torchtitan leaves the last block
+        # unresharded too). A forward that ends without one releases them.
+        kept = any(unit is k for k in self._kept)
+        if not (kept and torch.is_grad_enabled() and tensors):
+            for group in unit.groups:
+                group.reshard()
         if torch.is_grad_enabled() and tensors and self._strategy.shards_grads:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(self._unit_pre_backward, unit), mode="any"
@@ -214,13 +256,42 @@ class UnitHooks:
             group.wait_unshard()
 
     def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
+        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction)."""
         try:
             position = order.index(unit) + step
         except ValueError:
             return
-        if 0 <= position < len(order):
-            for group in order[position].groups:
-                group.unshard(async_op=True)
+        self._start_gathers(None, order, position, step)
+
+    @staticmethod
+    def _window_of(order: list[Unit], position: int, step: int, room: int) -> list[Unit]:
+        """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1."""
+        chosen: list[Unit] = []
+        while 0 <= position < len(order):
+            unit = order[position]
+            if chosen and unit.numel > room:
+                break
+            chosen.append(unit)
+            room -= unit.numel
+            position += step
+        return chosen
+
+    def _start_gathers(
+        self, first: Unit | None, order: list[Unit], position: int, step: int
+    ) -> None:
+        """Start gathering ``first`` and the units of ``order`` from ``position`` on.
+
+        Walks ``order`` by ``step`` while the units fit in the window together
+        (those already gathered count too), taking at least one; all their
+        gathers go out coalesced (see [Note: communication window]).
+        """
+        chosen = [] if first is None else [first]
+        room = self._window - sum(unit.numel for unit in chosen)
+        chosen += self._window_of(order, position, step, room)
+        with collectives.coalescing(self._window):
+            for unit in chosen:
+                for group in unit.groups:
+                    group.unshard(async_op=True)
 
     # ------------------------------------------------------------------ backward
     def _ensure_callback(self) -> None:
@@ -236,9 +307,8 @@ class UnitHooks:
         accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
         for group in accumulate:
             group.begin_accumulate()
-        if self._prefetching and self._fwd_order:
-            for group in self._fwd_order[-1].groups:
-                group.unshard(async_op=True)
+        if self._prefetching:
+            self._start_gathers(None, self._fwd_order, len(self._fwd_order) - 1, -1)
 
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         self._ensure_callback()
@@ -255,26 +325,47 @@ class UnitHooks:
             return
         unit.state = TrainingState.POST_BACKWARD
         if self._reduce_now():
-            overlap = self._ddp_config.overlap_grad_reduce
-            for group in unit.groups:
-                group.start_reduce(async_op=overlap)
-                if not overlap:
-                    group.finish_reduce()
-            self._reducing.append(unit)
-            # The previous unit's reduction had this unit's backward to finish in: wait
-            # for it now, so its whole-bucket grad buffer goes back to the pool for the
-            # next unit instead of every unit's buffer living until the end of backward.
-            while len(self._reducing) > _REDUCTIONS_IN_FLIGHT:
-                for group in self._reducing.pop(0).groups:
-                    group.finish_reduce()
+            if self._queued and sum(u.numel for u in self._queued) + unit.numel > self._window:
+                self._launch_reductions()
+            self._queued.append(unit)
+            if sum(u.numel for u in self._queued) >= self._window:
+                self._launch_reductions()
         for group in unit.groups:
             group.reshard()
+
+    def _launch_reductions(self) -> None:
+        """Reduce the queued units' grads (one coalesced collective when they are small)."""
+        if not self._queued:
+            return
+        launched, self._queued = self._queued, []
+        with collectives.coalescing(self._window):
+            for unit in launched:
+                for group in unit.groups:
+                    group.start_reduce(async_op=True)
+        if not self._ddp_config.overlap_grad_reduce:
+            for unit in launched:
+                for group in unit.groups:
+                    group.finish_reduce()
+            return
+        self._reducing.append(launched)
+        # The previous reduction had this unit's backward to finish in: wait for it
+        # now, so its whole-bucket grad buffers go back to the pool for the next unit
+        # instead of every unit's buffer living until the end of backward.
+        while len(self._reducing) > _REDUCTIONS_IN_FLIGHT:
+            for unit in self._reducing.pop(0):
+                for group in unit.groups:
+                    group.finish_reduce()
 
     def _root_post_backward(self) -> None:
         for unit in reversed(self._fwd_order):
             self._unit_post_backward(unit)
         self._root.forwarded = True
         self._unit_post_backward(self._root)
+        self._launch_reductions()
+        for unit in self._units:  # prefetched for a backward that did not reach them
+            if unit.state is not TrainingState.POST_BACKWARD:
+                for group in unit.groups:
+                    group.reshard()
         for unit in (self._root, *self._units):
             unit.state = TrainingState.IDLE
             unit.forwarded = False

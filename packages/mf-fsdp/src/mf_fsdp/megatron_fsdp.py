@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mf_fsdp import collectives
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
@@ -415,8 +416,12 @@ class MegatronFSDP(nn.Module):
     # ------------------------------------------------------------------ grads
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reduction of every group holding unreduced local grads."""
-        for group in self.groups:
-            group.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
+        with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
+            for group in self.groups:
+                group.start_reduce(async_op=True)
+        if not self.ddp_config.overlap_grad_reduce:
+            for group in self.groups:
+                group.finish_reduce()
 
     def synchronize_gradient_reduce(self) -> None:
         """Wait for every launched reduction and fold results into the grad stores.
@@ -503,15 +508,17 @@ class MegatronFSDP(nn.Module):
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
     ) -> None:
         """Gather weights: ZeRO-3 buckets, or the ZeRO-1/2 all-gather of updated shards."""
-        async_op = not force_sync and (self.ddp_config.overlap_param_gather or force_dispatch)
         self._param_works = []
-        for group in self.groups:
-            if group.strategy.shards_params:
-                group.unshard(async_op=async_op)
-            else:
-                work = group.install_main_weights(async_op=async_op)
-                if work is not None:
-                    self._param_works.append(work)
+        with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
+            for group in self.groups:
+                if group.strategy.shards_params:
+                    group.unshard(async_op=True)
+                else:
+                    work = group.install_main_weights(async_op=True)
+                    if work is not None:
+                        self._param_works.append(work)
+        if force_sync or not (self.ddp_config.overlap_param_gather or force_dispatch):
+            self.synchronize_param_gather()
 
     def synchronize_param_gather(self) -> None:
         """Wait for the gathers started by ``start_param_sync``."""
@@ -523,7 +530,8 @@ class MegatronFSDP(nn.Module):
 
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's updated main weights into the model's compute weights."""
-        works = [g.install_main_weights(async_op=True) for g in self.groups]
+        with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
+            works = [g.install_main_weights(async_op=True) for g in self.groups]
         for work in works:
             if work is not None:
                 work.wait()
