@@ -38,6 +38,7 @@ posted.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -221,9 +222,16 @@ def _reduce_scatter_now(
     group: dist.ProcessGroup,
     async_op: bool,
 ) -> Handle | None:
-    if op not in _SUMMING or not uses_point_to_point(input, group):
-        return _native_reduce_scatter(output, input, op, group, async_op)
     facts = _facts(group)
+    if op not in _SUMMING or not uses_point_to_point(input, group):
+        if op != dist.ReduceOp.AVG or not facts.gloo:
+            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        # gloo has no AVG: sum, then divide.
+        work = dist.reduce_scatter_tensor(
+            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+        divisor = len(facts.ranks)
+        return _finish([] if work is None else [work], lambda: output.div_(divisor), async_op)
     me, ranks = facts.me, facts.ranks
     size = len(ranks)
     pieces = input.view(size, -1).unbind(0)
@@ -254,23 +262,6 @@ def _reduce_scatter_now(
         _WORKSPACES.give(spare)
 
     return _finish(works, combine, async_op)
-
-
-def _native_reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: ReduceOp,
-    group: dist.ProcessGroup,
-    async_op: bool,
-) -> Handle | None:
-    """``reduce_scatter_tensor``; gloo has no ``AVG``, so there it sums and divides."""
-    if op != dist.ReduceOp.AVG or not _facts(group).gloo:
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-    work = dist.reduce_scatter_tensor(
-        output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
-    size = len(_facts(group).ranks)
-    return _finish([] if work is None else [work], lambda: output.div_(size), async_op)
 
 
 def all_reduce(
@@ -354,7 +345,13 @@ class _Batch:
     calls: list[_Call] = field(default_factory=list)
 
 
-_BATCH: _Batch | None = None
+class _OpenBatch(threading.local):
+    """The batch ``coalescing()`` has open on this thread (autograd may run hooks on its own)."""
+
+    batch: _Batch | None = None
+
+
+_OPEN = _OpenBatch()
 
 
 @contextlib.contextmanager
@@ -367,18 +364,17 @@ def coalescing(max_numel: int) -> Iterator[None]:
     elements. Handles of recorded calls may be waited on only after the block.
     A block inside another joins it; ``max_numel`` 0 records nothing.
     """
-    global _BATCH
-    if _BATCH is not None:
+    if _OPEN.batch is not None:
         yield
         return
-    _BATCH = batch = _Batch(max_numel)
+    _OPEN.batch = batch = _Batch(max_numel)
     try:
         yield
     except BaseException:
         batch.calls.clear()  # never issued: their handles say so when waited on
         raise
     finally:
-        _BATCH = None
+        _OPEN.batch = None
     _issue(batch.calls, max_numel)
 
 
@@ -391,7 +387,7 @@ def _record_or_flush(
     async_op: bool,
 ) -> Handle | None:
     """Record the call in the open batch and return its handle; else issue what was recorded."""
-    batch = _BATCH
+    batch = _OPEN.batch
     if batch is None:
         return None
     call = _Call(kind, output, input, op, group)
@@ -405,14 +401,13 @@ def _record_or_flush(
 
 def _issue(calls: list[_Call], max_numel: int) -> None:
     """Issue recorded calls, packing those of one key up to ``max_numel`` elements together."""
-    global _BATCH
     if not calls:
         return
-    outer, _BATCH = _BATCH, None  # the packed calls themselves are issued, not recorded
+    outer, _OPEN.batch = _OPEN.batch, None  # the packed calls are issued, not recorded
     try:
         _issue_packs(calls, max_numel)
     finally:
-        _BATCH = outer
+        _OPEN.batch = outer
 
 
 def _issue_packs(calls: list[_Call], max_numel: int) -> None:
