@@ -145,6 +145,7 @@ class UnitHooks:
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
         self._queued: list[Unit] = []  # reductions waiting for the window to fill
+        self._queued_numel = 0
         self._handles: list[RemovableHandle] = []
         for unit in units:
             assert unit.module is not None  # internal invariant
@@ -167,7 +168,7 @@ class UnitHooks:
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
-        """Start an iteration: gather the root bucket(s), prefetch the first unit."""
+        """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
         # A forward whose backward never ran left the root (and the units kept for the
         # backward) gathered; the weights may have changed since: gather them afresh.
         for unit in (self._root, *self._units):
@@ -325,19 +326,24 @@ class UnitHooks:
             return
         unit.state = TrainingState.POST_BACKWARD
         if self._reduce_now():
-            if self._queued and sum(u.numel for u in self._queued) + unit.numel > self._window:
-                self._launch_reductions()
-            self._queued.append(unit)
-            if sum(u.numel for u in self._queued) >= self._window:
-                self._launch_reductions()
+            self._queue_reduction(unit)
         for group in unit.groups:
             group.reshard()
+
+    def _queue_reduction(self, unit: Unit) -> None:
+        """Queue ``unit``'s reduction; launch the queue before it would overflow the window."""
+        if self._queued_numel + unit.numel > self._window:
+            self._launch_reductions()
+        self._queued.append(unit)
+        self._queued_numel += unit.numel
+        if self._queued_numel >= self._window:
+            self._launch_reductions()
 
     def _launch_reductions(self) -> None:
         """Reduce the queued units' grads (one coalesced collective when they are small)."""
         if not self._queued:
             return
-        launched, self._queued = self._queued, []
+        launched, self._queued, self._queued_numel = self._queued, [], 0
         with collectives.coalescing(self._window):
             for unit in launched:
                 for group in unit.groups:
