@@ -78,15 +78,18 @@ def _child(
     init_file: str | None,
     errors: Any,
     args: tuple[Any, ...],
+    backend: str = "gloo",
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         if init_file is None:
             _init_fake_group(rank, world_size)
         else:
             dist.init_process_group(
-                "gloo",
+                backend,
                 init_method=f"file://{init_file}",
                 rank=rank,
                 world_size=world_size,
@@ -107,8 +110,12 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
+    backend: str = "gloo",
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and wait for all.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and wait for all.
+
+    The ranks use gloo on the CPU, or with ``backend="nccl"`` one CUDA device each
+    (rank r on device r: one GPU hosts one NCCL rank).
 
     Raises:
         AssertionError: if any rank raised (with each failed rank's traceback)
@@ -116,6 +123,13 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_on_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"run_on_ranks: {world_size} NCCL ranks need as many CUDA devices, "
+            f"got {torch.cuda.device_count()}"
+        )
     context = _context()
     errors = context.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="mf-rdzv-") as tmp:
@@ -123,7 +137,7 @@ def run_on_ranks(
         processes = [
             context.Process(
                 target=_child,
-                args=(fn, rank, world_size, init_file, errors, args),
+                args=(fn, rank, world_size, init_file, errors, args, backend),
                 name=f"rank{rank}",
                 daemon=True,
             )

@@ -27,6 +27,7 @@ __all__ = ["SNAPSHOT_FILE", "api_lines", "package_version", "read_snapshot", "wr
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_FILE = "api.txt"
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+_MEMBER_MODULES = tuple(p.name.replace("-", "_") for p in (ROOT / "packages").iterdir())
 
 
 def package_version(package: Path) -> str:
@@ -42,8 +43,20 @@ def _signature(obj: object) -> str:
     return _ADDRESS.sub("", text)
 
 
+def _constructor(cls: type) -> str:
+    """The constructor's signature, or whose it is when the class inherits it from torch.
+
+    A class that takes its constructor from a class outside mf (UnevenDTensor from
+    DTensor) promises that constructor, whose signature changes with the torch release.
+    """
+    owner = next((c for c in cls.__mro__ if "__init__" in vars(c) or "__new__" in vars(c)), object)
+    if owner is not object and owner.__module__.split(".")[0] not in ("mf", *_MEMBER_MODULES):
+        return f"(constructor of {owner.__module__}.{owner.__qualname__})"
+    return _signature(cls)
+
+
 def _class_lines(name: str, cls: type) -> list[str]:
-    lines = [f"class {name}{_signature(cls)}"]
+    lines = [f"class {name}{_constructor(cls)}"]
     for attr, value in sorted(vars(cls).items()):
         if attr.startswith("_"):
             continue

@@ -1,11 +1,13 @@
 """Each member's wheel installs alone, with only its declared dependencies, as from a registry.
 
 ``uv build`` makes every member's sdist and wheel, as a release would. One
-throw-away virtual environment gets torch (from uv's cache), then each
-member's wheel in turn together with the wheels of the members it declares
-(other dependencies from the index); the member must import and expose its
-``__all__``, no undeclared mf package may be importable, and the README
-example runs as written, on one process.
+throw-away virtual environment gets the torch this suite runs on (from uv's
+cache: CI runs the suite on the newest and the oldest supported torch), then
+each member's wheel in turn together with the wheels of the members it declares
+(other dependencies from the index); the torch already there must stay, the
+member must import and expose its ``__all__``, no undeclared mf package may be
+importable, and the README example runs as written, on one process. pip, the
+installer of an image that ships its torch, must keep that torch too.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ def _readme_example(package: Path) -> str:
     return re.findall(r"```python\n(.*?)```", (package / "README.md").read_text(), re.S)[0]
 
 
+def _torch_version(python: Path) -> str:
+    """The torch version a virtual environment's interpreter imports."""
+    probe = [str(python), "-c", "import torch; print(torch.__version__)"]
+    return subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert UV is not None, "uv must be on PATH (.ci/run installs it)"
@@ -109,9 +117,11 @@ def test_member_installs_alone(
     module = _import_name(package.name)
     needed = _closure(module, declared)
     files = [str(wheels[m.replace("_", "-")]) for m in sorted(needed)]
+    python = venv / "bin" / "python"
+    torch_before = _torch_version(python)
     subprocess.run([UV, "pip", "install", "-q", *files], check=True, env=env)
     try:
-        python = venv / "bin" / "python"
+        assert _torch_version(python) == torch_before, "installing the wheels replaced torch"
         result = subprocess.run(
             [str(python), "-c", CHECK, module, ",".join(sorted(needed)), ",".join(ALL_MODULES)],
             capture_output=True,
@@ -134,3 +144,38 @@ def test_member_installs_alone(
     finally:
         names = [m.replace("_", "-") for m in needed]
         subprocess.run([UV, "pip", "uninstall", "-q", *names], check=True, env=env)
+
+
+@pytest.mark.timeout(600)
+def test_pip_keeps_the_torch_an_image_ships(
+    wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """``pip install`` of mf-fsdp's wheel (and its mf dependencies) where torch is installed.
+
+    As on a GPU machine whose image pins torch: pip takes the installed torch, the
+    package imports and its README example runs.
+    """
+    assert UV is not None, "uv must be on PATH (.ci/run installs it)"
+    path = tmp_path_factory.mktemp("image") / "venv"
+    # The machine's pip configuration (a site-wide version cap) is not the image's.
+    env = {**os.environ, "VIRTUAL_ENV": str(path), "PIP_CONFIG_FILE": os.devnull}
+    subprocess.run([UV, "venv", "-q", "--seed", "-p", sys.executable, str(path)], check=True)
+    version = torch.__version__.split("+")[0]
+    subprocess.run([UV, "pip", "install", "-q", f"torch=={version}"], check=True, env=env)
+    python = path / "bin" / "python"
+    shipped = _torch_version(python)
+    names = ("mf-utils", "mf-rng", "mf-dtensor", "mf-fsdp")
+    install = [str(python), "-m", "pip", "install", "-q", *(str(wheels[n]) for n in names)]
+    subprocess.run(install, check=True, env=env)
+    assert _torch_version(python) == shipped, "pip replaced the installed torch"
+    example = tmp_path / "example.py"
+    example.write_text(_readme_example(ROOT / "packages" / "mf-fsdp"))
+    run = subprocess.run(
+        [str(python), str(example)],
+        capture_output=True,
+        text=True,
+        env={**env, **_one_process_world()},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert run.returncode == 0, f"mf-fsdp's README example:\n{run.stderr}"

@@ -16,10 +16,34 @@ from mf.train.report import Reporter, last_saved_checkpoint
 from mf.train.worker import main as worker_main
 
 
-def test_defaults_are_valid() -> None:
+# [Note: simulated GPUs] Every test of this module runs three times, as on a machine with
+# no GPU, one and four (torch.cuda's answers are simulated; nothing here starts a process
+# or touches a device). mf-train's defaults follow the hardware, so a test that means the
+# CPU must say so (--device cpu, --nproc), and a test of the defaults states what it
+# expects for each machine: none may pass only because this machine has no GPU.
+@pytest.fixture(autouse=True, params=[0, 1, 4], ids=["no-gpu", "1-gpu", "4-gpus"])
+def gpus(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    count = request.param
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return count
+
+
+_CPU = ["--device", "cpu"]
+
+
+def test_defaults_follow_the_hardware(gpus: int) -> None:
+    """No GPU: 2 CPU processes (gloo). GPUs: CUDA with one process per GPU (NCCL)."""
     options = parse_options([])
-    assert (options.nproc, options.zero, options.tp) == (2, 3, 1)
-    assert options.dp_size == 2
+    assert (options.nproc, options.zero, options.tp) == (gpus or 2, 3, 1)
+    assert options.dp_size == (gpus or 2)
+    assert options.use_cuda == (gpus > 0)
+    cpu = parse_options(_CPU)
+    assert (cpu.nproc, cpu.use_cuda) == (2, False)
+    if gpus:
+        cuda = parse_options(["--device", "cuda"])
+        assert (cuda.nproc, cuda.use_cuda) == (gpus, True)
+        assert parse_options(["--nproc", "1"]).use_cuda
 
 
 @pytest.mark.parametrize(
@@ -58,7 +82,7 @@ def test_defaults_are_valid() -> None:
 )
 def test_option_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_options(argv)
+        parse_options([*_CPU, *argv])
 
 
 def test_data_errors_are_one_line(tmp_path, capsys) -> None:
@@ -81,7 +105,7 @@ def test_data_errors_are_one_line(tmp_path, capsys) -> None:
         (["--resume", "--ckpt-dir", str(tmp_path / "none")], "--resume: no complete checkpoint"),
     ]
     for argv, message in cases:
-        assert main(argv) == 2
+        assert main([*_CPU, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mf-train: error: ")
         assert message in err
@@ -95,7 +119,7 @@ def test_resume_refuses_another_model(tmp_path) -> None:
     saved = tmp_path / "step_0000005"
     saved.mkdir()
     (saved / RECORD_FILE).write_text(json.dumps({"step": 5, "extra": {"model": "small", "tp": 1}}))
-    common = ["--resume", "--ckpt-dir", str(tmp_path)]
+    common = [*_CPU, "--resume", "--ckpt-dir", str(tmp_path)]
     assert parse_options([*common, "--zero", "1", "--nproc", "4"]).resume  # ZeRO/world may change
     assert parse_options([*common, "--nproc", "4", "--tp", "2"]).resume  # and the tp size
     with pytest.raises(ValueError, match="was saved with --model small, this run has --model tiny"):
@@ -104,28 +128,28 @@ def test_resume_refuses_another_model(tmp_path) -> None:
         parse_options([*common, "--steps", "5"])  # nothing left to train
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
-def test_cuda_without_gpus(capsys) -> None:
-    assert parse_options([]).nproc == 2  # one per GPU on CUDA, else 2
+def test_cuda_without_gpus(gpus: int, capsys) -> None:
+    if gpus:
+        assert parse_options(["--device", "cuda"]).nproc == gpus
+        return
     assert main(["--device", "cuda"]) == 2
     assert capsys.readouterr().err == (
         "mf-train: error: --device cuda: torch sees no CUDA device on this machine\n"
     )
 
 
-def test_nproc_above_the_gpus_is_an_error(monkeypatch, capsys) -> None:
+def test_nproc_above_the_gpus_is_an_error(gpus: int, monkeypatch, capsys) -> None:
     """CUDA runs: one process per GPU, so more processes than GPUs is refused up front."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert parse_options([]).nproc == 2  # the default: one per GPU
-    check_local_processes(parse_options(["--nproc", "2"]))
-    assert main(["--nproc", "3"]) == 2
+    if not gpus:
+        pytest.skip("the rule of a machine with GPUs (this simulated one has none)")
+    check_local_processes(parse_options(["--nproc", str(gpus)]))
+    assert main(["--nproc", str(gpus + 1)]) == 2
     assert capsys.readouterr().err == (
-        "mf-train: error: --nproc 3 is more than the CUDA GPUs of this machine (2); one process "
-        "per GPU: use --nproc 2 or fewer, or --device cpu\n"
+        f"mf-train: error: --nproc {gpus + 1} is more than the CUDA GPUs of this machine "
+        f"({gpus}); one process per GPU: use --nproc {gpus} or fewer, or --device cpu\n"
     )
-    monkeypatch.setattr("mf.train.cli.local_cpu_cores", lambda: 4)
-    check_local_processes(parse_options(["--nproc", "3", "--device", "cpu"]))  # the CPU rule
+    monkeypatch.setattr("mf.train.cli.local_cpu_cores", lambda: 8)
+    check_local_processes(parse_options(["--nproc", "5", "--device", "cpu"]))  # the CPU rule
     assert capsys.readouterr().err == ""
 
 
@@ -151,8 +175,8 @@ def strict_json(line: str) -> dict:
 
 
 def _reporter(tmp_path: Path, start_step: int = 0) -> Reporter:
-    options = parse_options(["--model", "tiny", "--seq-len", "32", "--out-dir", str(tmp_path)])
-    return Reporter(options, True, start_step, "corpus", 100, 10, 1000)
+    argv = [*_CPU, "--model", "tiny", "--seq-len", "32", "--out-dir", str(tmp_path)]
+    return Reporter(parse_options(argv), True, start_step, "corpus", 100, 10, 1000)
 
 
 def test_metrics_stay_strict_json_with_non_finite_values(tmp_path) -> None:
@@ -189,7 +213,7 @@ def test_interrupted_names_only_a_checkpoint_of_this_run(tmp_path, capsys, monke
     for step in (3, 9):  # step 9: another run's, newer
         (ckpt / f"step_000000{step}").mkdir(parents=True)
         (ckpt / f"step_000000{step}" / RECORD_FILE).write_text("{}")
-    options = parse_options(["--ckpt-dir", str(ckpt), "--out-dir", str(tmp_path / "out")])
+    options = parse_options([*_CPU, "--ckpt-dir", str(ckpt), "--out-dir", str(tmp_path / "out")])
 
     def message(run_id: str) -> str:
         capsys.readouterr()  # not the progress bar's output
@@ -224,14 +248,14 @@ def test_seq_len_longer_than_either_split(tmp_path, capsys) -> None:
     TextData.from_text(text.read_text(), 39)  # fits
     with pytest.raises(ValueError, match="validation split of 40; use --seq-len below 40"):
         TextData.from_text(text.read_text(), 40)
-    assert main(["--model", "tiny", "--data", str(text), "--seq-len", "64"]) == 2
+    assert main([*_CPU, "--model", "tiny", "--data", str(text), "--seq-len", "64"]) == 2
     assert "--seq-len 64 is too long for the corpus" in capsys.readouterr().err
 
 
 def test_worker_entry_reports_user_errors_in_one_line(capsys, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert worker_main(["--", "--tp", "3"]) == 2
+    assert worker_main(["--", *_CPU, "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err == "mf-train: error: --tp 3 does not divide the 2 processes (--nproc); " + (
         "choose a tensor-parallel size that divides it\n"

@@ -14,8 +14,10 @@ figures compare across engines and against the theoretical minimum:
 | point-to-point batch         | the tensors it sends         |
 
 The Python-level collectives are wrapped where both ``torch.distributed``
-and its ``distributed_c10d`` module look them up (the deprecated aliases
-delegate to the wrapped ones, so nothing is counted twice). DDP reduces in
+and its ``distributed_c10d`` module look them up, under the name the running
+torch defines each one with (``mf_utils.collective_name``: the deprecated
+aliases delegate to the wrapped ones, so nothing is counted twice); they are
+counted under the newest torch's names. DDP reduces in
 C++ and is not seen here: its traffic (one all-reduce of every gradient) is
 reported by the benchmark from its bucket sizes.
 """
@@ -31,6 +33,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+
+from mf_utils import collective_name
 
 __all__ = ["CommCounter"]
 
@@ -113,11 +117,12 @@ class CommCounter:
         saved: list[tuple[Any, str, Any]] = []
         for module in (dist, distributed_c10d):
             for name in (*_BYTE_MODEL, *_EXACT_BYTES):
-                original = getattr(module, name, None)
+                defined = collective_name(name)
+                original = getattr(module, defined, None)
                 if original is None:
                     continue
-                saved.append((module, name, original))
-                setattr(module, name, self._wrap(name, original))
+                saved.append((module, defined, original))
+                setattr(module, defined, self._wrap(name, original))
         try:
             yield self
         finally:

@@ -81,6 +81,7 @@ from mf_dtensor.pieces import (
     normalize_placements,
     place_boxes,
 )
+from mf_utils import ensure_subclass_torch_dispatch
 
 __all__ = ["ExplicitPieces", "PieceMap", "UnevenDTensor", "uneven_local_piece"]
 
@@ -714,3 +715,4 @@ def _register_foreach_support() -> None:
 
 
 _register_foreach_support()
+ensure_subclass_torch_dispatch(UnevenDTensor)

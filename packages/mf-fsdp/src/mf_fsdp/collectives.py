@@ -30,6 +30,11 @@ hundred microseconds however few its bytes. A synchronous call, or one on a
 larger tensor, first issues what was recorded, so calls still go out in
 program order.
 
+Under ``torch.compile`` these run eagerly (dynamo breaks the graph around
+each): they manage buffers and handles that a traced graph cannot hold, and
+torch 2.11's dynamo rewrites a traced ``all_gather_into_tensor`` into a
+functional collective that returns a tensor, not a handle.
+
 All ranks of a group must call these in the same order (as for any collective):
 point-to-point messages between two ranks are matched in the order they were
 posted.
@@ -160,6 +165,7 @@ def _finish(works: list[dist.Work], finish: Callable[[], None], async_op: bool) 
     return None
 
 
+@torch.compiler.disable
 def all_gather_into(
     output: torch.Tensor,
     shard: torch.Tensor,
@@ -195,6 +201,7 @@ def _all_gather_now(
     return _finish(works, lambda: None, async_op)
 
 
+@torch.compiler.disable
 def reduce_scatter_into(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -264,6 +271,7 @@ def _reduce_scatter_now(
     return _finish(works, combine, async_op)
 
 
+@torch.compiler.disable
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp,
@@ -283,6 +291,7 @@ def _all_reduce_now(
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+@torch.compiler.disable
 def all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -294,6 +303,7 @@ def all_to_all(
     dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
 
+@torch.compiler.disable
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the first member's."""
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
@@ -339,10 +349,18 @@ class _Call:
         return max(self.output.numel(), self.input.numel())
 
 
-@dataclass(slots=True)
 class _Batch:
-    max_numel: int
-    calls: list[_Call] = field(default_factory=list)
+    """The calls recorded by an open ``coalescing()`` block.
+
+    A plain class, not a dataclass: torch 2.11's dynamo takes an instance of a
+    dataclass it meets while tracing a hook for a constant and fails to guard on it.
+    """
+
+    __slots__ = ("calls", "max_numel")
+
+    def __init__(self, max_numel: int) -> None:
+        self.max_numel = max_numel
+        self.calls: list[_Call] = []
 
 
 class _OpenBatch(threading.local):

@@ -27,16 +27,19 @@ from mf_utils.tensor_parallel_attributes import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from mf_utils.torch_compat import collective_name, ensure_subclass_torch_dispatch
 from mf_utils.versions import get_te_version, is_te_min_version, is_torch_min_version
 
 __all__ = [
     "TENSOR_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
     "GlobalMemoryBuffer",
+    "collective_name",
     "contains_submesh",
     "copy_tensor_model_parallel_attributes",
     "create_updated_function_signature",
     "default_device",
     "divide",
+    "ensure_subclass_torch_dispatch",
     "gather_split_1d_tensor",
     "get_global_memory_buffer",
     "get_group_device",
