@@ -1,11 +1,14 @@
 """``torch.compile`` on a sharded model at world 2: the whole wrapper, and unit by unit.
 
-The engine's hooks may break the graph; they must not crash, the losses must
-follow the single-process eager reference within compile's numerical noise
-(Inductor fuses and reorders float ops: 1e-4 relative here), and nothing is
-compiled again after the second step (no recompile per step). The whole-model
-graph recompiles once, at step 2, since buckets under 1 MiB take gloo's
-native collectives (with point-to-point transfers only it compiles once).
+Unit by unit includes torchtitan's recipe: each block compiled with
+``fullgraph=True``, before or after wrapping; the engine's hooks run around
+the blocks' graphs (see [Note: hooks outside the compiled graph] in
+``mf_fsdp.hooks``). Nothing may crash, the losses must follow the
+single-process eager reference within compile's numerical noise (Inductor
+fuses and reorders float ops: 1e-4 relative here), and nothing is compiled
+again after the first step (a unit) or the second (the whole model: buckets
+under 1 MiB take gloo's native collectives; with point-to-point transfers only
+it compiles once).
 """
 
 from __future__ import annotations
@@ -29,17 +32,25 @@ from tests.fsdp._helpers import (
 STEPS = 4
 
 
-def _train_compiled(rank: int, world: int, per_unit: bool) -> tuple[list[float], list[int]]:
+def _train_compiled(rank: int, world: int, how: str) -> tuple[list[float], list[int]]:
+    """Train with ``how``: "model" (the wrapper compiled), "unit", or torchtitan's recipe
+    "unit-fullgraph-before" (each block compiled with fullgraph=True before wrapping)."""
     module = make_model()
     counter = CompileCounterWithBackend("inductor")
+    if how == "unit-fullgraph-before":
+        for block in module.blocks:
+            block.compile(backend=counter, fullgraph=True)
     opt = make_optimizer("sgd", module.parameters())
     model, opt = mf_fsdp.fully_shard(module, opt, fsdp_unit_modules=unit_classes())
-    if per_unit:  # torchtitan's way: each block compiled, the wrapper left eager
+    step_fn = model
+    if how == "model":
+        step_fn = torch.compile(model, backend=counter)
+    elif how == "unit":
         for block in model.module.blocks:
             block.compile(backend=counter)
-        step_fn = model
-    else:
-        step_fn = torch.compile(model, backend=counter)
+    elif how == "unit-fullgraph-after":
+        for block in model.module.blocks:
+            block.compile(backend=counter, fullgraph=True)
     losses, frames = [], []
     for step in range(STEPS):
         tokens, targets = batch(step, rank)
@@ -51,12 +62,17 @@ def _train_compiled(rank: int, world: int, per_unit: bool) -> tuple[list[float],
 def _rank_compile(rank: int, world: int) -> None:
     torch._dynamo.reset()
     ref_losses, _ = reference_run("sgd", world, STEPS)
-    for per_unit in (False, True):
-        losses, frames = _train_compiled(rank, world, per_unit)
-        label = "per unit" if per_unit else "whole model"
-        assert_losses_match(losses, ref_losses, f"compiled {label}", 1e-4, 1e-5)
-        assert frames[0] > 0, f"{label}: nothing was compiled"
-        assert frames[-1] == frames[1], f"{label}: recompiled after step 2: {frames}"
+    for how in ("model", "unit", "unit-fullgraph-before", "unit-fullgraph-after"):
+        losses, frames = _train_compiled(rank, world, how)
+        assert_losses_match(losses, ref_losses, f"compiled {how}", 1e-4, 1e-5)
+        assert frames[0] > 0, f"{how}: nothing was compiled"
+        # [Note: hooks outside the compiled graph]: a unit's graph is the block alone,
+        # compiled once; the whole model's graph breaks around the hooks and recompiles
+        # once, at step 2.
+        settled = 1 if how == "model" else 0
+        assert frames[-1] == frames[settled], (
+            f"{how}: recompiled after step {settled + 1}: {frames}"
+        )
 
 
 @pytest.mark.multiprocess

@@ -1,26 +1,38 @@
-"""``MegatronFSDP.load_state_dict``: load parameters from any layout into the engine's rows.
+"""Loading state dicts into a wrapped module: parameter values in any layout, through its own hooks.
 
 ``MegatronFSDP.state_dict()`` is the wrapped module's own state dict taken
 while the sharded forms are registered (see [Note: parameter forms] in
-``param.py``), so it needs no code here. Loading cannot be left to
-``nn.Module``: its ``param.copy_(value)`` would pair this rank's rows with
-whatever piece ``value`` holds locally, which for another layout is wrong and
-for DTensors of the same placements can even broadcast silently. Here every
-parameter value is cut to this rank's rows by ``mf_dtensor.uneven_local_piece``
-(a view of itself for the engine's own tensors, a local cut of a full plain
-tensor, a gather for any other DTensor); buffers and extra state go through
-the module's own loader. Collective when a value is a DTensor of another
-layout; installs the weights at the end.
+``param.py``), so it needs no code here, and the module's state-dict hooks
+run on it as they would on the plain module.
+
+[Note: loading through the module's hooks]
+Loading is the wrapped module's own ``load_state_dict``, so every hook a model
+registers runs: a fused QKV layer merging ``wq``/``wk``/``wv`` into ``wqkv``
+(torchtitan), a Hugging Face pre-hook renaming old keys, ``_extra_state``. Only
+the last step differs. ``nn.Module`` copies a value into the registered
+parameter with ``param.copy_(value)``, which pairs this rank's rows with
+whatever piece ``value`` holds locally: wrong for another layout, and for a
+DTensor of the same placements it can even broadcast silently. So each module
+that holds a managed parameter gets a load pre-hook, registered at wrap time
+(after the model's own hooks, which therefore have already renamed and fused
+its keys), that replaces the parameter's value by this rank's rows in the
+engine's layout (``mf_dtensor.uneven_local_piece``: a view for the engine's
+own tensors, a local cut of a full plain tensor, a gather for any other
+DTensor). ``copy_`` then copies rows into rows. A post-hook on the wrapped
+module installs the loaded weights into the compute buffers.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils.hooks import RemovableHandle
 
 from mf_dtensor import UnevenDTensor, uneven_local_piece
 
@@ -28,54 +40,69 @@ if TYPE_CHECKING:
     from mf_fsdp.megatron_fsdp import MegatronFSDP
     from mf_fsdp.param import FSDPParam
 
-__all__ = ["load_engine_state_dict", "load_param_value"]
+__all__ = ["register_load_hooks"]
 
 
-def load_param_value(fp: FSDPParam, name: str, value: Any) -> None:
-    """Copy ``value`` (any layout of the parameter's global shape) into ``fp``'s sharded form.
-
-    Raises:
-        RuntimeError: if ``value`` is not a tensor of the parameter's global shape.
-    """
-    target = fp.sharded
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise RuntimeError(
-            f"state_dict[{name!r}]: got {got}, expected a tensor of the parameter's shape "
-            f"{tuple(target.shape)}"
-        )
+def _in_engine_layout(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (the parameter's global shape, any layout) laid out like ``target``."""
     with torch.no_grad():
-        if isinstance(target, UnevenDTensor):
-            local = uneven_local_piece(value, target)
-            target.to_local().copy_(local)
-        else:
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            target.copy_(full)
-
-
-def load_engine_state_dict(
-    model: MegatronFSDP, state_dict: Mapping[str, Any], strict: bool
-) -> _IncompatibleKeys:
-    """Load ``state_dict`` into ``model`` (sharded forms registered), then install the weights.
-
-    Raises:
-        RuntimeError: for missing/unexpected keys (``strict``) or a shape mismatch.
-    """
-    by_name = {name: fp for fp in model.fsdp_params for name in fp.fqns}
-    expected = list(model.module.state_dict(keep_vars=True))
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in set(expected)]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(model.module).__name__}: missing keys "
-            f"{missing!r}, unexpected keys {unexpected!r}; expected the keys of "
-            "model.state_dict()"
+        if not isinstance(target, UnevenDTensor):
+            return value.full_tensor() if isinstance(value, DTensor) else value
+        if isinstance(value, UnevenDTensor) and value.pieces == target.pieces:
+            return value
+        return UnevenDTensor.from_local(
+            uneven_local_piece(value, target),
+            target.device_mesh,
+            target.placements,
+            shape=target.shape,
+            pieces=target.pieces,
         )
-    for name, value in state_dict.items():
-        fp = by_name.get(name)
-        if fp is not None:
-            load_param_value(fp, name, value)
-    rest = {k: v for k, v in state_dict.items() if k not in by_name and k not in unexpected}
-    model.module.load_state_dict(rest, strict=False)
-    model.install_optimized_model_weights()
-    return _IncompatibleKeys(missing, unexpected)
+
+
+def _to_engine_layout(
+    params: Mapping[str, FSDPParam],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Mapping[str, Any],
+    *unused: Any,
+) -> None:
+    """Load pre-hook of a module holding managed parameters (see the module note)."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            f"load_state_dict: assign=True would replace the parameters of {prefix or 'the model'}"
+            " that mf-fsdp manages with new tensors; expected assign=False (values are "
+            "copied into the engine's buffers)"
+        )
+    for attr, fp in params.items():
+        key = prefix + attr
+        value = state_dict.get(key)
+        # Anything else (no value, another shape, not a tensor) is nn.Module's to report.
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(fp.sharded.shape):
+            state_dict[key] = _in_engine_layout(fp.sharded, value)
+
+
+def register_load_hooks(model: MegatronFSDP) -> list[RemovableHandle]:
+    """Make ``model.module.load_state_dict`` load into the engine (see the module note).
+
+    Returns:
+        The hooks' handles.
+    """
+    owned: dict[nn.Module, dict[str, FSDPParam]] = {}
+    for fp in model.fsdp_params:
+        for module, attr in fp.slots:
+            owned.setdefault(module, {})[attr] = fp
+    handles = [
+        module.register_load_state_dict_pre_hook(functools.partial(_to_engine_layout, params))
+        for module, params in owned.items()
+    ]
+
+    engine = weakref.ref(model)  # the module must not keep its wrapper alive
+
+    def install(module: nn.Module, incompatible_keys: Any) -> None:
+        wrapper = engine()
+        if wrapper is not None:
+            wrapper.install_optimized_model_weights()
+
+    handles.append(model.module.register_load_state_dict_post_hook(install))
+    return handles

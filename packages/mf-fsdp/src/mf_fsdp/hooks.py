@@ -50,7 +50,7 @@ from mf_fsdp import collectives
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.param_group import ParamGroup
 
-__all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks"]
+__all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks", "eager"]
 
 _REDUCTIONS_IN_FLIGHT = 1
 """Launched reductions (of one unit, or of a window's queue) that may still run when the next
@@ -151,11 +151,13 @@ class UnitHooks:
             assert unit.module is not None  # internal invariant
             self._handles.append(
                 unit.module.register_forward_pre_hook(
-                    functools.partial(self._unit_pre_forward, unit), with_kwargs=True
+                    eager(functools.partial(self._unit_pre_forward, unit)), with_kwargs=True
                 )
             )
             self._handles.append(
-                unit.module.register_forward_hook(functools.partial(self._unit_post_forward, unit))
+                unit.module.register_forward_hook(
+                    eager(functools.partial(self._unit_post_forward, unit))
+                )
             )
 
     @property
@@ -379,6 +381,19 @@ class UnitHooks:
         self._reducing = []
         self._on_backward_end()
         self._on_idle()
+
+
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run eagerly when a compiled module calls it (dynamo steps over it).
+
+    [Note: hooks outside the compiled graph] A unit compiled by itself
+    (``block.compile(fullgraph=True)``, before or after wrapping) or inside a
+    compiled model runs the engine's hooks around its graph, as FSDP2 runs its
+    own: they gather and release buffers, swap parameter forms and start
+    collectives, none of which a graph can hold. The graph sees the gathered
+    parameters as inputs.
+    """
+    return torch.compiler.disable(hook, recursive=True, reason="mf-fsdp hooks run eagerly")
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:

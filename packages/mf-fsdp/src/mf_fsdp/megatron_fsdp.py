@@ -15,7 +15,7 @@ their own modules:
 - ``optimizer_params.py``: the parameter-shaped DTensors the optimizer steps on;
 - ``optimizer.py``, ``optimizer_state.py``: binding optimizers, their step hooks
   and eagerly created state;
-- ``engine_state_dict.py``: ``load_state_dict()`` from any layout;
+- ``engine_state_dict.py``: ``load_state_dict()`` from any layout, through the module's hooks;
 - ``meta_init.py``: meta-device materialisation, one unit at a time;
 - ``stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
 
@@ -44,8 +44,8 @@ from mf_fsdp.config import (
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine_state_dict import load_engine_state_dict
-from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks
+from mf_fsdp.engine_state_dict import register_load_hooks
+from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.meta_init import materialize_meta_params
 from mf_fsdp.optimizer import install_optimizer_hooks
@@ -231,8 +231,9 @@ class MegatronFSDP(nn.Module):
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
-        module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
-        module.register_forward_hook(self._root_post_forward)
+        module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True)
+        module.register_forward_hook(eager(self._root_post_forward))
+        register_load_hooks(self)
         install_optimizer_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -667,10 +668,13 @@ class MegatronFSDP(nn.Module):
     ) -> Any:
         """Load a state dict in any layout, then install the weights; collective.
 
-        Parameter values may be this model's own sharded tensors (e.g. filled by
-        ``dcp.load``), DTensors of any other layout or world size, or full plain
-        tensors; each rank keeps its rows. ``assign`` is accepted for torch's API and
-        has no effect (values are always copied into the engine's buffers).
+        It is the wrapped module's own ``load_state_dict``, so the model's state-dict
+        hooks run (keys a hook renames, splits or fuses load as into the plain
+        module; see [Note: loading through the module's hooks]). Parameter values may
+        be this model's own sharded tensors (e.g. filled by ``dcp.load``), DTensors of
+        any other layout or world size, or full plain tensors; each rank keeps its
+        rows. ``assign`` is accepted for torch's API and has no effect (values are
+        always copied into the engine's buffers).
 
         Returns:
             ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
@@ -679,8 +683,9 @@ class MegatronFSDP(nn.Module):
             RuntimeError: with ``strict``, for missing or unexpected keys; for a value
                 whose shape differs from its parameter's.
         """
+        del assign  # values are always copied into the engine's buffers
         with self._sharded_forms():
-            return load_engine_state_dict(self, state_dict, strict)
+            return self.module.load_state_dict(state_dict, strict=strict)
 
 
 def _index_chooser(
