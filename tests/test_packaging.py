@@ -90,6 +90,23 @@ def _readme_example(package: Path) -> str:
     return re.findall(r"```python\n(.*?)```", (package / "README.md").read_text(), re.S)[0]
 
 
+def _run_example(
+    python: Path, package: Path, arguments: list[str], env: dict[str, str], cwd: Path
+) -> None:
+    """Run ``package``'s README example (in ``cwd``) on one process; it must succeed."""
+    example = cwd / "example.py"
+    example.write_text(_readme_example(package))
+    run = subprocess.run(
+        [str(python), str(example), *arguments],
+        capture_output=True,
+        text=True,
+        env={**env, **_one_process_world()},
+        cwd=cwd,
+        timeout=300,
+    )
+    assert run.returncode == 0, f"{package.name}'s README example:\n{run.stderr}"
+
+
 def _torch_version(python: Path) -> str:
     """The torch version a virtual environment's interpreter imports."""
     probe = [str(python), "-c", "import torch; print(torch.__version__)"]
@@ -129,18 +146,8 @@ def test_member_installs_alone(
             env=env,
         )
         assert result.returncode == 0, result.stderr
-        example = tmp_path / "example.py"
-        example.write_text(_readme_example(package))
         for arguments in EXAMPLE_RUNS[package.name]:
-            run = subprocess.run(
-                [str(python), str(example), *arguments],
-                capture_output=True,
-                text=True,
-                env={**env, **_one_process_world()},
-                cwd=tmp_path,
-                timeout=300,
-            )
-            assert run.returncode == 0, f"{package.name}'s README example:\n{run.stderr}"
+            _run_example(python, package, arguments, env, tmp_path)
     finally:
         names = [m.replace("_", "-") for m in needed]
         subprocess.run([UV, "pip", "uninstall", "-q", *names], check=True, env=env)
@@ -168,14 +175,4 @@ def test_pip_keeps_the_torch_an_image_ships(
     install = [str(python), "-m", "pip", "install", "-q", *(str(wheels[n]) for n in names)]
     subprocess.run(install, check=True, env=env)
     assert _torch_version(python) == shipped, "pip replaced the installed torch"
-    example = tmp_path / "example.py"
-    example.write_text(_readme_example(ROOT / "packages" / "mf-fsdp"))
-    run = subprocess.run(
-        [str(python), str(example)],
-        capture_output=True,
-        text=True,
-        env={**env, **_one_process_world()},
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert run.returncode == 0, f"mf-fsdp's README example:\n{run.stderr}"
+    _run_example(python, ROOT / "packages" / "mf-fsdp", [], env, tmp_path)

@@ -40,16 +40,17 @@ def _rank_simulate(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     before = _peak_rss_bytes()
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
-    model, optimizer = mf_fsdp.fully_shard(
-        module,
-        optimizer,
-        device_mesh=mesh,
-        dp_shard_dim="dp_shard",
-        device=torch.device("cpu"),
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy="optim_grads_params",
-        init_model_with_meta_device=True,
-    )
+    with pytest.warns(UserWarning, match="init_model_with_meta_device: GPT's meta parameters"):
+        model, optimizer = mf_fsdp.fully_shard(
+            module,
+            optimizer,
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            device=torch.device("cpu"),
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy="optim_grads_params",
+            init_model_with_meta_device=True,
+        )
     # Materialised one unit at a time: the peak grew by far less than the whole model.
     assert _peak_rss_bytes() - before < total * _BYTES / 2
 

@@ -237,7 +237,10 @@ def _rank_meta_init(rank: int, world: int, name: str) -> None:
     full = {k: v.detach().clone() for k, v in plain.state_dict().items()}
     with torch.device("meta"):
         module = _CLASSES[name][0](_config(name))
-    model, _ = wrap(name, module, 3, init_model_with_meta_device=True)
+    # The model's own initialiser after each module's reset_parameters, said once.
+    says = rf"{type(module).__name__}._init_weights\(module\)"
+    with pytest.warns(UserWarning, match=says):
+        model, _ = wrap(name, module, 3, init_model_with_meta_device=True)
     model.load_state_dict(full)
     assert_matches_reference(
         [lm_loss(model, batch(0, rank)).item()],
@@ -333,9 +336,9 @@ def _rank_compile(rank: int, world: int, name: str) -> None:
     for per_unit in (False, True):
         model, opt = wrap(name, make_model(name), 3)
         counter = CompileCounterWithBackend("inductor")
-        if per_unit:  # torchtitan's way: each decoder layer compiled, the wrapper eager
+        if per_unit:  # torchtitan's way: each decoder layer compiled whole, the wrapper eager
             for layer in model.module.model.layers:
-                layer.compile(backend=counter)
+                layer.compile(backend=counter, fullgraph=True)
             step_fn = model
         else:
             step_fn = torch.compile(model, backend=counter)
@@ -358,3 +361,84 @@ def _rank_compile(rank: int, world: int, name: str) -> None:
 @pytest.mark.multiprocess
 def test_compiled_llama_trains_like_one_process_without_recompiles() -> None:
     run_on_ranks(_rank_compile, WORLD, "llama", timeout=300)
+
+
+# ------------------------------------------------------- a Llama whose hooks rename keys
+def _hooked_llama(device: str = "cpu", seed: int = 0) -> nn.Module:
+    """The tiny Llama with HF-style checkpoint-conversion hooks: the final norm is saved
+    as ``model.final_norm.weight`` (an old name) and loads from either name."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        module = LlamaForCausalLM(_config("llama"))
+
+    def rename_on_save(inner, state_dict, prefix, local_metadata) -> None:
+        state_dict[f"{prefix}final_norm.weight"] = state_dict.pop(f"{prefix}norm.weight")
+
+    def rename_on_load(inner, state_dict, prefix, *args) -> None:
+        if f"{prefix}final_norm.weight" in state_dict:
+            state_dict[f"{prefix}norm.weight"] = state_dict.pop(f"{prefix}final_norm.weight")
+
+    module.model.register_state_dict_post_hook(rename_on_save)
+    module.model.register_load_state_dict_pre_hook(rename_on_load)
+    return module
+
+
+def _rank_hooked_llama(rank: int, world: int, root: str) -> None:
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # FSDP2's meta flow with HF's own init: exactly one process's values. (HF skips
+    # modules it has initialised, so one process runs the same flow unwrapped.)
+    plain = _hooked_llama("meta").to_empty(device="cpu")
+    torch.manual_seed(3)
+    plain.init_weights()
+    model = mf_fsdp.fully_shard_model(
+        _hooked_llama("meta"), fsdp_unit_modules=[unit_class("llama")]
+    )
+    model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    model.init_weights()
+    for p_name, value in full_params(model).items():
+        torch.testing.assert_close(value, plain.get_parameter(p_name), rtol=0, atol=0, msg=p_name)
+    keys = list(model.state_dict())
+    assert "model.final_norm.weight" in keys
+    assert keys == list(plain.state_dict())
+
+    opt = make_optimizer("adam", model.parameters())
+    for step in range(3):
+        optimizer_step(lm_loss(model, batch(step, rank)), opt, world)
+    path = mf_fsdp.save_checkpoint(root, model, opt, step=3)
+    options = StateDictOptions(full_state_dict=True)
+    saved = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+        for k, v in model.state_dict().items()
+    }
+    saved_optim = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))
+    expected = [optimizer_step(lm_loss(model, batch(s, rank)), opt, world) for s in (3, 4)]
+
+    def fresh():
+        wrapped = mf_fsdp.fully_shard_model(
+            _hooked_llama(seed=9), fsdp_unit_modules=[unit_class("llama")]
+        )
+        return wrapped, make_optimizer("adam", wrapped.parameters())
+
+    resumed, resumed_opt = fresh()
+    mf_fsdp.load_checkpoint(path, resumed, resumed_opt)
+    got = [optimizer_step(lm_loss(resumed, batch(s, rank)), resumed_opt, world) for s in (3, 4)]
+    assert got == expected, "load_checkpoint"
+    through, through_opt = fresh()
+    through.load_state_dict(saved)
+    set_optimizer_state_dict(through, through_opt, saved_optim, options=options)
+    got = [optimizer_step(lm_loss(through, batch(s, rank)), through_opt, world) for s in (3, 4)]
+    assert got == expected, "state dict + DSD optimizer state"
+    if rank == 0:  # the checkpoint as a full state dict loads into the plain model
+        _hooked_llama().load_state_dict(mf_fsdp.checkpoint_to_full_state_dict(path))
+
+
+@pytest.mark.multiprocess
+def test_llama_with_key_renaming_hooks_inits_from_meta_and_resumes(tmp_path) -> None:
+    run_on_ranks(_rank_hooked_llama, WORLD, str(tmp_path), timeout=120)

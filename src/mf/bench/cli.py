@@ -6,7 +6,8 @@ engine order to spread machine noise over all engines. A single-process run
 of the same global batch gives the reference loss curve.
 
 Printed per model preset, engine and optimizer recipe (``--optimizers``):
-median step time, its ratio to FSDP2 and to DDP with the same optimizers and
+median step time, its ratio to FSDP2 and to DDP with the same optimizers (a
+compiled engine, ``NAME+compile``, against compiled FSDP2 and DDP when they ran) and
 to the same engine with the first recipe, the median time of the optimizers'
 ``step()`` (with the engine's step hooks: the last gradient reduction's wait,
 the weights' install) and its share of the step, peak memory per rank,
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from mf.bench.engines import ENGINES, OPTIMIZERS
-from mf.bench.worker import RunSpec, run
+from mf.bench.worker import COMPILED, RunSpec, run
 from mf.launch import local_launch_config, new_run_id
 from mf.models import PRESETS
 
@@ -55,7 +56,11 @@ def _launch(spec: RunSpec, world_size: int) -> dict[str, Any]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mf-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="25m", help="comma-separated model presets")
-    parser.add_argument("--engines", default="ddp,fsdp2,mf-zero3,mf-zero0")
+    parser.add_argument(
+        "--engines",
+        default="ddp,fsdp2,mf-zero3,mf-zero0",
+        help=f"comma-separated engines; NAME+{COMPILED} compiles each block (fullgraph=True)",
+    )
     parser.add_argument(
         "--optimizers",
         default="adam",
@@ -74,9 +79,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if preset not in PRESETS:
             parser.error(f"--presets: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     for engine in args.engines.split(","):
-        if engine not in ENGINES or engine == "single":
+        name, plus, mode = engine.partition("+")
+        if name not in ENGINES or name == "single" or (plus and mode != COMPILED):
             choices = sorted(set(ENGINES) - {"single"})
-            parser.error(f"--engines: unknown engine {engine!r}; choose from {choices}")
+            parser.error(
+                f"--engines: unknown engine {engine!r}; choose from {choices}, each also "
+                f"as NAME+{COMPILED} (every block compiled with fullgraph=True)"
+            )
     for recipe in args.optimizers.split(","):
         if recipe not in OPTIMIZERS:
             parser.error(f"--optimizers: unknown recipe {recipe!r}; choose from {OPTIMIZERS}")
@@ -102,7 +111,7 @@ def _ratio(value: float, base: list[dict[str, Any]] | None) -> str:
 def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> list[str]:
     first_recipe = next(iter(references))
     header = (
-        f"{'engine':<10} {'optim':<6} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
+        f"{'engine':<16} {'optim':<6} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
         f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
         f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'wire MiB':>9} {'wire/min':>8} "
         f"{'vs ddp':>8} {'max dloss':>10}"
@@ -125,11 +134,12 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
         wire_text = (
             f"{'-':>9} {'-':>8}" if wire is None else f"{wire / _MIB:9.1f} {wire / ideal_sent:8.3f}"
         )
-        vs_ddp = _ratio(step, runs.get(("ddp", recipe)))
-        vs_fsdp2 = _ratio(step, runs.get(("fsdp2", recipe)))
+        suffix = engine[len(engine.partition("+")[0]) :]  # compiled rows against compiled peers
+        vs_ddp = _ratio(step, runs.get(("ddp" + suffix, recipe)) or runs.get(("ddp", recipe)))
+        vs_fsdp2 = _ratio(step, runs.get(("fsdp2" + suffix, recipe)) or runs.get(("fsdp2", recipe)))
         vs_first = _ratio(step, runs.get((engine, first_recipe)))
         rows.append(
-            f"{engine:<10} {recipe:<6} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
+            f"{engine:<16} {recipe:<6} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
             f"{optimizer * 1e3:7.1f} {100 * optimizer / step:6.1f} "
             f"{peak / _MIB:9.1f} {state / _MIB:9.1f} "
             f"{state / (16 * params / world):8.2f} {first['calls_per_step']:9.1f} "
@@ -177,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs[(engine, recipe)].append(result)
                 everything.append(result)
                 print(
-                    f"  round {round_index} {engine:<9} {recipe:<6} median step "
+                    f"  round {round_index} {engine:<16} {recipe:<6} median step "
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
                     flush=True,
                 )

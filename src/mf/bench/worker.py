@@ -21,9 +21,12 @@ from torch import nn
 from mf.bench.comm_counter import CommCounter
 from mf.bench.engines import build_engine
 from mf.launch import leave_process_group
-from mf.models import GPT, PRESETS
+from mf.models import GPT, PRESETS, Block
 
-__all__ = ["RunResult", "RunSpec", "bytes_written", "run"]
+__all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run"]
+
+COMPILED = "compile"
+"""The engine suffix (``mf-zero3+compile``) that compiles every block with ``fullgraph=True``."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,12 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     result = RunResult(
         spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
     )
-    model, optimizers = build_engine(spec.engine, model, mesh, spec.lr, spec.optimizer)
+    name, _, mode = spec.engine.partition("+")
+    model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer)
+    if mode == COMPILED:  # torchtitan's recipe: each block on its own, the rest eager
+        for module in model.modules():
+            if isinstance(module, Block):
+                module.compile(fullgraph=True)
     counter = CommCounter()
     step_local: list[float] = []
     optimizer_local: list[float] = []
@@ -243,7 +251,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps
     if distributed and bytes_written() is not None and device.type == "cpu":
         result.wire_bytes_per_step = _mean_over_ranks(wire_local / spec.steps, device)
-    if spec.engine == "ddp":
+    if name == "ddp":
         _ddp_traffic(model, result, world_size)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) - baseline

@@ -33,8 +33,11 @@ class in torch's lists of foreach-capable tensor types, as DTensor does).
 
 [Note: implicit redistribution] Only ops that keep the layout are safe:
 elementwise and foreach ops between tensors of one PieceMap (and scalars),
-``zeros_like``/``clone``/``detach``/``to``, and reductions to a ``Partial``
-scalar such as norms. Two kinds of ops are silently wrong, because DTensor
+``zeros_like``/``clone``/``detach``/``to``, reductions to a ``Partial``
+scalar such as norms, in-place random fills (``normal_``, ``uniform_``:
+see [Note: random fills]), and ``copy_`` from a value every rank holds whole
+(a plain tensor or an all-``Replicate`` DTensor of the global shape), and
+``any()``/``all()`` of the whole tensor. Two kinds of ops are silently wrong, because DTensor
 assumes ``torch.chunk`` pieces for them:
     - ops whose sharding strategy redistributes an input (slicing a sharded
       dim, mixing with a ``Replicate`` or standard ``Shard`` operand of the
@@ -259,6 +262,12 @@ class UnevenDTensor(DTensor):
             ValueError: if UnevenDTensors with different PieceMaps would be
                 combined (for a foreach op: at the same list position).
         """
+        if _is_random_fill(func, args, kwargs or {}):
+            return _fill_randomly(func, args, kwargs or {})
+        if _is_whole_copy(func, args):
+            return _copy_whole(args[0], args[1])
+        if func in _WHOLE_REDUCTIONS and isinstance(args[0], UnevenDTensor) and not kwargs:
+            return _reduce_whole(func, args[0])
         fast = _run_locally(func, args, kwargs or {})
         if fast is not _NOT_LOCAL:
             return fast
@@ -472,6 +481,85 @@ def _keeps_layout(func: torch._ops.OpOverload) -> bool:
     if name.startswith("_foreach_"):
         return name not in _FOREACH_REDUCTIONS
     return torch.Tag.pointwise in tags or name in _LAYOUT_KEEPING
+
+
+def _is_random_fill(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """An in-place random op (``normal_``, ``uniform_``...) on an UnevenDTensor, no other tensor."""
+    return (
+        torch.Tag.nondeterministic_seeded in func.tags
+        and func.overloadpacket.__name__.endswith("_")
+        and bool(args)
+        and isinstance(args[0], UnevenDTensor)
+        and not any(isinstance(v, torch.Tensor) for v in (*args[1:], *kwargs.values()))
+    )
+
+
+def _fill_randomly(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> UnevenDTensor:
+    """[Note: random fills] Draw the whole tensor on every rank, keep this rank's boxes.
+
+    A sharded parameter initialised in place (``nn.init.normal_(p)``, what a model's
+    init method does after ``to_empty``) then holds exactly the rows one process
+    draws for the whole parameter from the same generator state, whatever the
+    pieces, device or world size, and every rank's generator advances as that one
+    process's does. DTensor's own random ops assume ``torch.chunk`` pieces and, on
+    the CPU, draw each shard from the local generator. Costs one temporary tensor
+    of the global shape per call.
+    """
+    target: UnevenDTensor = args[0]
+    local = target._local_tensor
+    full = torch.empty(tuple(target.shape), dtype=local.dtype, device=local.device)
+    func(full, *args[1:], **kwargs)
+    with torch.no_grad():
+        local.copy_(cut_boxes(full, target.local_boxes(), local.shape))
+    return target
+
+
+def _is_whole_copy(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> bool:
+    """``target.copy_(whole)``: an UnevenDTensor from a value every rank holds whole.
+
+    The value is a plain tensor or an all-``Replicate`` DTensor of the target's
+    global shape (torchtitan's fused-QKV init builds one and copies it in).
+    """
+    if func is not torch.ops.aten.copy_.default or len(args) < 2:
+        return False
+    target, value = args[0], args[1]
+    if not isinstance(target, UnevenDTensor) or tuple(value.shape) != tuple(target.shape):
+        return False
+    if isinstance(value, DTensor):
+        return type(value) is DTensor and all(p.is_replicate() for p in value.placements)
+    return True
+
+
+def _copy_whole(target: UnevenDTensor, value: torch.Tensor) -> UnevenDTensor:
+    """Copy this rank's boxes of ``value`` (held whole on every rank) into ``target``."""
+    whole = value._local_tensor if isinstance(value, DTensor) else value
+    local = target._local_tensor
+    with torch.no_grad():
+        local.copy_(cut_boxes(whole, target.local_boxes(), local.shape))
+    return target
+
+
+_WHOLE_REDUCTIONS = {torch.ops.aten.any.default, torch.ops.aten.all.default}
+"""Reductions of the whole tensor that DTensor does only after gathering it by ``torch.chunk``."""
+
+
+def _reduce_whole(func: torch._ops.OpOverload, tensor: UnevenDTensor) -> DTensor:
+    """``any()`` / ``all()`` of the whole tensor: each rank's answer, combined; collective.
+
+    An empty piece answers the identity (False for any, True for all). The
+    result is a replicated 0-dim DTensor, as DTensor gives. ``nn.init.trunc_normal_``
+    asks ``mask.any()`` of a sharded parameter in its rejection loop.
+    """
+    mesh = tensor._spec.mesh
+    mesh_dims = [m for m, p in enumerate(tensor._spec.placements) if not isinstance(p, Replicate)]
+    local = func(tensor._local_tensor).reshape(1).to(torch.uint8)
+    answers = all_gather_over_mesh_dims(local, mesh, mesh_dims).to(torch.bool)
+    result = func(answers).to(tensor._local_tensor.device)
+    return DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _run_locally(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

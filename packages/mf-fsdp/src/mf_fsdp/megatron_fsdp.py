@@ -32,7 +32,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine_state_dict import register_load_hooks
 from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
 from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout
-from mf_fsdp.meta_init import materialize_meta_params
+from mf_fsdp.meta_init import allocate_meta_params, describe_meta_init, materialize_meta_params
 from mf_fsdp.optimizer import install_optimizer_hooks
 from mf_fsdp.optimizer_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.param import FSDPParam
@@ -108,21 +108,27 @@ def check_engine_options(mixed_precision_policy: object, gradient_scaling_factor
             f"{mixed_precision_policy!r} ({type(mixed_precision_policy).__name__}); e.g. "
             "MixedPrecisionPolicy(param_dtype=torch.bfloat16) for bf16 compute"
         )
-    if gradient_scaling_factor is None:
-        return
-    if isinstance(gradient_scaling_factor, bool) or not isinstance(
-        gradient_scaling_factor, numbers.Real
-    ):
+    if gradient_scaling_factor is not None:
+        check_gradient_factor("gradient_scaling_factor", gradient_scaling_factor)
+
+
+def check_gradient_factor(name: str, value: object) -> float:
+    """``value`` as a float, if it is a finite positive real number (``name`` for the error).
+
+    Raises:
+        TypeError: if ``value`` is not a real number.
+        ValueError: if it is zero, negative or not finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"gradient_scaling_factor: expected a real number or None, got "
-            f"{gradient_scaling_factor!r} ({type(gradient_scaling_factor).__name__})"
+            f"{name}: expected a real number or None, got {value!r} ({type(value).__name__})"
         )
-    if not (math.isfinite(gradient_scaling_factor) and gradient_scaling_factor > 0):
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(
-            f"gradient_scaling_factor: expected a finite positive factor, got "
-            f"{gradient_scaling_factor!r} (zero, negative or non-finite factors would "
-            "erase, flip or poison every gradient)"
+            f"{name}: expected a finite positive factor, got {value!r} (zero, negative or "
+            "non-finite factors would erase, flip or poison every gradient)"
         )
+    return float(value)
 
 
 class MegatronFSDP(nn.Module):
@@ -206,6 +212,11 @@ class MegatronFSDP(nn.Module):
         self._zero_releases = True  # every zero_grad since the last zeroing set grads to None
         self._pool = BufferPool()
         self._sharded_registered = False
+        self._gradient_divide_factor: float | None = None
+        self._awaiting_to_empty = False  # see [Note: meta-device flows]
+        self._install_pending = False
+        if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
+            warnings.warn(describe_meta_init(module), stacklevel=3)
         index_of = _index_chooser(module, dist_index)
         validate_tp_params(module.named_parameters(), index_of, init_model_with_meta_device)
         sources = _param_sources(module, index_of, self.strategy)
@@ -250,18 +261,10 @@ class MegatronFSDP(nn.Module):
         self._units: list[Unit] = []
         self.groups: list[ParamGroup] = []
         dense = self.dist_index
-        reduce_specs: dict[int, ReduceSpec] = {}
+        self._gradient_scaling_factor = gradient_scaling_factor
         for spec in specs:
             index = dense.get_expert_index("MegatronFSDP") if spec.expert else dense
-            reduce_spec = reduce_specs.get(id(index))
-            if reduce_spec is None:
-                reduce_spec = reduce_specs[id(index)] = ReduceSpec.build(
-                    dense.dp_size,
-                    self.calculate_per_token_loss,
-                    self.ddp_config.average_in_collective,
-                    gradient_scaling_factor,
-                    reduce_size=index.dp_size,
-                )
+            reduce_spec = self._reduce_spec(index)
             world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
             for part, layout in lay_out(spec, world, alignment):
                 group = self._new_group(part, sources, layout, index, reduce_spec)
@@ -276,6 +279,41 @@ class MegatronFSDP(nn.Module):
                 unit.groups.append(group)
         for unit in (self._root, *self._units):
             self._fill(unit, meta_init)
+
+    def _reduce_spec(self, index: FSDPDistributedIndex) -> ReduceSpec:
+        """How the gradients of buckets on ``index`` are reduced (the engine's options)."""
+        return ReduceSpec.build(
+            self.dist_index.dp_size,
+            self.calculate_per_token_loss,
+            self.ddp_config.average_in_collective,
+            self._gradient_scaling_factor,
+            reduce_size=index.dp_size,
+            divide_factor=self._gradient_divide_factor,
+        )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
+
+        FSDP2's method of the same name: ``1.0`` sums, for a loss the user divides
+        by a global count itself (torchtitan sums the loss over tokens and divides
+        by the global token count). It replaces the default mean and
+        ``calculate_per_token_loss``; ``gradient_scaling_factor`` still multiplies.
+        Takes effect from the next reduction.
+
+        Raises:
+            TypeError / ValueError: if ``factor`` is not a finite positive number.
+        """
+        factor = check_gradient_factor("factor", factor)
+        if self.calculate_per_token_loss or self.ddp_config.average_in_collective:
+            warnings.warn(
+                f"set_gradient_divide_factor({factor}): gradients are now summed over the "
+                "data-parallel ranks and divided by the factor; calculate_per_token_loss and "
+                "average_in_collective no longer apply",
+                stacklevel=2,
+            )
+        self._gradient_divide_factor = factor
+        for group in self.groups:
+            group.reduce_spec = self._reduce_spec(group.dist_index)
 
     def _new_group(
         self,
@@ -309,14 +347,21 @@ class MegatronFSDP(nn.Module):
         )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
-        """Copy a unit's parameter values into its buffers, materialising meta ones first."""
+        """Copy a unit's parameter values into its buffers (see [Note: meta-device flows])."""
         params = {p for g in unit.groups for p in g.params}
-        if meta_init and any(p.is_meta for p in params):
-            root = self.module if unit.module is None else unit.module
-            materialize_meta_params(self.module, root, params, self.device)
+        awaiting = set()
+        if any(p.is_meta for p in params):
+            if meta_init:
+                root = self.module if unit.module is None else unit.module
+                materialize_meta_params(self.module, root, params, self.device)
+            else:  # FSDP2's flow: the values come from the model's init after to_empty()
+                awaiting = {id(p) for p in params if p.is_meta}
+                allocate_meta_params(params, self.device)
+                self._awaiting_to_empty = True
         for group in unit.groups:
             for index, param in enumerate(group.params):
-                group.copy_in(index, param)
+                if id(param) not in awaiting:
+                    group.copy_in(index, param)
             group.point_params_at_buffer()
             group.reshard()
 
@@ -331,6 +376,15 @@ class MegatronFSDP(nn.Module):
         The pool's large idle buffers (last backward's gradients) are freed first,
         so they do not add to this forward's activation peak.
         """
+        if self._awaiting_to_empty:
+            raise RuntimeError(
+                f"{type(self.module).__name__} was wrapped on the meta device: call "
+                "model.to_empty(device=...) and then the model's own init method before the "
+                "first forward (or wrap with init_model_with_meta_device=True)"
+            )
+        if self._install_pending:  # the model's init wrote the sharded forms
+            self._install_pending = False
+            self.install_optimized_model_weights()
         self._pool.release_large()
         self._register_compute()
         self._unit_hooks.root_pre_forward()
@@ -592,6 +646,35 @@ class MegatronFSDP(nn.Module):
         return memory_footprint(self.groups, self._pool, optimizer)
 
     # ------------------------------------------------------------------ module contract
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Give the wrapped module's meta buffers storage; FSDP2's meta-device flow.
+
+        Build the model on the meta device, wrap it, call this, then the model's
+        own init method: it writes the sharded parameters in place, exactly as on
+        one process with the same seed (see [Note: meta-device flows]). The
+        parameters already live in the engine's buffers; buffers still on the meta
+        device get empty storage on the engine's device (``recurse`` is accepted
+        for torch's signature). Returns ``self``.
+
+        Raises:
+            ValueError: if ``device`` is not the engine's device type.
+        """
+        del recurse
+        target = torch.device(device) if device is not None else self.device
+        if target.type != self.device.type:
+            raise ValueError(
+                f"to_empty: device={str(target)!r}, but the engine's buffers are on "
+                f"{str(self.device)!r}; expected that device (pass device= to fully_shard "
+                "to place them elsewhere)"
+            )
+        for module in self.module.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
+        self._awaiting_to_empty = False
+        self._install_pending = True
+        return self
+
     def _register_sharded(self) -> None:
         """Let every owning module hold the sharded form (between passes)."""
         if not self._sharded_registered:

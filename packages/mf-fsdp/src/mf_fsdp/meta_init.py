@@ -1,36 +1,80 @@
-"""Meta-device initialisation: materialise one unit's parameters at a time.
+"""Models built on the meta device: the two ways their values arrive.
 
-With ``init_model_with_meta_device=True`` the engine calls
-``materialize_meta_params`` for each unit just before copying the unit into
-its shards, so no rank ever holds the whole model. Values come from each
-module's own ``reset_parameters()``, or, for a module without one, from the
-model's ``_init_weights(module)`` (how Hugging Face models initialise a
-module: norms, ``Conv1D``, experts, rotary tables). The same RNG state on
-every rank gives the same weights. Meta buffers of those modules are
-allocated too and filled by the same call (a rotary embedding's
-non-persistent ``inv_freq``, which no state dict restores). The
-``Parameter`` objects are kept (``torch.utils.swap_tensors``) so optimizers
-and tied weights still refer to them. No communication.
+[Note: meta-device flows]
+- FSDP2's flow (``init_model_with_meta_device=False``, torchtitan's way): the
+  model is built on the meta device and wrapped; the engine gives each meta
+  parameter real storage (``allocate_meta_params``) but copies nothing in.
+  ``model.to_empty(device=...)`` then gives the meta buffers real storage, and
+  the model's own init method (any name: ``init_weights``,
+  ``reset_parameters``, ...) writes the sharded parameters in place. Random
+  fills of a sharded parameter draw the whole parameter on every rank and
+  keep this rank's rows (``mf_dtensor``'s [Note: random fills]), so the
+  result is exactly what that init gives one process from the same seed. The
+  next forward installs the weights into the compute buffers. A forward
+  before ``to_empty`` is refused.
+- ``init_model_with_meta_device=True`` (Megatron-FSDP's flag): the engine
+  materialises one unit at a time (``materialize_meta_params``), so no rank
+  ever holds the whole model, and initialises each module that holds meta
+  parameters or buffers as building the model on a real device would: its
+  ``reset_parameters()``, then the model's ``_init_weights(module)`` (how
+  Hugging Face models initialise after construction), whichever of the two
+  exist. It says which, once (``describe_meta_init``). Values are drawn in
+  the engine's unit order, not the model's, so they follow the same
+  distributions as one process's but not its exact numbers.
+
+The ``Parameter`` objects are kept (``torch.utils.swap_tensors``) so
+optimizers and tied weights still refer to them. No communication.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["materialize_meta_params"]
+__all__ = ["allocate_meta_params", "describe_meta_init", "materialize_meta_params"]
 
 
-def _initialiser(model: nn.Module, module: nn.Module) -> Callable[[], object] | None:
-    """``module.reset_parameters``, else ``model._init_weights(module)``, else None."""
+def _initialisers(model: nn.Module, module: nn.Module) -> list[Callable[[], object]]:
+    """``module.reset_parameters`` and ``model._init_weights(module)``, those that exist."""
+    found: list[Callable[[], object]] = []
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
-        return reset
+        found.append(reset)
     init_weights = getattr(model, "_init_weights", None)
-    return functools.partial(init_weights, module) if callable(init_weights) else None
+    if callable(init_weights):
+        found.append(functools.partial(init_weights, module))
+    return found
+
+
+def describe_meta_init(model: nn.Module) -> str:
+    """What ``init_model_with_meta_device=True`` calls to initialise ``model``'s modules."""
+    name = type(model).__name__
+    if callable(getattr(model, "_init_weights", None)):
+        how = (
+            f"each module's reset_parameters() where it has one, then {name}._init_weights(module)"
+        )
+    else:
+        how = "each module's reset_parameters()"
+    return (
+        f"init_model_with_meta_device: {name}'s meta parameters are initialised unit by unit "
+        f"with {how}; for exactly the values of the model's own init on one process, wrap "
+        "without it, call model.to_empty(device=...) and then the model's init method"
+    )
+
+
+def _swap_to_empty(params: Iterable[nn.Parameter], device: torch.device) -> None:
+    for p in params:
+        # swap_tensors keeps the Parameter object (optimizers and ties refer to it).
+        real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        torch.utils.swap_tensors(p, real)
+
+
+def allocate_meta_params(params: Iterable[nn.Parameter], device: torch.device) -> None:
+    """Give meta parameters empty storage on ``device`` (values come from the model's init)."""
+    _swap_to_empty([p for p in params if p.is_meta], device)
 
 
 def materialize_meta_params(
@@ -41,8 +85,7 @@ def materialize_meta_params(
     Meta buffers of the modules under ``root`` are allocated and initialised as well.
 
     Args:
-        model: the wrapped model (whose ``_init_weights`` initialises modules without
-            ``reset_parameters``).
+        model: the wrapped model (whose ``_init_weights`` initialises modules).
         root: the unit's module (the model for the root unit).
         params: the unit's parameters.
         device: where the values go.
@@ -56,18 +99,18 @@ def materialize_meta_params(
         buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
         if not direct and not buffers:
             continue
-        init = _initialiser(model, module)
-        if init is None:
+        initialisers = _initialisers(model, module)
+        if not initialisers:
             raise ValueError(
                 f"init_model_with_meta_device: {type(module).__name__} holds meta parameters or "
                 "buffers but has no reset_parameters(), and the model no _init_weights(module); "
-                "expected one of them to initialise it"
+                "expected one of them to initialise it, or wrap without "
+                "init_model_with_meta_device, then call model.to_empty(device=...) and the "
+                "model's own init method (FSDP2's flow)"
             )
-        for p in direct:
-            # swap_tensors keeps the Parameter object (optimizers and ties refer to it).
-            real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-            torch.utils.swap_tensors(p, real)
+        _swap_to_empty(direct, device)
         for name in buffers:  # replaced in place: persistence is kept by name
             module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
         with torch.no_grad():
-            init()
+            for init in initialisers:
+                init()

@@ -118,6 +118,7 @@ class ReduceSpec:
         in_collective: bool,
         scale: float | None,
         reduce_size: int | None = None,
+        divide_factor: float | None = None,
     ) -> ReduceSpec:
         """Derive the spec from the contract's knobs (one place for all scaling).
 
@@ -125,10 +126,14 @@ class ReduceSpec:
         ``reduce_size`` the ranks the collective runs over when that differs:
         expert gradients are summed over the expert-data-parallel group only
         (each expert-parallel rank already holds the contributions of its whole
-        expert-parallel group), yet averaged over all ``dp_size`` replicas.
+        expert-parallel group), yet averaged over all ``dp_size`` replicas. A
+        ``divide_factor`` (FSDP2's ``set_gradient_divide_factor``) replaces the
+        mean: the sum over the replicas divided by it.
         """
         scale = 1.0 if scale is None else float(scale)
         reduce_size = dp_size if reduce_size is None else reduce_size
+        if divide_factor is not None:
+            return cls(scale / divide_factor, dist.ReduceOp.SUM, scale / divide_factor)
         if per_token:
             return cls(scale, dist.ReduceOp.SUM, scale)
         if in_collective:
