@@ -215,13 +215,7 @@ class UnevenDTensor(DTensor):
             )
         boxes = pieces.boxes(local_mesh_index(device_mesh))
         check_local_boxes(boxes, global_shape, placements, local_tensor.shape)
-        spec = DTensorSpec(
-            device_mesh,
-            placements,
-            tensor_meta=TensorMeta(
-                torch.Size(global_shape), contiguous_stride(global_shape), local_tensor.dtype
-            ),
-        )
+        spec = _spec_for(device_mesh, tuple(placements), global_shape, local_tensor.dtype, pieces)
         return _wrap(local_tensor.detach(), spec, pieces, requires_grad=requires_grad)
 
     @property
@@ -570,58 +564,97 @@ def _run_locally(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
     it is run on the local tensors directly, without DTensor's sharding
     propagation (the optimizer's hot path: every Adam or SGD op is one). Any
     other op, or a mix with plain DTensors or with non-scalar plain tensors,
-    goes through DTensor (``_NOT_LOCAL``).
+    goes through DTensor (``_NOT_LOCAL``). Foreach ops take their own path,
+    one pass per list, since they carry every parameter of a step at once.
     """
     if not _keeps_layout(func) or kwargs.get("device") is not None:
         return _NOT_LOCAL  # a device move changes more than the elements: DTensor's job
-    foreach = func.__name__.startswith("_foreach_")
-    likes: list[UnevenDTensor | None] = []  # foreach: the layout of each list position
-    reference: list[UnevenDTensor] = []
-
-    def local(value: Any, position: int | None) -> Any:
-        if isinstance(value, UnevenDTensor):
-            like = reference[0] if position is None and reference else None
-            if position is not None:
-                while len(likes) <= position:
-                    likes.append(None)
-                like = likes[position]
-            if like is None:
-                if position is None:
-                    reference.append(value)
-                else:
-                    likes[position] = value
-            elif not _laid_out_alike(like, value):
-                raise _NotLocalError
-            return value._local_tensor
-        if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim()):
-            raise _NotLocalError
-        return value
-
-    def unwrap(value: Any) -> Any:
-        if isinstance(value, list | tuple):
-            items = [local(item, i if foreach else None) for i, item in enumerate(value)]
-            return items if isinstance(value, list) else tuple(items)
-        return local(value, None)
-
     try:
-        local_args = [unwrap(value) for value in args]
-        local_kwargs = {key: unwrap(value) for key, value in kwargs.items()}
+        if func.__name__.startswith("_foreach_"):
+            return _foreach_locally(func, args, kwargs)
+        return _pointwise_locally(func, args, kwargs)
     except _NotLocalError:
         return _NOT_LOCAL
-    if foreach and reference:
-        return _NOT_LOCAL  # a tensor shared by every list position: leave it to DTensor
-    if not foreach and not reference:
+
+
+def _local_operand(value: Any) -> Any:
+    """A non-UnevenDTensor operand as the local op takes it: scalars only (else not local)."""
+    if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim()):
+        raise _NotLocalError
+    return value
+
+
+def _pointwise_locally(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """One op on tensors (lists of them too) laid out like its first UnevenDTensor operand."""
+    reference: UnevenDTensor | None = None
+
+    def local(value: Any) -> Any:
+        nonlocal reference
+        if type(value) is UnevenDTensor:
+            if reference is None:
+                reference = value
+            elif not _laid_out_alike(reference, value):
+                raise _NotLocalError
+            return value._local_tensor
+        if isinstance(value, list | tuple):
+            return type(value)(local(item) for item in value)
+        return _local_operand(value)
+
+    local_args = [local(value) for value in args]
+    local_kwargs = {key: local(value) for key, value in kwargs.items()}
+    if reference is None:
         return _NOT_LOCAL
     out = func(*local_args, **local_kwargs)
-    if foreach:
-        if out is None:
-            return None
-        return type(out)(
-            _wrap_like(item, likes[i] if i < len(likes) else None) for i, item in enumerate(out)
-        )
     if isinstance(out, list | tuple):
-        return type(out)(_wrap_like(item, reference[0]) for item in out)
-    return _wrap_like(out, reference[0])
+        return type(out)(_wrap_like(item, reference) for item in out)
+    return _wrap_like(out, reference)
+
+
+def _foreach_locally(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A foreach op: the i-th tensor of every list laid out like the first list's i-th."""
+    likes: list[Any] | None = None  # the first list: the layout of each position
+
+    def local(value: Any) -> Any:
+        nonlocal likes
+        if not isinstance(value, list | tuple):
+            if type(value) is UnevenDTensor:
+                raise _NotLocalError  # a tensor shared by every position: leave it to DTensor
+            return _local_operand(value)
+        if likes is None:
+            likes = list(value)
+            return [
+                item._local_tensor if type(item) is UnevenDTensor else _local_operand(item)
+                for item in value
+            ]
+        if len(value) != len(likes):
+            raise _NotLocalError
+        out = []
+        for like, item in zip(likes, value, strict=True):
+            if type(item) is UnevenDTensor:
+                if type(like) is not UnevenDTensor or not _laid_out_alike(like, item):
+                    raise _NotLocalError
+                out.append(item._local_tensor)
+            else:
+                if type(like) is UnevenDTensor and isinstance(item, torch.Tensor):
+                    raise _NotLocalError
+                out.append(_local_operand(item))
+        return out
+
+    local_args = [local(value) for value in args]
+    local_kwargs = {key: local(value) for key, value in kwargs.items()}
+    if likes is None or not any(type(like) is UnevenDTensor for like in likes):
+        return _NOT_LOCAL
+    out = func(*local_args, **local_kwargs)
+    if out is None:
+        return None
+    return type(out)(
+        _wrap_like(item, like if type(like) is UnevenDTensor else None)
+        for item, like in zip(out, likes, strict=True)
+    )
 
 
 class _NotLocalError(Exception):
@@ -630,6 +663,8 @@ class _NotLocalError(Exception):
 
 def _laid_out_alike(a: UnevenDTensor, b: UnevenDTensor) -> bool:
     sa, sb = a._spec, b._spec
+    if sa is sb and a._pieces is b._pieces:  # e.g. optimizer state made from its parameter
+        return True
     return (
         (sa.mesh is sb.mesh or sa.mesh == sb.mesh)
         and sa.placements == sb.placements
@@ -637,6 +672,43 @@ def _laid_out_alike(a: UnevenDTensor, b: UnevenDTensor) -> bool:
         and a._local_tensor.shape == b._local_tensor.shape
         and _same_pieces(a._pieces, b._pieces)
     )
+
+
+_last_spec: tuple[Any, ...] | None = None
+
+
+def _spec_for(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    pieces: PieceMap,
+) -> DTensorSpec:
+    """The spec of an UnevenDTensor; the previous one's when laid out the same.
+
+    A parameter and its gradient are wrapped one after the other with the same
+    PieceMap; sharing one spec object lets the local fast path see that they
+    are laid out alike by identity, once per element of every optimizer op.
+    Only the last spec is remembered.
+    """
+    global _last_spec
+    last = _last_spec
+    if (
+        last is not None
+        and last[0] is pieces
+        and last[1] is mesh
+        and last[2] == placements
+        and last[3] == shape
+        and last[4] == dtype
+    ):
+        return last[5]
+    spec = DTensorSpec(
+        mesh,
+        placements,
+        tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype),
+    )
+    _last_spec = (pieces, mesh, placements, shape, dtype, spec)
+    return spec
 
 
 def _wrap_like(out: Any, like: UnevenDTensor | None) -> Any:

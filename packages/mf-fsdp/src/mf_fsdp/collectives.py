@@ -165,6 +165,28 @@ def _finish(works: list[dist.Work], finish: Callable[[], None], async_op: bool) 
     return None
 
 
+_DONE = _Then([], lambda: None)
+"""The handle of work that finished when it was issued."""
+
+
+def _alone(group: dist.ProcessGroup) -> bool:
+    """A group of one: its collectives move nothing (see [Note: a group of one])."""
+    return len(_facts(group).ranks) == 1
+
+
+def _copy_alone(output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle | None:
+    """[Note: a group of one] A collective over one rank is ``output = input``.
+
+    At world 1, and along any mesh dimension of size 1 (an HSDP replica group of
+    one, a one-rank expert group), every gather and reduction of one rank's data
+    is that data: nothing is sent, no backend is called, and nothing is copied
+    when the two tensors are the same memory.
+    """
+    if output.data_ptr() != input.data_ptr():
+        output.view(-1).copy_(input.view(-1))
+    return _DONE if async_op else None
+
+
 @torch.compiler.disable
 def all_gather_into(
     output: torch.Tensor,
@@ -176,6 +198,8 @@ def all_gather_into(
 
     ``shard`` may be this rank's own region of ``output`` (an in-place gather).
     """
+    if _alone(group):
+        return _copy_alone(output, shard, async_op)
     recorded = _record_or_flush("all_gather", output, shard, None, group, async_op)
     if recorded is not None:
         return recorded
@@ -216,6 +240,8 @@ def reduce_scatter_into(
     changed. On gloo the peers' pieces are summed in rank order, so every rank's
     result is bitwise reproducible.
     """
+    if _alone(group) and op in _SUMMING:
+        return _copy_alone(output, input, async_op)
     recorded = _record_or_flush("reduce_scatter", output, input, op, group, async_op)
     if recorded is not None:
         return recorded
@@ -279,6 +305,8 @@ def all_reduce(
     async_op: bool = False,
 ) -> Handle | None:
     """Reduce ``tensor`` in place over ``group`` (the native call on every backend)."""
+    if _alone(group):
+        return _DONE if async_op else None
     recorded = _record_or_flush("all_reduce", tensor, tensor, op, group, async_op)
     if recorded is not None:
         return recorded
@@ -300,12 +328,17 @@ def all_to_all(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Send ``input``'s i-th split to rank i, receive rank i's into ``output``'s i-th split."""
+    if group is not None and _alone(group):
+        _copy_alone(output, input, False)
+        return
     dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
 
 @torch.compiler.disable
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the first member's."""
+    if _alone(group):
+        return
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 

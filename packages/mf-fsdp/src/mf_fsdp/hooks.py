@@ -84,7 +84,7 @@ class RegisterFSDPBackwardFunction(torch.autograd.Function):
 class Unit:
     """One FSDP unit (or the root) and its per-iteration state."""
 
-    __slots__ = ("forwarded", "groups", "module", "name", "state")
+    __slots__ = ("_numel", "forwarded", "groups", "module", "name", "state")
 
     def __init__(self, module: nn.Module | None, name: str, groups: list[ParamGroup]) -> None:
         self.module = module
@@ -92,11 +92,17 @@ class Unit:
         self.groups = groups
         self.state = TrainingState.IDLE
         self.forwarded = False
+        self._numel: int | None = None
 
     @property
     def numel(self) -> int:
-        """Elements of the unit's whole buckets (what a gather or a reduction moves)."""
-        return sum(group.layout.padded_numel for group in self.groups)
+        """Elements of the unit's whole buckets (what a gather or a reduction moves).
+
+        Read once the engine is built (its groups are final then) and remembered.
+        """
+        if self._numel is None:
+            self._numel = sum(group.layout.padded_numel for group in self.groups)
+        return self._numel
 
 
 class UnitHooks:
@@ -147,6 +153,8 @@ class UnitHooks:
         self._queued: list[Unit] = []  # reductions waiting for the window to fill
         self._queued_numel = 0
         self._handles: list[RemovableHandle] = []
+        # Every bucket whole on every rank (a shard group of one): nothing to prefetch.
+        self._all_whole = all(group.whole_on_every_rank for group in groups)
         for unit in units:
             assert unit.module is not None  # internal invariant
             self._handles.append(
@@ -162,7 +170,11 @@ class UnitHooks:
 
     @property
     def _prefetching(self) -> bool:
-        return self._strategy.shards_params and self._ddp_config.overlap_param_gather
+        return (
+            self._strategy.shards_params
+            and self._ddp_config.overlap_param_gather
+            and not self._all_whole
+        )
 
     @property
     def _window(self) -> int:

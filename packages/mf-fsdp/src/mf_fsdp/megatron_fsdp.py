@@ -228,6 +228,8 @@ class MegatronFSDP(nn.Module):
         self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
+        # Parameters whose two forms are one object (ZeRO-0 without TP) never swap.
+        self._two_forms = [fp for fp in self.fsdp_params if fp.sharded is not fp.compute]
         self._register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
@@ -678,14 +680,14 @@ class MegatronFSDP(nn.Module):
     def _register_sharded(self) -> None:
         """Let every owning module hold the sharded form (between passes)."""
         if not self._sharded_registered:
-            for fp in self.fsdp_params:
+            for fp in self._two_forms:
                 fp.register(fp.sharded)
             self._sharded_registered = True
 
     def _register_compute(self) -> None:
         """Let every owning module hold the compute form (forward and backward)."""
         if self._sharded_registered:
-            for fp in self.fsdp_params:
+            for fp in self._two_forms:
                 fp.register(fp.compute)
             self._sharded_registered = False
 

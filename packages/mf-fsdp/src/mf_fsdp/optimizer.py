@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from mf_fsdp.local_step import enter_local_step, exit_local_step
 from mf_fsdp.optimizer_params import MANAGED_ATTR, owner_of
 from mf_fsdp.optimizer_state import (
     drop_unused_initial_state,
@@ -54,6 +55,7 @@ _HOOKS_INSTALLED = False
 _LOAD_HOOK_ATTR = "_mf_fsdp_load_hook"
 _CHECKED_ATTR = "_mf_fsdp_checked"
 _HIDDEN_ATTR = "_mf_fsdp_hidden_grads"
+_ENGINES_ATTR = "_mf_fsdp_engines"
 
 
 def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
@@ -73,9 +75,22 @@ def install_optimizer_hooks() -> None:
 def _engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
     """The engines owning ``optimizer``'s parameters, in first-seen order.
 
+    Remembered per optimizer until its param lists change (checked by identity
+    and length: ``add_param_group``, or parameters set into a group).
+
     Raises:
         RuntimeError: if the optimizer holds compute parameters of a wrapped model.
     """
+    signature = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    known = getattr(optimizer, _ENGINES_ATTR, None)
+    if known is not None and known[0] == signature:
+        return known[1]
+    engines = _find_engines(optimizer)
+    setattr(optimizer, _ENGINES_ATTR, (signature, engines))
+    return engines
+
+
+def _find_engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
     engines: dict[int, MegatronFSDP] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -110,9 +125,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     for param, _ in hidden:
         param.grad = None
     setattr(optimizer, _HIDDEN_ATTR, hidden)
+    if getattr(optimizer, "_mf_fsdp_model", None) is not None:  # its step() restores the swap
+        enter_local_step(optimizer)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    exit_local_step(optimizer)
     if initializing(optimizer):
         return
     for param, grad in getattr(optimizer, _HIDDEN_ATTR, ()):
@@ -190,8 +208,17 @@ def fully_shard_optimizer(
         plain_zero_grad(set_to_none)
         model.request_zero_grad(optimizer, set_to_none)
 
+    plain_step = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return plain_step(*args, **kwargs)
+        finally:  # a step that raised still gives the sharded parameters back
+            exit_local_step(optimizer)
+
     model.add_optimizer(optimizer)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    optimizer.step = step  # type: ignore[method-assign]
     init_optimizer_state(optimizer)
     return optimizer
 

@@ -247,13 +247,18 @@ class ParamGroup:
         check_invariant(condition, self.grads.rank, self.name, what)
 
     @property
+    def whole_on_every_rank(self) -> bool:
+        """The weights are sharded over one rank: the shard is the whole bucket, always here."""
+        return self.layout.world_size == 1 and not self.hybrid
+
+    @property
     def gathered(self) -> bool:
         """True while the whole bucket of weights is present on this rank."""
         return self.weights.gather is Gather.GATHERED
 
     def _allocate(self) -> None:
         d, dev = self.dtypes, self.device
-        storage = weight_storage_for(self.strategy)
+        storage = weight_storage_for(self.strategy, self.whole_on_every_rank)
         self.weights = storage(self.geometry, d.compute, d.main, dev, self.dist_index, self.name)
         self.buffers: GradBuffers | None = None
         if self.requires_grad:

@@ -324,9 +324,14 @@ class ShardedWeights(WeightStorage):
             collectives.broadcast_from_first(self.main, pg)
 
 
-def weight_storage_for(strategy: ZeroDPStrategy) -> type[WeightStorage]:
-    """The storage class of ``strategy`` (see the module table)."""
-    if strategy.shards_params:
+def weight_storage_for(strategy: ZeroDPStrategy, alone: bool = False) -> type[WeightStorage]:
+    """The storage class of ``strategy`` (see the module table).
+
+    ``alone``: the bucket is sharded over one rank, so its shard is the whole
+    bucket; ZeRO-3 then keeps it whole, as ZeRO-1/2 do, and never gathers or
+    releases (see [Note: a group of one] in ``collectives``).
+    """
+    if strategy.shards_params and not alone:
         return ShardedWeights
     return ShardOwnerWeights if strategy.level > 0 else ReplicatedWeights
 
