@@ -156,30 +156,53 @@ def _rank_memory(rank: int, world: int) -> None:
         assert held["main_params"] == 0  # fp32 model + fp32 main: one copy of the weights
 
 
+def _local_grad_bytes(model: mf_fsdp.MegatronFSDP) -> int:
+    """Bytes of grad buffers held now: the groups' (local ones while out) and the pool's."""
+    held = model.memory_footprint()
+    return held["grads"] + held["pool"]
+
+
+def _sample_before_each_reduction(model: mf_fsdp.MegatronFSDP, samples: list[int]) -> None:
+    """Append ``_local_grad_bytes(model)`` to ``samples`` whenever a group starts reducing."""
+    for group in model.groups:
+        start = group.start_reduce
+
+        def sampled(async_op: bool, start=start) -> None:
+            samples.append(_local_grad_bytes(model))
+            start(async_op)
+
+        group.start_reduce = sampled
+
+
 def _rank_grad_buffers_are_bounded(rank: int, world: int) -> None:
     # Eight equal blocks: if every unit's whole-bucket grad buffer lived until the end of
-    # backward, the pool would end up holding all eight. Each unit reduced alone, and
-    # two units per communication window (one window is reduced while the next fills):
-    # the same bound. (The default window holds this whole model: all may be in flight.)
+    # backward, eight would be held at once. Each unit reduced alone, and two units per
+    # communication window (one window is reduced while the next fills): the same
+    # bound, sampled whenever a reduction starts. (The default window
+    # holds this whole model: all may be in flight.)
     config = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=8, n_heads=4)
     block_numel = sum(p.numel() for p in GPT(config).blocks[0].parameters())
     for window in (0, 2 * block_numel + 1):
         torch.manual_seed(0)
         module = GPT(config)
         opt = make_optimizer("sgd", module.parameters())
+        samples: list[int] = []
         model, opt = mf_fsdp.fully_shard(
             module,
             opt,
             fsdp_unit_modules=unit_classes(),
             suggested_communication_unit_size=window,
         )
+        _sample_before_each_reduction(model, samples)
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
         for _ in range(2):
             model(tokens[:, :-1], tokens[:, 1:]).backward()
             opt.step()
             opt.zero_grad()
-        pooled = model.memory_footprint()["pool"]
-        assert 0 < pooled <= 4 * block_numel * 4 * 1.01, (window, pooled, block_numel)
+            assert model.memory_footprint()["pool"] == 0  # dropped grads: nothing pooled
+        stores = sum(g.main_layout.shard_size for g in model.groups) * 4  # reduced grads
+        assert samples
+        assert 0 < max(samples) - stores <= 4 * block_numel * 4 * 1.01, (window, max(samples))
 
 
 def _rank_idle_grad_memory_is_freed(rank: int, world: int) -> None:

@@ -5,7 +5,9 @@ engine's whole-bucket temporaries and the collectives' receive buffers come
 from pools, so the units of one backward reuse each other's buffers. When a
 forward starts the engine frees the pool's large idle buffers
 (``release_large``): they would otherwise sit under that forward's
-activations and raise the peak.
+activations and raise the peak. When the gradients are dropped
+(``zero_grad(set_to_none=True)``) it frees them all (``clear``): between steps
+a rank holds its weights and optimizer state, nothing else.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class BufferPool:
         large = [k for k, ts in self._free.items() if ts and _nbytes(ts[0]) >= KEEP_BELOW_BYTES]
         for key in large:
             del self._free[key]
+
+    def clear(self) -> None:
+        """Free every waiting tensor (taken ones stay taken)."""
+        self._free.clear()
 
     def held_bytes(self) -> int:
         """Bytes of the tensors waiting in the pool."""

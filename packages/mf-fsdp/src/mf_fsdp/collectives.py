@@ -63,6 +63,7 @@ __all__ = [
     "broadcast_from_first",
     "coalescing",
     "reduce_scatter_into",
+    "release_workspaces",
     "uses_point_to_point",
     "workspace_bytes",
 ]
@@ -113,6 +114,11 @@ _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts] = weakref.Wea
 def workspace_bytes() -> int:
     """Bytes of the receive buffers the gloo reduce-scatter keeps for reuse (this process)."""
     return _WORKSPACES.held_bytes()
+
+
+def release_workspaces() -> None:
+    """Free the receive buffers kept for reuse (between steps, nothing else is held)."""
+    _WORKSPACES.clear()
 
 
 def _facts(group: dist.ProcessGroup) -> _GroupFacts:

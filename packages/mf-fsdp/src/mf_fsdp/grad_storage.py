@@ -3,16 +3,22 @@
 =====================  ==================================  ================================
 buffers                local grads (``local``)             reduced grads (``store``)
 =====================  ==================================  ================================
-``PersistentGrads``    the whole bucket, always; the       this rank's owned part: a view
-(ZeRO-0/1)             parameters' ``.grad`` are views     of ``local`` when the dtypes
-                       of it                               agree (ZeRO-0: ``local``
-                                                           itself), else its own buffer
-``TransientGrads``     a pooled whole bucket from a        its own buffer (this rank's
-(ZeRO-2/3)             unit's backward until its           shard), whose bytes are freed
-                       reduction; late (the root): the     by ``release_store`` until the
-                       parameters' own ``.grad`` until     next reduction
-                       the reduction starts
+``PersistentGrads``    the whole bucket, from the first    this rank's owned part: a view
+(ZeRO-0/1)             backward until the grads are        of ``local`` when the dtypes
+                       dropped; the parameters' ``.grad``  agree (ZeRO-0: ``local``
+                       are views of it                     itself), else its own buffer
+``TransientGrads``     a whole bucket from a unit's        its own buffer (this rank's
+(ZeRO-2/3)             backward until its reduction (its   shard), whose bytes are freed
+                       own, released between uses; a       by ``release_store`` until the
+                       pooled one when large on the CPU);  next reduction
+                       late (the root): the parameters'
+                       own ``.grad`` until the reduction
+                       starts
 =====================  ==================================  ================================
+
+A buffer "released" keeps its tensor object (and every view of it) with its
+storage resized to zero: dropped grads (``zero_grad(set_to_none=True)``) hold no
+bytes until the next backward, under every strategy.
 
 The classes keep the buffers and their lifetimes; when to accumulate, reduce
 and zero is the ``ParamGroup``'s (and its ``GradState``'s) business.
@@ -167,6 +173,7 @@ class PersistentGrads(GradBuffers):
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         g = self.geometry
         self.local = torch.zeros(g.layout.padded_numel, dtype=self._compute, device=self._device)
+        self._local_nbytes = self.local.untyped_storage().nbytes()
         self.aliases_local = grads == self._compute
         self._own = (0, g.layout.padded_numel) if replicated else (g.lo, g.hi)
         if self.aliases_local:
@@ -176,9 +183,42 @@ class PersistentGrads(GradBuffers):
     def _local(self) -> torch.Tensor:
         return self.local_for_reduction()
 
+    def store(self, zeroed: bool = True) -> torch.Tensor:
+        """The store with its bytes present (a released bucket is held again, zeroed)."""
+        if self._released:
+            self._hold()
+        return self._store
+
+    def zero_store(self, release: bool) -> None:
+        """Zero the grads; ``release`` frees the local buffer and a separate store."""
+        if not release:
+            super().zero_store(release)
+            return
+        if self._released:
+            return
+        for p in self._params:
+            p.grad = None
+        self._local().untyped_storage().resize_(0)
+        if not self.aliases_local:
+            self._store.untyped_storage().resize_(0)
+        self._released = True
+
+    def _hold(self) -> None:
+        """Give the released buffers their bytes back, zeroed, and attach the grads."""
+        local = self._local()
+        local.untyped_storage().resize_(self._local_nbytes)
+        local.zero_()
+        if not self.aliases_local:
+            self._store.untyped_storage().resize_(self._store_nbytes)
+            self._store.zero_()
+        self._released = False
+        self.attach()
+
     def prepare(self) -> None:
-        """Attach the parameters' grads again if something dropped them."""
-        if self._params[0].grad is None:
+        """Hold released buffers; attach the parameters' grads again if something dropped them."""
+        if self._released:
+            self._hold()
+        elif self._params[0].grad is None:
             self.attach()
 
     def after_reduction(self) -> None:
@@ -187,12 +227,16 @@ class PersistentGrads(GradBuffers):
             self._local().zero_()
 
     def zero_local(self) -> None:
-        """Zero the buffer and attach the parameters' grads to it."""
+        """Zero the buffer and attach the parameters' grads to it (released: nothing held)."""
+        if self._released:
+            return
         self._local().zero_()
         self.attach()
 
     def scale_local(self, factor: float) -> None:
         """Scale what is not this rank's store: all of it, or (aliased) outside its region."""
+        if self._released:
+            return
         local = self._local()
         if not self.aliases_local:
             local.mul_(factor)
@@ -202,25 +246,44 @@ class PersistentGrads(GradBuffers):
         local[hi:].mul_(factor)
 
     def held_bytes(self) -> int:
-        """The local buffer, and the store unless it is a view of it."""
+        """The local buffer, and the store unless it is a view of it (released: none)."""
+        if self._released:
+            return 0
         local = self._local()
         held = local.numel() * local.element_size()
         return held if self.aliases_local else held + super().held_bytes()
 
 
 class TransientGrads(GradBuffers):
-    """ZeRO-2/3: a pooled local buffer per backward, a store freed when the grads are dropped."""
+    """ZeRO-2/3: a local buffer per backward, a store freed when the grads are dropped.
+
+    The local buffer is the bucket's own tensor, its storage resized to zero
+    between uses: the parameters' grad views of it are made once, not every
+    backward (a host cost per parameter), and between uses it holds nothing.
+    Large buffers on the CPU come from the pool instead: there a fresh large
+    allocation page-faults on first touch, while a CUDA caching allocator
+    recycles the freed bytes.
+    """
 
     def _cache_views(self, buffer: torch.Tensor) -> bool:
-        """Only for buffers the pool keeps: cached views would keep a freed one alive."""
-        return buffer.numel() * buffer.element_size() < KEEP_BELOW_BYTES
+        """Only for the own buffer: cached views of a pooled one would keep it alive."""
+        return buffer is self._own
 
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         self._late = late
+        numel = self.geometry.layout.padded_numel
+        self._own: torch.Tensor | None = None
+        if self._device.type != "cpu" or numel * self._compute.itemsize < KEEP_BELOW_BYTES:
+            self._own = torch.empty(numel, dtype=self._compute, device=self._device)
+            self._own_nbytes = self._own.untyped_storage().nbytes()
+            self._own.untyped_storage().resize_(0)
         return self._separate_store(grads, replicated)
 
     def _whole_bucket(self) -> torch.Tensor:
-        return self._pool.take(self.geometry.layout.padded_numel, self._compute, self._device)
+        if self._own is None:
+            return self._pool.take(self.geometry.layout.padded_numel, self._compute, self._device)
+        self._own.untyped_storage().resize_(self._own_nbytes)
+        return self._own
 
     def zero_store(self, release: bool) -> None:
         """Free the store's bytes on ``release`` (nothing reads it before the next reduction)."""
@@ -255,15 +318,24 @@ class TransientGrads(GradBuffers):
         self.zero_local()
 
     def zero_local(self) -> None:
-        """Detach the parameters' grads; the pooled buffer goes back."""
+        """Detach the parameters' grads; the local buffer is released (or goes back to the pool)."""
         for p in self._params:
             p.grad = None
-        if self.local is not None:
-            self._pool.give(self.local)
-            self.local = None
+        local, self.local = self.local, None
+        if local is self._own and local is not None:
+            local.untyped_storage().resize_(0)
+        elif local is not None:
+            self._pool.give(local)
+
+    def held_bytes(self) -> int:
+        """The store's bytes and the local buffer's while it is out."""
+        local = 0 if self.local is None else self.local.untyped_storage().nbytes()
+        if self._own is not None and self.local is not self._own:
+            local += self._own.untyped_storage().nbytes()  # held when it should not be
+        return super().held_bytes() + local
 
     def scale_local(self, factor: float) -> None:
-        """Scale the pooled buffer, or the late grads still on the parameters."""
+        """Scale the local buffer, or the late grads still on the parameters."""
         if self.local is not None:
             self.local.mul_(factor)
             return

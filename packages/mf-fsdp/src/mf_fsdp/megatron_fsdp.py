@@ -532,14 +532,19 @@ class MegatronFSDP(nn.Module):
     def zero_grad_buffer(self, release: bool = False) -> None:
         """Zero every gradient buffer now.
 
-        ``release``: nothing reads the reduced grads until the next reduction (the
-        optimizer parameters' ``.grad`` are None), so ZeRO-2/3 stores free their bytes.
+        ``release``: nothing reads the gradients until the next backward (the
+        optimizer parameters' ``.grad`` are None), so their buffers free their bytes
+        and so do the idle temporaries: between steps a rank holds its weights and
+        optimizer state only, as with FSDP2.
         """
         self._zero_pending = False
         self._zero_releases = True
         self._zeroed_by = weakref.WeakSet()
         for group in self.groups:
             group.zero_grad(release)
+        if release:
+            self._pool.clear()
+            collectives.release_workspaces()
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer`` among those stepping this model (``fully_shard_optimizer`` does)."""

@@ -258,7 +258,8 @@ class ParamGroup:
 
     def _allocate(self) -> None:
         d, dev = self.dtypes, self.device
-        storage = weight_storage_for(self.strategy, self.whole_on_every_rank)
+        cast_main = d.main != d.compute and not self.hybrid
+        storage = weight_storage_for(self.strategy, self.whole_on_every_rank, cast_main)
         self.weights = storage(self.geometry, d.compute, d.main, dev, self.dist_index, self.name)
         self.buffers: GradBuffers | None = None
         if self.requires_grad:

@@ -10,6 +10,9 @@ storage                 compute weights (``full``)        main weights (``main``
 ``ShardedWeights``      this rank's shard (``shard``);    this rank's shard (its
 (ZeRO-3)                the whole bucket only while       sub-shard under hybrid HSDP)
                         gathered
+``CastShardWeights``    the whole bucket only while       this rank's shard, the only
+(ZeRO-3, main dtype     gathered; the gather casts the    copy kept between passes
+of its own)             main shard into place
 ======================  ================================  ==============================
 
 ``main`` is what the optimizer steps: a view of the compute weights when the
@@ -20,6 +23,10 @@ copy and an all-gather of the shards (ZeRO-1/2), a copy into the shard
 dp_outer). ZeRO-3's ``full`` is one tensor for the bucket's lifetime whose
 storage is resized to zero when released, so every view of it (parameters'
 ``.data``, views autograd saved) always sees the current gather.
+
+ZeRO-3 with main weights in a dtype of their own (bf16 compute, fp32 main)
+keeps no compute-dtype shard: like FSDP2, it casts on the way into the
+all-gather, so between passes a rank holds its fp32 shard and nothing else.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from mf_fsdp.param import FSDPParam
 
 __all__ = [
     "BucketGeometry",
+    "CastShardWeights",
     "ReplicatedWeights",
     "ShardOwnerWeights",
     "ShardedWeights",
@@ -161,8 +169,8 @@ class WeightStorage:
     def hold_full_bytes(self) -> None:
         """Give ``full`` its bytes (for views of it); they are always there here."""
 
-    def kept(self) -> torch.Tensor:
-        """The compute weights this rank keeps between passes."""
+    def kept(self) -> torch.Tensor | None:
+        """The compute weights this rank keeps between passes (None: only the main ones)."""
         return self.full
 
     def install(self, async_op: bool) -> collectives.Handle | None:
@@ -235,8 +243,13 @@ class ShardedWeights(WeightStorage):
         layout = self.geometry.layout
         self.shard = torch.zeros(layout.shard_size, dtype=compute, device=self._device)
         self.main = self._main_over(self.own_sub_shard())
-        # Starts released, so building the engine never holds every bucket at once.
-        self.full = torch.empty(layout.padded_numel, dtype=compute, device=self._device)
+        self._allocate_released_full(compute)
+
+    def _allocate_released_full(self, compute: torch.dtype) -> None:
+        """``full`` without bytes: building the engine never holds every bucket at once."""
+        self.full = torch.empty(
+            self.geometry.layout.padded_numel, dtype=compute, device=self._device
+        )
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.gather = Gather.RELEASED
@@ -265,11 +278,15 @@ class ShardedWeights(WeightStorage):
         self.hold_full_bytes()
         self._gathering = (
             collectives.all_gather_into(
-                self.full, self.shard, self.index.fsdp_group, async_op=async_op
+                self.full, self._gather_source(), self.index.fsdp_group, async_op=async_op
             )
             or _DONE
         )
         self.gather = Gather.GATHERING
+
+    def _gather_source(self) -> torch.Tensor:
+        """What this rank contributes to the all-gather (its compute-dtype shard)."""
+        return self.shard
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; views of ``full`` now hold the whole weights."""
@@ -294,7 +311,7 @@ class ShardedWeights(WeightStorage):
         if self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self._full_nbytes)
 
-    def kept(self) -> torch.Tensor:
+    def kept(self) -> torch.Tensor | None:
         """The shard: all a rank keeps between passes."""
         return self.shard
 
@@ -324,13 +341,61 @@ class ShardedWeights(WeightStorage):
             collectives.broadcast_from_first(self.main, pg)
 
 
-def weight_storage_for(strategy: ZeroDPStrategy, alone: bool = False) -> type[WeightStorage]:
+class CastShardWeights(ShardedWeights):
+    """ZeRO-3 whose main weights have a dtype of their own: only they are kept.
+
+    The gather casts the main shard into this rank's region of ``full`` and
+    all-gathers in place, so no compute-dtype shard lives between passes (FSDP2
+    casts on the way into its all-gather alike). Not under hybrid HSDP, where
+    the main weights are a sub-shard of the gathered shard.
+    """
+
+    def _allocate(self, compute: torch.dtype) -> None:
+        shard = self.geometry.layout.shard_size
+        self.main = torch.zeros(shard, dtype=self._main_dtype, device=self._device)
+        self._allocate_released_full(compute)
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's region of ``full``, cast from the main shard."""
+        own = self.full[self.geometry.lo : self.geometry.hi]
+        own.copy_(self.main)
+        return own
+
+    def copy_in(self, index: int, start: int, flat: torch.Tensor) -> None:
+        """Write this rank's piece into the main weights; a gathered bucket is dropped."""
+        self.reshard()
+        self._copy_main_piece(index, start, flat)
+
+    def kept(self) -> torch.Tensor | None:
+        """Nothing in the compute dtype: the main shard is all a rank keeps."""
+        return None
+
+    def install(self, async_op: bool) -> collectives.Handle | None:
+        """Nothing to copy: the next gather casts the stepped weights (drops a gathered bucket)."""
+        self.reshard()
+        return None
+
+    def broadcast_replicas(self) -> None:
+        """Broadcast the main shard to its replicas across dp_outer (if any)."""
+        pg = self.index.outer_fsdp_group
+        if pg is not None:
+            collectives.broadcast_from_first(self.main, pg)
+
+
+def weight_storage_for(
+    strategy: ZeroDPStrategy, alone: bool = False, cast_main: bool = False
+) -> type[WeightStorage]:
     """The storage class of ``strategy`` (see the module table).
 
-    ``alone``: the bucket is sharded over one rank, so its shard is the whole
-    bucket; ZeRO-3 then keeps it whole, as ZeRO-1/2 do, and never gathers or
-    releases (see [Note: a group of one] in ``collectives``).
+    ``cast_main``: the main weights have a dtype of their own and are not a
+    hybrid-HSDP sub-shard; ZeRO-3 then keeps only them (``CastShardWeights``),
+    even over one rank. Otherwise ``alone`` (the bucket is sharded over one
+    rank, so its shard is the whole bucket) makes ZeRO-3 keep it whole, as
+    ZeRO-1/2 do, and never gather or release (see [Note: a group of one] in
+    ``collectives``).
     """
+    if strategy.shards_params and cast_main:
+        return CastShardWeights
     if strategy.shards_params and not alone:
         return ShardedWeights
     return ShardOwnerWeights if strategy.level > 0 else ReplicatedWeights
