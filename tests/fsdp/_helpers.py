@@ -146,12 +146,19 @@ BF16_LOSS_RTOL = 2e-2
 within 2% of fp32, while a wrong scale or a lost update moves it further."""
 
 
-def assert_bf16_losses_close(losses: list[float], fp32_losses: list[float], label: str) -> None:
-    """A bf16-compute run's losses against the fp32 run's (see ``BF16_LOSS_RTOL``)."""
+def assert_losses_close(
+    losses: list[float], reference: list[float], label: str, rtol: float
+) -> None:
+    """Losses against a reference run's, within ``rtol`` of each (no absolute slack)."""
     torch.testing.assert_close(
         torch.tensor(losses),
-        torch.tensor(fp32_losses),
-        rtol=BF16_LOSS_RTOL,
-        atol=0,
+        torch.tensor(reference),
+        rtol=rtol,
+        atol=0.0,
         msg=lambda m: f"{label}: {m}",
     )
+
+
+def assert_bf16_losses_close(losses: list[float], fp32_losses: list[float], label: str) -> None:
+    """A bf16-compute run's losses against the fp32 run's (see ``BF16_LOSS_RTOL``)."""
+    assert_losses_close(losses, fp32_losses, label, BF16_LOSS_RTOL)

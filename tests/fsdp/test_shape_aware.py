@@ -41,7 +41,13 @@ from torch.distributed.tensor import DTensor
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp import test_tensor_parallel as tp
-from tests.fsdp._helpers import batch, full_params, make_model, unit_classes
+from tests.fsdp._helpers import (
+    assert_losses_close,
+    batch,
+    full_params,
+    make_model,
+    unit_classes,
+)
 
 STEPS = 5
 LOSS_RTOL = 1e-4
@@ -152,16 +158,6 @@ def _train(model, opts, shadow: _Shadow, data_rank: int, label: str, data=batch)
     return losses
 
 
-def _check_losses(losses: list[float], reference: list[float], label: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(reference),
-        rtol=LOSS_RTOL,
-        atol=0.0,
-        msg=lambda message: f"{label}: {message}",
-    )
-
-
 def _parity(
     recipe,
     reference: list[float],
@@ -182,7 +178,8 @@ def _parity(
     module = build()
     model, opts = mf_fsdp.fully_shard(module, recipe(module), **wrap)
     shadow = _Shadow(reference_build, recipe)
-    _check_losses(_train(model, opts, shadow, data_rank, label, data), reference, label)
+    losses = _train(model, opts, shadow, data_rank, label, data)
+    assert_losses_close(losses, reference, label, LOSS_RTOL)
 
 
 def _rank_muon(rank: int, world: int, reference: list[float]) -> None:

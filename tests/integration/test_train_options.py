@@ -12,7 +12,7 @@ import torch
 from mf.train.cli import _interrupted, check_local_processes, main
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import parse_options
-from mf.train.report import Reporter, last_saved_checkpoint
+from mf.train.report import Reporter, host_bound_hint, last_saved_checkpoint
 from mf.train.worker import main as worker_main
 
 
@@ -26,6 +26,7 @@ def gpus(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int
     count = request.param
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     return count
 
 
@@ -284,8 +285,31 @@ def test_batches_are_deterministic_and_rank_disjoint() -> None:
 
 
 def test_seq_len_defaults_to_what_the_model_supports() -> None:
-    assert parse_options(["--model", "tiny"]).seq_len == 64  # its positions
-    assert parse_options(["--model", "small"]).seq_len == 128
+    assert parse_options(["--model", "tiny", *_CPU]).seq_len == 64  # its positions
+    assert parse_options(["--model", "small", *_CPU]).seq_len == 128
     assert parse_options(["--model", "tiny", "--seq-len", "16"]).seq_len == 16
+
+
+def test_a_gpu_gets_bf16_whole_sequences_and_a_larger_batch(gpus: int) -> None:
+    """On a GPU a small step leaves it waiting on the host: the defaults give it more work."""
+    options = parse_options(["--model", "small"])
+    if gpus:
+        assert (options.precision, options.seq_len, options.micro_batch) == ("bf16", 256, 16)
+    else:
+        assert (options.precision, options.seq_len, options.micro_batch) == ("fp32", 128, 4)
+    cpu = parse_options(["--model", "small", *_CPU])
+    assert (cpu.precision, cpu.seq_len, cpu.micro_batch) == ("fp32", 128, 4)
+    chosen = ["--precision", "fp32", "--seq-len", "64", "--micro-batch", "2"]
+    options = parse_options(["--model", "small", *chosen])
+    assert (options.precision, options.seq_len, options.micro_batch) == ("fp32", 64, 2)
+
+
+def test_host_bound_hint() -> None:
+    assert host_bound_hint([0.95] * 4, 16) is None  # too few steps to judge
+    hint = host_bound_hint([0.97, 0.95, 0.99, 0.5, 0.96], 16)
+    assert hint is not None
+    assert "the host is busy 96% of each step" in hint
+    assert "--micro-batch (e.g. 64)" in hint
+    assert host_bound_hint([0.3, 0.95, 0.4, 0.5, 0.2], 16) is None  # the GPU is the limit
     assert parse_options(["--no-plot"]).plot is False
     assert parse_options([]).plot is True

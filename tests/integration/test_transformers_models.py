@@ -52,6 +52,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 import mf_fsdp
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
+    assert_losses_close,
     assert_matches_reference,
     full_params,
     make_optimizer,
@@ -213,13 +214,7 @@ def _rank_bf16(rank: int, world: int, name: str) -> None:
     out = model(input_ids=batch(0, rank), use_cache=False)
     assert out.logits.dtype == torch.bfloat16, f"{name}: computed in {out.logits.dtype}"
     losses = train(model, opt, rank, world)
-    torch.testing.assert_close(
-        torch.tensor(losses),
-        torch.tensor(ref_losses),
-        rtol=BF16_LOSS_RTOL,
-        atol=0.0,
-        msg=lambda m: f"{name} bf16 losses against fp32: {m}",
-    )
+    assert_losses_close(losses, ref_losses, f"{name} bf16 losses against fp32", BF16_LOSS_RTOL)
     params = full_params(model)
     assert params.keys() == ref_params.keys()
     for p_name, p in params.items():

@@ -16,7 +16,14 @@ and two Adam moments), collectives per step and bytes each rank sends
 against the ZeRO-3 minimum of 3 * params * (world - 1) / world elements, the
 bytes each rank actually wrote to its sockets (``/proc/self/io``, CPU runs)
 against the same minimum, and the largest loss difference to the
-single-process run of the same recipe.
+single-process run of the same recipe. Then tokens/s over all ranks and, on a
+GPU whose peak is known (``mf.mfu``, or ``--peak-tflops``), the model FLOPs
+utilisation.
+
+A second table per preset shows the host's cost per step against ``plain``
+(the bare model, no wrapper, no communication): the main thread's CPU ms, the
+aten ops one step dispatches and, on CUDA, the kernels it launches. Run the
+``tiny`` preset to see the host alone (its tensors make the compute nothing).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from mf.bench.engines import ENGINES, OPTIMIZERS
 from mf.bench.worker import COMPILED, RunSpec, run
 from mf.launch import local_launch_config, new_run_id
+from mf.mfu import flops_per_token, peak_flops
 from mf.models import PRESETS
 
 __all__ = ["main"]
@@ -58,7 +66,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--presets", default="25m", help="comma-separated model presets")
     parser.add_argument(
         "--engines",
-        default="ddp,fsdp2,mf-zero3,mf-zero0",
+        default="plain,ddp,fsdp2,mf-zero3,mf-zero0",
         help=f"comma-separated engines; NAME+{COMPILED} compiles each block (fullgraph=True)",
     )
     parser.add_argument(
@@ -73,6 +81,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the FSDP engines' mixed precision (fp32 main weights), autocast elsewhere",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's peak TFLOP/s for MFU (default: mf.mfu's table for known GPUs)",
+    )
     parser.add_argument("--json", default=None, help="also write every run's results here")
     args = parser.parse_args(argv)
     for preset in args.presets.split(","):
@@ -89,8 +109,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for recipe in args.optimizers.split(","):
         if recipe not in OPTIMIZERS:
             parser.error(f"--optimizers: unknown recipe {recipe!r}; choose from {OPTIMIZERS}")
-    if args.world < 2:
-        parser.error(f"--world must be at least 2, got {args.world}")
+    if args.world < 1:
+        parser.error(f"--world must be at least 1, got {args.world}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        parser.error(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
@@ -104,17 +126,28 @@ def _median_step(results: list[dict[str, Any]], key: str = "step_seconds") -> fl
     return statistics.median(statistics.median(r[key]) for r in results)
 
 
-def _ratio(value: float, base: list[dict[str, Any]] | None) -> str:
-    return f"{value / _median_step(base):8.2f}" if base else f"{'-':>8}"
+def _ratio(value: float, base: list[dict[str, Any]] | None, key: str = "step_seconds") -> str:
+    return f"{value / _median_step(base, key):8.2f}" if base else f"{'-':>8}"
 
 
-def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> list[str]:
+def _share(value: float, minimum: float, width: int) -> str:
+    """``value / minimum`` in ``width`` characters; "-" where nothing must move (world 1)."""
+    return f"{value / minimum:{width}.3f}" if minimum else f"{'-':>{width}}"
+
+
+def _summarise(
+    preset: str,
+    runs: Runs,
+    references: dict[str, list[float]],
+    seq_len: int,
+    device_peak: tuple[float, str] | None,
+) -> list[str]:
     first_recipe = next(iter(references))
     header = (
         f"{'engine':<16} {'optim':<6} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
         f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
         f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'wire MiB':>9} {'wire/min':>8} "
-        f"{'vs ddp':>8} {'max dloss':>10}"
+        f"{'vs ddp':>8} {'max dloss':>10} {'tokens/s':>10} {'MFU':>6}"
     )
     rows = [header]
     for (engine, recipe), results in runs.items():
@@ -130,9 +163,15 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
         dloss = max(
             max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True)) for r in results
         )
+        dloss_text = f"{'-':>10}" if engine.startswith("plain") and world > 1 else f"{dloss:10.2e}"
+        tokens_per_second = first["tokens_per_step"] / step
+        flops = flops_per_token(PRESETS[preset], seq_len) * tokens_per_second
+        mfu = f"{flops / (device_peak[0] * world):6.3f}" if device_peak else f"{'-':>6}"
         wire = first.get("wire_bytes_per_step")
         wire_text = (
-            f"{'-':>9} {'-':>8}" if wire is None else f"{wire / _MIB:9.1f} {wire / ideal_sent:8.3f}"
+            f"{'-':>9} {'-':>8}"
+            if wire is None
+            else f"{wire / _MIB:9.1f} {_share(wire, ideal_sent, 8)}"
         )
         suffix = engine[len(engine.partition("+")[0]) :]  # compiled rows against compiled peers
         vs_ddp = _ratio(step, runs.get(("ddp" + suffix, recipe)) or runs.get(("ddp", recipe)))
@@ -143,9 +182,37 @@ def _summarise(preset: str, runs: Runs, references: dict[str, list[float]]) -> l
             f"{optimizer * 1e3:7.1f} {100 * optimizer / step:6.1f} "
             f"{peak / _MIB:9.1f} {state / _MIB:9.1f} "
             f"{state / (16 * params / world):8.2f} {first['calls_per_step']:9.1f} "
-            f"{sent / _MIB:9.1f} {sent / ideal_sent:12.3f} {wire_text} {vs_ddp} {dloss:10.2e}"
+            f"{sent / _MIB:9.1f} {_share(sent, ideal_sent, 12)} {wire_text} {vs_ddp} {dloss_text} "
+            f"{tokens_per_second:10.0f} {mfu}"
         )
-    return [f"== preset {preset}: {params / 1e6:.1f}M params, world {world} ==", *rows]
+    title = f"== preset {preset}: {params / 1e6:.1f}M params, world {world} =="
+    footnote = (
+        f"MFU against {device_peak[1]} per rank"
+        if device_peak
+        else "MFU: no known peak for this device"
+    )
+    return [title, *rows, footnote, "", *_host_cost(runs)]
+
+
+def _host_cost(runs: Runs) -> list[str]:
+    """The host's cost per step against ``plain`` (same recipe): CPU ms, ops, kernels."""
+    rows = [
+        f"{'engine':<16} {'optim':<6} {'step ms':>8} {'x plain':>8} {'cpu ms':>8} {'x plain':>8} "
+        f"{'ops/step':>9} {'x plain':>8} {'kernels':>8}"
+    ]
+    for (engine, recipe), results in runs.items():
+        suffix = engine[len(engine.partition("+")[0]) :]
+        plain = runs.get(("plain" + suffix, recipe)) or runs.get(("plain", recipe))
+        step, cpu = _median_step(results), _median_step(results, "cpu_seconds")
+        ops = results[0]["ops_per_step"]
+        kernels = results[0]["kernels_per_step"]
+        ops_ratio = f"{ops / plain[0]['ops_per_step']:8.2f}" if plain else f"{'-':>8}"
+        rows.append(
+            f"{engine:<16} {recipe:<6} {step * 1e3:8.2f} {_ratio(step, plain)} {cpu * 1e3:8.2f} "
+            f"{_ratio(cpu, plain, 'cpu_seconds')} "
+            f"{ops:9d} {ops_ratio} {'-' if kernels is None else kernels:>8}"
+        )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,8 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
         f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
-        f"{args.rounds} rounds, optimizers {'/'.join(recipes)}, fp32",
+        f"{args.rounds} rounds, optimizers {'/'.join(recipes)}, {args.precision}",
         flush=True,
+    )
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    device_peak = (
+        (args.peak_tflops * 1e12, f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)")
+        if args.peak_tflops
+        else peak_flops(torch.device(args.device), dtype)
     )
     for preset in args.presets.split(","):
 
@@ -172,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.warmup,
                 optimizer=recipe,
                 device=args.device,
+                precision=args.precision,
             )
 
         references = {
@@ -191,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
                     flush=True,
                 )
-        print("\n".join(_summarise(preset, runs, references)), flush=True)
+        print(
+            "\n".join(_summarise(preset, runs, references, args.seq_len, device_peak)), flush=True
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(everything, out, indent=1)

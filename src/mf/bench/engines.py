@@ -5,6 +5,12 @@ and a recipe of optimizers, and returns the wrapped model and its
 optimizers, ready for the plain loop ``loss = model(x, y); loss.backward()``,
 then ``step()`` and ``zero_grad()`` of each optimizer.
 
+``plain`` is the model itself on every rank, no wrapper and no communication
+(each rank trains its own copy): the host-cost baseline. With ``bf16`` the
+FSDP engines compute in bf16 through their mixed-precision policies (fp32
+main weights and gradient reduction); engines without one (``AUTOCAST``)
+run their forward under ``torch.autocast``, as plain PyTorch users do.
+
 Optimizer recipes (``OPTIMIZERS``): ``adam`` (torch.optim.Adam on every
 parameter, the default of the published tables), and ``mf.models``'
 ``adamw`` and ``muon`` (Muon on the blocks' matrices, AdamW on the rest).
@@ -21,12 +27,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mf.models import OPTIMIZER_RECIPES, Block, build_optimizers
 
-__all__ = ["ENGINES", "OPTIMIZERS", "build_engine", "make_optimizers"]
+__all__ = ["AUTOCAST", "ENGINES", "OPTIMIZERS", "build_engine", "make_optimizers"]
 
 OPTIMIZERS = ("adam", *OPTIMIZER_RECIPES)
 
+AUTOCAST = frozenset({"single", "plain", "ddp"})
+"""Engines with no mixed-precision policy of their own: bf16 runs them under autocast."""
+
 Built = tuple[nn.Module, list[torch.optim.Optimizer]]
-Builder = Callable[[nn.Module, DeviceMesh | None, Callable[[nn.Module], list]], Built]
+Builder = Callable[[nn.Module, DeviceMesh | None, Callable[[nn.Module], list], bool], Built]
 
 
 def make_optimizers(recipe: str, module: nn.Module, lr: float) -> list[torch.optim.Optimizer]:
@@ -36,11 +45,11 @@ def make_optimizers(recipe: str, module: nn.Module, lr: float) -> list[torch.opt
     return build_optimizers(recipe, module, lr)
 
 
-def _single(model: nn.Module, mesh: DeviceMesh | None, optimizers) -> Built:
+def _single(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
     return model, optimizers(model)
 
 
-def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers) -> Built:
+def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = (
@@ -50,18 +59,23 @@ def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers) -> Built:
     return wrapped, optimizers(model)  # the module's names; the same parameters
 
 
-def _fsdp2(model: nn.Module, mesh: DeviceMesh | None, optimizers) -> Built:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     return model, optimizers(model)
 
 
 def _mf(strategy: int) -> Builder:
-    def build(model: nn.Module, mesh: DeviceMesh | None, optimizers) -> Built:
-        from mf_fsdp import fully_shard
+    def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
+        from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
         return fully_shard(
             model,
@@ -70,6 +84,9 @@ def _mf(strategy: int) -> Builder:
             dp_shard_dim="dp",
             fsdp_unit_modules=[Block],
             zero_dp_strategy=strategy,
+            mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            if bf16
+            else None,
         )
 
     return build
@@ -77,6 +94,7 @@ def _mf(strategy: int) -> Builder:
 
 ENGINES: dict[str, Builder] = {
     "single": _single,
+    "plain": _single,
     "ddp": _ddp,
     "fsdp2": _fsdp2,
     "mf-zero3": _mf(3),
@@ -87,9 +105,16 @@ ENGINES: dict[str, Builder] = {
 
 
 def build_engine(
-    name: str, model: nn.Module, mesh: DeviceMesh | None, lr: float, optimizer: str = "adam"
+    name: str,
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    lr: float,
+    optimizer: str = "adam",
+    bf16: bool = False,
 ) -> Built:
     """Wrap ``model`` with engine ``name`` and build the optimizers of recipe ``optimizer``.
+
+    ``bf16``: compute in bf16 (see the module docstring).
 
     Raises:
         ValueError: if ``name`` is not one of :data:`ENGINES` or ``optimizer`` not one of
@@ -99,6 +124,6 @@ def build_engine(
         raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {name!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if name != "single" and not dist.is_initialized():
+    if name not in AUTOCAST and not dist.is_initialized():
         raise RuntimeError(f"engine {name!r} needs torch.distributed to be initialized")
-    return ENGINES[name](model, mesh, lambda module: make_optimizers(optimizer, module, lr))
+    return ENGINES[name](model, mesh, lambda module: make_optimizers(optimizer, module, lr), bf16)

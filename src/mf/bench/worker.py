@@ -11,6 +11,7 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mf.bench.comm_counter import CommCounter
-from mf.bench.engines import build_engine
+from mf.bench.engines import AUTOCAST, build_engine
 from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS, Block
 
@@ -43,11 +44,18 @@ class RunSpec:
     lr: float = 1e-3
     seed: int = 0
     device: str = "cpu"
+    precision: str = "fp32"
 
 
 @dataclass
 class RunResult:
-    """What one run measured on one rank (times are the max over ranks of each step)."""
+    """What one run measured on one rank (times are the max over ranks of each step).
+
+    ``cpu_seconds``: the main thread's CPU time per step (the host's cost: Python,
+    dispatch, kernel launches; on a CPU device the compute too). ``ops_per_step``:
+    aten ops one training step dispatches, ``kernels_per_step`` the GPU kernels it
+    launches (CUDA only); both counted by torch's profiler on one extra step.
+    """
 
     engine: str
     optimizer: str
@@ -55,7 +63,11 @@ class RunResult:
     world_size: int
     num_params: int
     step_seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
     optimizer_seconds: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    ops_per_step: int = 0
+    kernels_per_step: int | None = None
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     state_bytes: int = 0
@@ -201,7 +213,10 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
     )
     name, _, mode = spec.engine.partition("+")
-    model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer)
+    bf16 = spec.precision == "bf16"
+    model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer, bf16)
+    autocast = bf16 and name in AUTOCAST
+    result.tokens_per_step = world_size * spec.micro_batch * spec.seq_len
     if mode == COMPILED:  # torchtitan's recipe: each block on its own, the rest eager
         for module in model.modules():
             if isinstance(module, Block):
@@ -221,8 +236,9 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
                 counter.enabled = measured
             _sync(device)
             written = bytes_written()
-            start = time.perf_counter()
-            loss = model(tokens, targets)
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+                loss = model(tokens, targets)
             loss.backward()
             _sync(device)
             optimizer_start = time.perf_counter()
@@ -236,6 +252,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
                 optimizer.zero_grad(set_to_none=True)
             _sync(device)
             elapsed = time.perf_counter() - start
+            cpu_elapsed = time.thread_time() - cpu_start
             counter.enabled = False
             after = bytes_written()
             if measured and written is not None and after is not None:
@@ -244,6 +261,11 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
             if measured:
                 step_local.append(elapsed)
                 optimizer_local.append(optimizer_elapsed)
+                result.cpu_seconds.append(cpu_elapsed)
+    batch = _batch(spec, spec.warmup + spec.steps, rank, world_size, config.vocab_size, device)
+    result.ops_per_step, result.kernels_per_step = _count_dispatch(
+        lambda: _train_step(model, optimizers, batch, autocast, device), device
+    )
     result.step_seconds = [_max_over_ranks(t, device) for t in step_local]
     result.optimizer_seconds = [_max_over_ranks(t, device) for t in optimizer_local]
     result.calls_per_step = counter.num_calls / spec.steps
@@ -259,6 +281,40 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         peak = _rss_bytes("VmHWM") - baseline
     result.peak_bytes = int(_max_over_ranks(float(peak), device))
     return result
+
+
+def _train_step(
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    autocast: bool,
+    device: torch.device,
+) -> None:
+    with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        loss = model(*batch)
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _count_dispatch(step: Callable[[], None], device: torch.device) -> tuple[int, int | None]:
+    """The aten ops one ``step()`` dispatches and GPU kernels it launches (None off CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    if device.type != "cuda":
+        return ops, None
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return ops, kernels
 
 
 def _ddp_traffic(model: nn.Module, result: RunResult, world_size: int) -> None:

@@ -119,6 +119,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"final validation loss  {summary['final_validation_loss']:.4f}")
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s"
     print(f"training time          {summary['seconds']:.1f} s ({rate})")
+    if summary.get("mfu") is not None:
+        print(f"MFU                    {summary['mfu']:.3f} (mf.mfu: the GPU's dense peak)")
     print(f"checkpoint             {summary['checkpoint']}")
     print(f"model export           {summary['export']} (try: mf-sample {summary['out_dir']})")
     print(f"metrics                {summary['metrics']}")

@@ -21,7 +21,19 @@ import torch
 from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.train.data import VOCAB_SIZE
 
-__all__ = ["TrainOptions", "local_cpu_cores", "parse_options"]
+__all__ = [
+    "CPU_MICRO_BATCH",
+    "CUDA_MICRO_BATCH",
+    "TrainOptions",
+    "local_cpu_cores",
+    "parse_options",
+]
+
+CPU_MICRO_BATCH = 4
+"""Sequences per rank per micro-batch on the CPU by default."""
+CUDA_MICRO_BATCH = 16
+"""On a GPU by default: with the model's full sequence length, enough work per step
+that the GPU does not wait on the host for small presets."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +142,20 @@ def _build_parser() -> argparse.ArgumentParser:
         "holds the experts once between them",
     )
     add("--steps", type=int, default=600, help="optimizer steps")
-    add("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
+    add(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help=f"sequences per rank per micro-batch (default: {CPU_MICRO_BATCH} on the CPU, "
+        f"{CUDA_MICRO_BATCH} on a GPU, where a small batch leaves it waiting on the host)",
+    )
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add(
         "--seq-len",
         type=int,
         default=None,
-        help="tokens per sequence (default: 128, or the model's positions if fewer)",
+        help="tokens per sequence (default: 128, or the model's positions if fewer; "
+        "on a GPU the model's positions)",
     )
     add("--lr", type=_finite_float, default=1e-3, help="peak learning rate (warm-up, cosine decay)")
     add(
@@ -145,7 +164,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default="adamw",
         help="adamw; or muon: torch.optim.Muon on the blocks' matrices, AdamW on the rest",
     )
-    add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute precision")
+    add(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="compute precision (default: bf16 on a GPU that has it, with fp32 main weights; "
+        "else fp32)",
+    )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
@@ -184,10 +209,7 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if options.nproc is None:
         gpus = torch.cuda.device_count() if options.use_cuda else 0
         options = dataclasses.replace(options, nproc=gpus or 2)
-    if options.seq_len is None:
-        options = dataclasses.replace(
-            options, seq_len=min(128, MODEL_PRESETS[options.model].seq_len)
-        )
+    options = _hardware_defaults(options)
     for name in ("nproc", "tp", "ep", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
@@ -233,6 +255,30 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if options.resume:
         _check_resumable(options)
     return options
+
+
+def _hardware_defaults(options: TrainOptions) -> TrainOptions:
+    """Fill the options left unset with what suits the device.
+
+    On a GPU: bf16 compute where the GPU has it, the model's full sequence length
+    and a larger micro-batch, so a step gives the GPU work enough not to wait on
+    the host (the engine's Python and kernel launches cost the same at any size).
+    """
+    positions = MODEL_PRESETS[options.model].seq_len
+    gpu = options.use_cuda
+    seq_len = options.seq_len
+    if seq_len is None:
+        seq_len = positions if gpu else min(128, positions)
+    micro_batch = options.micro_batch
+    if micro_batch is None:
+        micro_batch = CUDA_MICRO_BATCH if gpu else CPU_MICRO_BATCH
+    precision = options.precision
+    if precision is None:
+        bf16 = gpu and torch.cuda.is_bf16_supported(including_emulation=False)
+        precision = "bf16" if bf16 else "fp32"
+    return dataclasses.replace(
+        options, seq_len=seq_len, micro_batch=micro_batch, precision=precision
+    )
 
 
 def _check_experts(options: TrainOptions, preset: object) -> None:

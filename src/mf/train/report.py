@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from mf.mfu import flops_per_token, peak_flops
+from mf.models import MODEL_PRESETS, MoEGPTConfig
 from mf.train.options import TrainOptions
 
-__all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "last_saved_checkpoint"]
+__all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "host_bound_hint", "last_saved_checkpoint"]
 
 LAST_CHECKPOINT_FILE = "last_checkpoint.json"
 # Set by torch's elastic agent (``mf-train``'s launcher and torchrun) in every worker.
@@ -73,6 +75,31 @@ def _memory_mib(device: torch.device) -> float:
     return float("nan")
 
 
+HOST_BOUND_SHARE = 0.9
+"""A GPU step the host takes this share of to issue (or more) has the GPU waiting on it."""
+HOST_BOUND_STEPS = 5
+"""Steps (after the first) whose median decides whether to print the host-bound hint."""
+
+
+def host_bound_hint(host_shares: list[float], micro_batch: int) -> str | None:
+    """The one-line hint for a GPU that waits on the host, or None when it does not.
+
+    ``host_shares``: per step, the share of its wall time the host took to issue
+    the step's work (the rest it waits for the device). When issuing takes nearly
+    all of a step, the GPU idles for part of it: more tokens per step cost the
+    host nothing more.
+    """
+    if len(host_shares) < HOST_BOUND_STEPS:
+        return None
+    share = sorted(host_shares)[len(host_shares) // 2]
+    if share < HOST_BOUND_SHARE:
+        return None
+    return (
+        f"mf-train: hint: the host is busy {share:.0%} of each step, so the GPU waits on it; "
+        f"a larger --micro-batch (e.g. {4 * micro_batch}) or --seq-len gives it more work per step"
+    )
+
+
 class Reporter:
     """Progress bar, JSON-lines metrics and the end-of-run summary (rank 0 only)."""
 
@@ -93,6 +120,13 @@ class Reporter:
         self.history: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         self.bar = None
+        self._host_shares: list[float] = []
+        self._hinted = False
+        preset = MODEL_PRESETS[options.model]
+        # Dense GPTs only: a mixture of experts computes with a fraction of its parameters.
+        self._flops_per_token = (
+            None if isinstance(preset, MoEGPTConfig) else flops_per_token(preset, options.seq_len)
+        )
         if not active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +160,14 @@ class Reporter:
             if record["step"] <= start_step
         ]
 
+    def mfu(self, tokens_per_s: float, device: torch.device) -> float | None:
+        """Model FLOPs utilisation of all ranks (``mf.mfu``), or None where no peak is known."""
+        dtype = torch.bfloat16 if self.options.precision == "bf16" else torch.float32
+        peak = peak_flops(device, dtype)
+        if peak is None or self._flops_per_token is None:
+            return None
+        return self._flops_per_token * tokens_per_s / (peak[0] * self.options.nproc)
+
     def step(
         self,
         step: int,
@@ -134,22 +176,44 @@ class Reporter:
         tokens_per_s: float,
         device: torch.device,
         extra: dict[str, Any] | None = None,
+        host_share: float | None = None,
     ) -> None:
-        """Record one optimizer step (``extra``: more metrics, e.g. a MoE model's routing)."""
+        """Record one optimizer step (``extra``: more metrics, e.g. a MoE model's routing).
+
+        ``host_share``: the share of the step the host took to issue its work; on
+        a GPU, a share near one after the first steps prints a one-line hint.
+        """
         if not self.active:
             return
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "time": time.time()}
+        mfu = self.mfu(tokens_per_s, device)
+        if mfu is not None:
+            record["mfu"] = mfu
         record.update(extra or {})
+        self._note_host_share(step, host_share, device)
         if validation is not None:
             record["validation_loss"] = validation
             self.bar.write(f"step {step}: train loss {loss:.4f}, validation loss {validation:.4f}")
         self.history.append(record)
         with open(self.metrics_path, "a") as out:
             out.write(_json_line(record))
-        self.bar.set_postfix(
-            loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mem=f"{_memory_mib(device):.0f}MiB"
-        )
+        postfix = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}"}
+        if mfu is not None:
+            postfix["mfu"] = f"{mfu:.2f}"
+        postfix["mem"] = f"{_memory_mib(device):.0f}MiB"
+        self.bar.set_postfix(postfix)
         self.bar.update(1)
+
+    def _note_host_share(self, step: int, share: float | None, device: torch.device) -> None:
+        """Collect the host's share of the first GPU steps; print the hint once if it is high."""
+        if device.type != "cuda" or share is None or self._hinted or step <= 1:
+            return  # the first step compiles and warms up
+        self._host_shares.append(share)
+        hint = host_bound_hint(self._host_shares, self.options.micro_batch)
+        if hint is not None or len(self._host_shares) >= HOST_BOUND_STEPS:
+            self._hinted = True
+        if hint is not None:
+            self.bar.write(hint)
 
     def saved(self, path: Path, step: int) -> None:
         """Note a checkpoint, and name it in ``last_checkpoint.json`` with this run's id."""
@@ -203,12 +267,14 @@ class Reporter:
         last = self.history[-1] if self.history else {}
         validations = [r["validation_loss"] for r in self.history if "validation_loss" in r]
         rates = [r["tokens_per_s"] for r in self.history[1:]] or [last.get("tokens_per_s", 0.0)]
+        utilisations = [r["mfu"] for r in self.history[1:] if "mfu" in r]
         summary: dict[str, Any] = {
             "steps": last.get("step", 0),
             "final_train_loss": last.get("loss"),
             "final_validation_loss": validations[-1] if validations else None,
             "seconds": round(seconds, 1),
             "tokens_per_s": round(sum(rates) / len(rates), 1),
+            "mfu": round(sum(utilisations) / len(utilisations), 4) if utilisations else None,
             "checkpoint": str(checkpoint) if checkpoint else None,
             "export": str(exported) if exported else None,
             "out_dir": str(self.out_dir),

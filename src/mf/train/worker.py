@@ -349,33 +349,46 @@ def _sample(model, prompt: str, options: TrainOptions, device: torch.device) -> 
 
 def _train_step(
     model, optimizers, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
-) -> float:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss over ranks."""
+) -> tuple[float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches.
+
+    Returns the mean loss over ranks and the moment (``time.perf_counter()``) the
+    host had issued all of the step's work, before it waits for the loss. The
+    micro-batches are copied to the device first: a copy from pageable memory
+    waits for the device's earlier work, which would count as host time.
+    """
     dp_rank, dp_size = _dp_coordinates(mesh)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(options, step)
-    losses = []
-    for micro in range(options.grad_accum):
-        inputs, targets = data.batch(
-            "train",
-            step * options.grad_accum + micro,
-            options.seed,
-            dp_rank,
-            dp_size,
-            options.micro_batch,
-            options.seq_len,
+    batches = [
+        tuple(
+            t.to(device)
+            for t in data.batch(
+                "train",
+                step * options.grad_accum + micro,
+                options.seed,
+                dp_rank,
+                dp_size,
+                options.micro_batch,
+                options.seq_len,
+            )
         )
+        for micro in range(options.grad_accum)
+    ]
+    losses = []
+    for micro, (inputs, targets) in enumerate(batches):
         last = micro == options.grad_accum - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss = model(inputs.to(device), targets.to(device)) / options.grad_accum
+            loss = model(inputs, targets) / options.grad_accum
             loss.backward()
         losses.append(loss.detach())
     for optimizer in optimizers:
         optimizer.step()
     for optimizer in optimizers:
         optimizer.zero_grad()
-    return _mean_over(torch.stack(losses).sum(), mesh)
+    issued = time.perf_counter()
+    return _mean_over(torch.stack(losses).sum(), mesh), issued
 
 
 def _routing_metrics(model, tp: int) -> dict[str, Any]:
@@ -435,16 +448,18 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     with _StopFlag() as stop, reporter.bar_closed_on_error():
         while step < options.steps:
             started = time.perf_counter()
-            train_loss = _train_step(model, optimizers, data, options, step, mesh, device)
+            train_loss, issued = _train_step(model, optimizers, data, options, step, mesh, device)
             step += 1
-            rate = tokens_per_step / (time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            rate = tokens_per_step / elapsed
+            host_share = (issued - started) / elapsed  # the rest: waiting for the device
             validation = None
             if math.isfinite(train_loss) and (
                 step % options.eval_every == 0 or step == options.steps
             ):
                 validation = _validate(model, data, options, mesh, device)
             routing = _routing_metrics(model, options.tp)
-            reporter.step(step, train_loss, validation, rate, device, routing)
+            reporter.step(step, train_loss, validation, rate, device, routing, host_share)
             _stop_if_diverged(reporter, train_loss, step, saved_path)
             interrupted = stop.agreed(device)
             final = _last_save_reason(step, options.steps, interrupted)

@@ -32,7 +32,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from mf_fsdp.local_step import enter_local_step, exit_local_step
+from mf_fsdp.local_step import ELEMENTWISE, enter_local_step, exit_local_step
 from mf_fsdp.optimizer_params import MANAGED_ATTR, owner_of
 from mf_fsdp.optimizer_state import (
     drop_unused_initial_state,
@@ -223,19 +223,6 @@ def fully_shard_optimizer(
     return optimizer
 
 
-_FOREACH_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-)
-
-
 def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
     """Let torch's optimizers that left ``foreach`` to torch use the multi-tensor path.
 
@@ -244,7 +231,7 @@ def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
     of a 17 ms step); the multi-tensor path dispatches once per op. The arithmetic
     is the same. A group that chose ``foreach`` (True or False) keeps its choice.
     """
-    if type(optimizer) not in _FOREACH_OPTIMIZERS:
+    if type(optimizer) not in ELEMENTWISE:  # each has a multi-tensor path
         return
     for group in optimizer.param_groups:
         if group.get("foreach", False) is None and not group.get("differentiable", False):

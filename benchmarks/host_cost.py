@@ -1,0 +1,184 @@
+"""The host's cost per training step: mf, FSDP2 and DDP against plain PyTorch, interleaved.
+
+On a GPU a small model's step is bounded by what the host does (Python, op
+dispatch, kernel launches), not by the kernels. With the tiny preset on the
+CPU the compute is nearly nothing, so a step's CPU time is that host cost.
+
+Every engine is built in this one process (world 1, gloo, one intra-op thread)
+on the same model, and the engines take turns step by step, so the machine's
+drift (frequency, caches, neighbours) falls on all of them alike: separate
+processes per engine (``mf-bench``) differ by 10-20% on a shared machine.
+Printed per engine: the median CPU ms of the forward, the backward and the
+optimizer's ``step()`` + ``zero_grad()``, their total against plain PyTorch's,
+and the aten ops one step dispatches (torch's profiler).
+
+Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["ENGINES", "EngineCost", "main", "measure"]
+
+ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-zero0")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class EngineCost:
+    """One engine's CPU time per phase (seconds, one list entry per step) and ops per step."""
+
+    name: str
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    ops: int = 0
+
+    def median(self, phase: str) -> float:
+        """Median seconds of ``phase``."""
+        return statistics.median(self.seconds[phase])
+
+    @property
+    def total(self) -> float:
+        """The median phases summed: one step."""
+        return sum(self.median(p) for p in PHASES)
+
+
+def _build(name: str, preset: str, bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import mf_fsdp
+    from mf.models import GPT, PRESETS, Block
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS[preset])
+    if name == "plain":
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    if name == "ddp":
+        return DistributedDataParallel(model), torch.optim.Adam(model.parameters(), lr=1e-3)
+    if name == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    mixed = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
+    return mf_fsdp.fully_shard(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=int(name.removeprefix("mf-zero")),
+        mixed_precision_policy=mixed,
+    )
+
+
+def _step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch, autocast: bool, cost: EngineCost | None
+) -> None:
+    start = time.thread_time()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(*batch)
+    forward = time.thread_time()
+    loss.backward()
+    backward = time.thread_time()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if cost is not None:
+        for phase, seconds in zip(
+            PHASES,
+            (forward - start, backward - forward, time.thread_time() - backward),
+            strict=True,
+        ):
+            cost.seconds[phase].append(seconds)
+
+
+def measure(
+    engines: Sequence[str],
+    preset: str = "tiny",
+    steps: int = 200,
+    warmup: int = 20,
+    bf16: bool = False,
+) -> list[EngineCost]:
+    """Interleave ``steps`` training steps of every engine (world 1); return their costs.
+
+    Needs an initialised process group of one rank.
+    """
+    from mf.models import PRESETS
+
+    built = {name: _build(name, preset, bf16) for name in engines}
+    config = PRESETS[preset]
+    tokens = torch.randint(
+        0, config.vocab_size, (2, config.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    costs = {name: EngineCost(name) for name in engines}
+    for step in range(warmup + steps):
+        for name, (model, opt) in built.items():
+            autocast = bf16 and name in ("plain", "ddp")
+            _step(model, opt, batch, autocast, costs[name] if step >= warmup else None)
+    for name, (model, opt) in built.items():
+        autocast = bf16 and name in ("plain", "ddp")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, opt, batch, autocast, None)
+        costs[name].ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    return list(costs.values())
+
+
+def report(costs: list[EngineCost]) -> list[str]:
+    """One line per engine: CPU ms per phase, the step against the first engine's, ops."""
+    base = costs[0]
+    lines = [
+        f"{'engine':<10} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7} {'step ms':>8} "
+        f"{'x ' + base.name:>8} {'ops/step':>9} {'x ' + base.name:>8}"
+    ]
+    for cost in costs:
+        lines.append(
+            f"{cost.name:<10} {cost.median('forward') * 1e3:7.3f} "
+            f"{cost.median('backward') * 1e3:7.3f} {cost.median('optimizer') * 1e3:7.3f} "
+            f"{cost.total * 1e3:8.3f} {cost.total / base.total:8.2f} {cost.ops:9d} "
+            f"{cost.ops / base.ops:8.2f}"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every engine interleaved at world 1 and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    args = parser.parse_args(argv)
+    engines = args.engines.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 500))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        costs = measure(engines, args.preset, args.steps, args.warmup, args.precision == "bf16")
+    finally:
+        dist.destroy_process_group()
+    print(
+        f"host cost per step: torch {torch.__version__}, preset {args.preset}, world 1, "
+        f"{args.precision}, {args.steps} steps interleaved, CPU ms of the main thread"
+    )
+    print("\n".join(report(costs)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

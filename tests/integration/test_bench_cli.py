@@ -1,0 +1,60 @@
+"""``mf-bench`` at world 1 in bf16: the throughput table and the host-cost table.
+
+One short run of the tiny preset (plain PyTorch under autocast and mf ZeRO-3
+with its bf16 policy) checks that every column is filled: tokens/s, the MFU
+footnote, the main thread's CPU ms and the ops per step against plain.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mf.bench.cli import main
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_world_one_bf16_prints_throughput_and_host_cost(capsys) -> None:
+    argv = [
+        "--presets=tiny",
+        "--world=1",
+        "--precision=bf16",
+        "--engines=plain,mf-zero3",
+        "--rounds=1",
+        "--steps=2",
+        "--warmup=1",
+        "--seq-len=32",
+        "--device=cpu",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "world 1" in out
+    assert "bf16" in out
+    assert "MFU: no known peak for this device" in out
+    rows = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and fields[0] in ("plain", "mf-zero3"):
+            rows.setdefault(fields[0], []).append(fields)
+    # One row per engine in each table: throughput, then host cost.
+    assert len(rows["plain"]) == 2
+    assert len(rows["mf-zero3"]) == 2
+    throughput, host = rows["mf-zero3"]
+    assert float(throughput[-2]) > 0  # tokens/s
+    step_ms, cpu_ms, ops = float(host[2]), float(host[4]), int(host[6])
+    assert step_ms > 0
+    assert cpu_ms > 0
+    assert ops > 100
+    assert re.fullmatch(r"\d+\.\d\d", host[7])  # ops against plain's
+    assert rows["plain"][1][7] == "1.00"
+
+
+def test_bad_world_and_peak_are_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--world=0"])
+    assert "--world must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--peak-tflops=-3"])
+    assert "--peak-tflops must be positive, got -3.0" in capsys.readouterr().err

@@ -1,0 +1,26 @@
+"""The host-cost report (benchmarks/host_cost.py) times each phase of every engine, prints it."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.host_cost import PHASES, measure, report
+from tests._multiprocess import run_on_ranks
+
+
+def _rank_report(rank: int, world: int) -> None:
+    costs = measure(["plain", "fsdp2", "mf-zero3"], steps=3, warmup=1, bf16=True)
+    assert [c.name for c in costs] == ["plain", "fsdp2", "mf-zero3"]
+    for cost in costs:
+        assert all(len(cost.seconds[p]) == 3 for p in PHASES)
+        assert cost.total > 0
+        assert cost.ops > 100
+    lines = report(costs)
+    assert lines[0].split()[:5] == ["engine", "fwd", "ms", "bwd", "ms"]
+    assert lines[1].split()[5] == "1.00"  # plain against itself
+    assert len(lines) == 4
+
+
+@pytest.mark.multiprocess
+def test_report_times_each_engine_interleaved() -> None:
+    run_on_ranks(_rank_report, 1)
