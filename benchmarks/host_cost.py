@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from mf.bench.engines import AUTOCAST, build_engine
+
 __all__ = ["ENGINES", "EngineCost", "main", "measure"]
 
 ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-zero0")
@@ -54,32 +56,15 @@ class EngineCost:
 
 
 def _build(name: str, preset: str, bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.nn.parallel import DistributedDataParallel
+    """``mf-bench``'s engine ``name`` on a fresh model, over a one-rank "dp" mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    import mf_fsdp
-    from mf.models import GPT, PRESETS, Block
+    from mf.models import GPT, PRESETS
 
     torch.manual_seed(0)
-    model = GPT(PRESETS[preset])
-    if name == "plain":
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-    if name == "ddp":
-        return DistributedDataParallel(model), torch.optim.Adam(model.parameters(), lr=1e-3)
-    if name == "fsdp2":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-    mixed = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
-    return mf_fsdp.fully_shard(
-        model,
-        torch.optim.Adam(model.parameters(), lr=1e-3),
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=int(name.removeprefix("mf-zero")),
-        mixed_precision_policy=mixed,
-    )
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    model, optimizers = build_engine(name, GPT(PRESETS[preset]), mesh, 1e-3, "adam", bf16)
+    return model, optimizers[0]
 
 
 def _step(
@@ -122,14 +107,13 @@ def measure(
     )
     batch = (tokens[:, :-1], tokens[:, 1:])
     costs = {name: EngineCost(name) for name in engines}
+    autocast = {name: bf16 and name in AUTOCAST for name in engines}
     for step in range(warmup + steps):
         for name, (model, opt) in built.items():
-            autocast = bf16 and name in ("plain", "ddp")
-            _step(model, opt, batch, autocast, costs[name] if step >= warmup else None)
+            _step(model, opt, batch, autocast[name], costs[name] if step >= warmup else None)
     for name, (model, opt) in built.items():
-        autocast = bf16 and name in ("plain", "ddp")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _step(model, opt, batch, autocast, None)
+            _step(model, opt, batch, autocast[name], None)
         costs[name].ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     return list(costs.values())
 
