@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -55,3 +56,25 @@ def test_hanging_rank_fails_at_timeout() -> None:
 def test_rejects_bad_world_size() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_on_ranks(_rank_allreduce, 0, 1.0)
+
+
+def _rank_gloo_setup_fails_once(rank: int, world_size: int, marker: str) -> None:
+    if not os.path.exists(marker):
+        dist.barrier()  # both ranks see the first attempt before the marker exists
+        if rank == 0:
+            open(marker, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
+    dist.barrier()
+
+
+def _rank_gloo_setup_always_fails(rank: int, world_size: int) -> None:
+    raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
+
+
+def test_a_run_lost_in_gloo_setup_is_made_once_more(tmp_path) -> None:
+    run_on_ranks(_rank_gloo_setup_fails_once, 2, str(tmp_path / "first-attempt"))
+
+
+def test_a_run_lost_in_gloo_setup_twice_fails() -> None:
+    with pytest.raises(AssertionError, match="connectFullMesh failed"):
+        run_on_ranks(_rank_gloo_setup_always_fails, 2, timeout=60.0)
