@@ -55,7 +55,7 @@ def measure(preset: str, folder: str, repeats: int) -> dict[str, float]:
     """Time save, hashing and both loads on this rank's process group (collective)."""
     import mf_fsdp
     from mf.models import GPT, PRESETS, Block
-    from mf_fsdp.checkpoint_integrity import data_files, digest_folder
+    from mf_fsdp.checkpoint.integrity import data_files, digest_folder
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     torch.manual_seed(0)

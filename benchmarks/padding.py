@@ -7,7 +7,7 @@ Adam moments), under three ways of cutting the parameters into ``N`` shards:
 - ``mf``: the real engine layout, ``mf_fsdp.plan_bucket_layouts`` on a meta-device
   model (per rank: the sum of ``layout.shard_size`` over the buckets; every shard
   boundary falls between two rows of a tensor, see [Note: row-aligned shards] in
-  ``mf_fsdp.layout``);
+  ``mf_fsdp.buckets.layout``);
 - ``FSDP2``: torch's per-parameter rule, each parameter padded to a multiple of
   ``N`` dim-0 rows (per rank: ``ceil(rows / N) * row_numel`` summed over the
   parameters; a 0-d or 1-d tensor's rows are its elements);
@@ -48,7 +48,7 @@ from torch import nn
 
 from mf.models import GPT, PRESETS, Block
 from mf_fsdp import plan_bucket_layouts
-from mf_fsdp.layout import BucketLayout, row_numel
+from mf_fsdp.buckets.layout import BucketLayout, row_numel
 
 BYTES_PER_ELEMENT = 16
 """fp32 weight + fp32 grad + two fp32 Adam moments."""

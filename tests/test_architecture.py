@@ -5,6 +5,10 @@ Parses every member's pyproject.toml and scans the imports of its src/ with
 - every imported ``mf*`` package is a declared dependency (or the package itself);
 - another package is entered only through names in its ``__all__``;
 - the declared graph has no cycle, and mf-fsdp never depends on mf-tp.
+
+Inside mf-fsdp, its sub-packages form layers (``FSDP_LAYERS``) and a module
+imports only from its own layer or lower ones, type-only imports included: the
+engine never reaches up to the optimizer side or the checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted((ROOT / "packages").iterdir())
 MF_MODULE = re.compile(r"^mf(_[a-z]+)?$")
+FSDP_SOURCE = ROOT / "packages" / "mf-fsdp" / "src" / "mf_fsdp"
+# mf_fsdp's layers, lowest first: the top-level module or sub-package -> its rank.
+FSDP_LAYERS = {
+    "config": 0,
+    "distributed_index": 0,
+    "buckets": 1,
+    "engine": 2,
+    "optim": 3,
+    "checkpoint": 4,
+    "fully_shard": 5,
+}
 
 
 def _import_name(distribution: str) -> str:
@@ -113,3 +128,41 @@ def test_every_member_exports_only_what_exists() -> None:
         module = importlib.import_module(_import_name(package.name))
         missing = [name for name in module.__all__ if not hasattr(module, name)]
         assert not missing, f"{package.name}: __all__ names {missing} that do not exist"
+
+
+def _fsdp_layer(path: Path) -> str:
+    """The layer a file of mf_fsdp belongs to: its sub-package, or its own module name."""
+    first = path.relative_to(FSDP_SOURCE).parts[0]
+    return first.removesuffix(".py")
+
+
+def test_mf_fsdp_layers_import_downward_only() -> None:
+    problems = []
+    for path in sorted(FSDP_SOURCE.rglob("*.py")):
+        if path == FSDP_SOURCE / "__init__.py":
+            continue  # the package's face imports every layer
+        where = path.relative_to(ROOT)
+        layer = _fsdp_layer(path)
+        if layer not in FSDP_LAYERS:
+            problems.append(f"{where} is in no layer: add {layer!r} to FSDP_LAYERS")
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                problems.append(f"{where}:{node.lineno} uses a relative import")
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module == "mf_fsdp":
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mf_fsdp."):
+                targets = [node.module.split(".")[1]]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+                targets = [n.split(".")[1] for n in names if n.startswith("mf_fsdp.")]
+                targets += ["mf_fsdp's face" for n in names if n == "mf_fsdp"]
+            else:
+                continue
+            for target in targets:
+                if target not in FSDP_LAYERS:
+                    problems.append(f"{where}:{node.lineno} imports {target} from mf_fsdp's top")
+                elif FSDP_LAYERS[target] > FSDP_LAYERS[layer]:
+                    problems.append(f"{where}:{node.lineno} ({layer}) reaches up to {target}")
+    assert not problems, "\n".join(problems)

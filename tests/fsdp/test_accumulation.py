@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mf_fsdp
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     assert_matches_reference,
@@ -37,7 +37,7 @@ COUNTED = ("all_reduce", "reduce_scatter_into", "all_gather_into")
 
 @contextlib.contextmanager
 def count_collectives(group: dist.ProcessGroup | None = None) -> Iterator[dict[str, int]]:
-    """Count calls of the engine's collectives (patched on ``mf_fsdp.collectives``).
+    """Count calls of the engine's collectives (patched on ``mf_fsdp.buckets.collectives``).
 
     With ``group``, only the calls on exactly that group count.
     """

@@ -1,6 +1,6 @@
 """The engine's gloo collectives against torch's own: same results, fewer bytes.
 
-``mf_fsdp.collectives`` replaces gloo's reduce-scatter (an all-reduce of the
+``mf_fsdp.buckets.collectives`` replaces gloo's reduce-scatter (an all-reduce of the
 whole bucket) and all-gather with point-to-point transfers (buckets of 1 MiB
 and more; smaller ones keep the native calls, AVG summed then divided). Each must give
 what ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` give, for sum and
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mf.bench import bytes_written
 from mf.bench.comm_counter import CommCounter
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
 from tests._multiprocess import run_on_ranks
 
 SHARD_SIZES = (1, 7, 64, 1001)

@@ -3,7 +3,7 @@
 Unit by unit includes torchtitan's recipe: each block compiled with
 ``fullgraph=True``, before or after wrapping; the engine's hooks run around
 the blocks' graphs (see [Note: hooks outside the compiled graph] in
-``mf_fsdp.hooks``). Nothing may crash, the losses must follow the
+``mf_fsdp.engine.hooks``). Nothing may crash, the losses must follow the
 single-process eager reference within compile's numerical noise (Inductor
 fuses and reorders float ops: 1e-4 relative here), and nothing is compiled
 again after the first step (a unit) or the second (the whole model: buckets

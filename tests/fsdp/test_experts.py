@@ -173,21 +173,21 @@ def _rank_collective_groups(rank: int, world: int, ep: int) -> None:
     calls: list[tuple[str, tuple[int, ...]]] = []
     originals = {}
     for name, position in (("all_gather_into", 2), ("reduce_scatter_into", 3), ("all_reduce", 2)):
-        original = originals[name] = getattr(mf_fsdp.collectives, name)
+        original = originals[name] = getattr(mf_fsdp.buckets.collectives, name)
 
         def counted(*args, _name=name, _original=original, _at=position, **kwargs):
             group = kwargs.get("group", args[_at] if len(args) > _at else None)
             calls.append((_name, tuple(dist.get_process_group_ranks(group))))
             return _original(*args, **kwargs)
 
-        setattr(mf_fsdp.collectives, name, counted)
+        setattr(mf_fsdp.buckets.collectives, name, counted)
     try:
         _train(model, opt, rank, world, 1)  # warm: the first step allocates
         calls.clear()
         _train(model, opt, rank, world, 1)
     finally:
         for name, original in originals.items():
-            setattr(mf_fsdp.collectives, name, original)
+            setattr(mf_fsdp.buckets.collectives, name, original)
     expert_buckets = sum(1 for g in model.groups if g.dist_index is model.dist_index.expert_index)
     dense_buckets = len(model.groups) - expert_buckets
     assert expert_buckets == CONFIG.n_layers, expert_buckets

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mf_fsdp
 from mf.models import GPT, Block, GPTConfig
-from mf_fsdp.buffer_pool import KEEP_BELOW_BYTES
+from mf_fsdp.buckets.buffer_pool import KEEP_BELOW_BYTES
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,

@@ -2,9 +2,9 @@
 
 - At world 1 (every group of one rank) a training step calls no
   ``torch.distributed`` collective at all, for every strategy, fp32 and bf16
-  (see [Note: a group of one] in ``mf_fsdp.collectives``).
+  (see [Note: a group of one] in ``mf_fsdp.buckets.collectives``).
 - The optimizer steps the local pieces (see [Note: local step] in
-  ``mf_fsdp.local_step``): during ``step()`` it holds plain tensors, before and
+  ``mf_fsdp.optim.local_step``): during ``step()`` it holds plain tensors, before and
   after it the sharded parameters and parameter-shaped state, even when the step
   raises.
 - The aten ops a step dispatches stay within plain PyTorch's count (a

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mf.models import GPT, PRESETS
 from mf_fsdp import compute_bucket_layout, partition_bucket, plan_bucket_layouts
-from mf_fsdp.layout import SPLIT_COST_ELEMENTS, row_numel
+from mf_fsdp.buckets.layout import SPLIT_COST_ELEMENTS, row_numel
 
 shapes_st = st.lists(
     st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple), min_size=0, max_size=12

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from mf_fsdp.optimizer_state import drop_unused_initial_state, init_optimizer_state
+from mf_fsdp.optim.state import drop_unused_initial_state, init_optimizer_state
 
 OPTIMIZERS = [
     ("SGD", {"lr": 0.1}),

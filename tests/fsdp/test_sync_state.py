@@ -1,6 +1,6 @@
 """Every transition of the gradient-sync tables, driven and checked.
 
-``grad_state.py`` and ``sync_policy.py`` each carry a table: the per-bucket
+``buckets/grad_state.py`` and ``engine/sync_policy.py`` each carry a table: the per-bucket
 gradient states and what the engine does at each point of a step. The unit
 tests walk them without a process group; the multi-rank test drives a real
 engine through ``no_sync`` accumulation, a deferred reduction, accumulating
@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import mf_fsdp
-from mf_fsdp.grad_state import GradState, Local, Reduced, check_invariant
-from mf_fsdp.sync_policy import SyncPolicy
+from mf_fsdp.buckets.grad_state import GradState, Local, Reduced, check_invariant
+from mf_fsdp.engine.sync_policy import SyncPolicy
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp.test_accumulation import count_collectives
 

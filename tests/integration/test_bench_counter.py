@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mf.bench import CommCounter, model_state_bytes
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
 from tests._multiprocess import run_on_ranks
 
 

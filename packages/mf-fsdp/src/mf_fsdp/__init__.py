@@ -4,7 +4,14 @@ Start with ``fully_shard(model, optimizer, fsdp_unit_modules=[Block])``; see the
 README for the gradient-reduction contract and the strategies.
 """
 
-from mf_fsdp.checkpoint import (
+from mf_fsdp.buckets.layout import (
+    DEFAULT_ALIGNMENT,
+    BucketLayout,
+    compute_bucket_layout,
+    partition_bucket,
+)
+from mf_fsdp.buckets.units import plan_bucket_layouts
+from mf_fsdp.checkpoint.folder import (
     RECORD_FILE,
     checkpoint_to_full_state_dict,
     full_state_dict_to_checkpoint,
@@ -12,6 +19,12 @@ from mf_fsdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
     save_full_state_dict,
+)
+from mf_fsdp.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from mf_fsdp.config import (
     DEFAULT_COMMUNICATION_UNIT_SIZE,
@@ -23,24 +36,16 @@ from mf_fsdp.config import (
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine.grad_norm import clip_grad_norm_, get_grad_norm
+from mf_fsdp.engine.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.fully_shard import fully_shard, fully_shard_model
-from mf_fsdp.grad_norm import clip_grad_norm_, get_grad_norm
-from mf_fsdp.layout import (
-    DEFAULT_ALIGNMENT,
-    BucketLayout,
-    compute_bucket_layout,
-    partition_bucket,
-)
-from mf_fsdp.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
-from mf_fsdp.optimizer import fully_shard_optimizer
-from mf_fsdp.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
-from mf_fsdp.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from mf_fsdp.units import plan_bucket_layouts
+from mf_fsdp.optim.optimizer import fully_shard_optimizer, install_optimizer_hooks
+from mf_fsdp.optim.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
+
+# Every optimizer stepping an engine's parameters needs these (finish the gradient
+# reductions before step(), install the weights after it). The optimizer side
+# attaches them here, so the engine never imports it.
+install_optimizer_hooks()
 
 __all__ = [
     "DEFAULT_ALIGNMENT",

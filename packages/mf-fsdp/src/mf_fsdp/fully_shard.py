@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.config import (
     DEFAULT_COMMUNICATION_UNIT_SIZE,
     DistributedDataParallelConfig,
@@ -25,9 +26,8 @@ from mf_fsdp.config import (
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.layout import DEFAULT_ALIGNMENT
-from mf_fsdp.megatron_fsdp import MegatronFSDP, check_engine_options, check_module_to_wrap
-from mf_fsdp.optimizer import Optimizers, fully_shard_optimizer
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_engine_options, check_module_to_wrap
+from mf_fsdp.optim.optimizer import Optimizers, fully_shard_optimizer
 from mf_utils import get_group_device
 
 __all__ = ["fully_shard", "fully_shard_model"]

@@ -1,27 +1,27 @@
 """MegatronFSDP: the module wrapper, its construction and its public training controls.
 
 ``MegatronFSDP`` splits the model's parameters into buckets (one per FSDP unit
-and dtype, split by row size where padding demands it, see ``units.py``),
+and dtype, split by row size where padding demands it, see ``buckets/units.py``),
 moves them into flat sharded buffers (``ParamGroup``, one ``FSDPParam`` per
 parameter) and exposes the Megatron-FSDP controls: gradient sync
 (``no_sync``, ``finish_grad_sync``, ...), parameter sync, broadcasts and
 introspection. It also keeps the torch contract of the module it wraps:
 which form of each parameter the modules hold (sharded between passes,
-compute during them, see [Note: parameter forms] in ``param.py``), attribute
+compute during them, see [Note: parameter forms] in ``buckets/param.py``), attribute
 access, ``named_parameters()``, ``state_dict()``. The jobs around it live in
 their own modules:
 
-- ``hooks.py``: the per-unit forward/backward hooks and the TrainingState machine;
-- ``optimizer_params.py``: the parameter-shaped DTensors the optimizer steps on;
-- ``optimizer.py``, ``optimizer_state.py``: binding optimizers, their step hooks
+- ``engine/hooks.py``: the per-unit forward/backward hooks and the TrainingState machine;
+- ``engine/sharded_params.py``: the parameter-shaped DTensors the optimizer steps on;
+- ``optim/optimizer.py``, ``optim/state.py``: binding optimizers, their step hooks
   and eagerly created state;
-- ``engine_state_dict.py``: ``load_state_dict()`` from any layout, through the module's hooks;
-- ``meta_init.py``: meta-device materialisation, one unit at a time;
-- ``stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
+- ``engine/load_hooks.py``: ``load_state_dict()`` from any layout, through the module's hooks;
+- ``engine/meta_init.py``: meta-device materialisation, one unit at a time;
+- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
 
-When gradients are reduced is ``sync_policy.py``'s; this module applies it
+When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
 at the end of each backward; the buffers themselves belong to
-``param_group.py``, and every collective on them to ``collectives.py``.
+``buckets/param_group.py``, and every collective on them to ``buckets/collectives.py``.
 """
 
 from __future__ import annotations
@@ -37,25 +37,28 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
+from mf_fsdp.buckets.param import FSDPParam
+from mf_fsdp.buckets.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
+from mf_fsdp.buckets.tp_params import tp_info, validate_tp_params
+from mf_fsdp.buckets.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine_state_dict import register_load_hooks
-from mf_fsdp.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
-from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout
-from mf_fsdp.meta_init import allocate_meta_params, describe_meta_init, materialize_meta_params
-from mf_fsdp.optimizer import install_optimizer_hooks
-from mf_fsdp.optimizer_params import OWNER_ATTR, build_sharded_params, owner_of
-from mf_fsdp.param import FSDPParam
-from mf_fsdp.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
-from mf_fsdp.stats import BucketStats, bucket_stats, memory_footprint
-from mf_fsdp.sync_policy import SyncPolicy
-from mf_fsdp.tp_params import tp_info, validate_tp_params
-from mf_fsdp.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
+from mf_fsdp.engine.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
+from mf_fsdp.engine.load_hooks import register_load_hooks
+from mf_fsdp.engine.meta_init import (
+    allocate_meta_params,
+    describe_meta_init,
+    materialize_meta_params,
+)
+from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params, owner_of
+from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
+from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_utils import get_group_device, is_expert_parallel_parameter
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
@@ -247,7 +250,6 @@ class MegatronFSDP(nn.Module):
         module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True)
         module.register_forward_hook(eager(self._root_post_forward))
         register_load_hooks(self)
-        install_optimizer_hooks()
 
     # ------------------------------------------------------------------ construction
     def _build_units(

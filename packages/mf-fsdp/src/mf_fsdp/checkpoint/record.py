@@ -9,7 +9,7 @@ the size and SHA-256 of every data file. Non-tensor values go here as JSON
 (``to_json``; tuples, non-finite floats and one-element tensors are tagged)
 instead of being pickled into DCP's files, so loading a checkpoint never
 unpickles anything but DCP's allow-listed metadata (see [Note: loading never
-runs code] in ``safe_reader.py``).
+runs code] in ``checkpoint/safe_reader.py``).
 
 ``read_record`` checks every field and names the file and the field when
 one is wrong. No communication.

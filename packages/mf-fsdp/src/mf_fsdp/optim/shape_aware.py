@@ -26,7 +26,7 @@ the optimizer's place, with torch's own state names, shapes and formulas:
   are sums over rows: each rank sums its rows and one all-reduce per phase
   completes every parameter's sums together.
 
-The served step runs in the process-wide step pre-hook (``optimizer.py``),
+The served step runs in the process-wide step pre-hook (``optim/optimizer.py``),
 after the gradients are reduced; the served parameters' grads are hidden from
 torch's own step and restored after it. Any other optimizer class holding
 sharded parameters is refused (``check_supported``): its step could apply
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import Shard
 
 from mf_dtensor import UnevenDTensor, boxes_numel, place_boxes, take_boxes
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",

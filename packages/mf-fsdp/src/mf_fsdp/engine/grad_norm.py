@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from mf_fsdp import collectives
-from mf_fsdp.megatron_fsdp import MegatronFSDP
-from mf_fsdp.optimizer_params import SPREAD_ATTR
-from mf_fsdp.tp_params import local_value
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.tp_params import local_value
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+from mf_fsdp.engine.sharded_params import SPREAD_ATTR
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
 

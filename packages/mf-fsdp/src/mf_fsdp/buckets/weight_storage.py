@@ -36,12 +36,12 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.grad_state import Gather, check_invariant
+from mf_fsdp.buckets.layout import BucketLayout
+from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.grad_state import Gather, check_invariant
-from mf_fsdp.layout import BucketLayout
-from mf_fsdp.param import FSDPParam
 
 __all__ = [
     "BucketGeometry",

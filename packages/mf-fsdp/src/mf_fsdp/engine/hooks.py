@@ -46,9 +46,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from mf_fsdp import collectives
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
-from mf_fsdp.param_group import ParamGroup
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks", "eager"]
 

@@ -5,20 +5,22 @@ An optimizer works on mf's sharded parameters whichever way it was built:
 - built on the original module's parameters before wrapping:
   ``fully_shard_optimizer`` swaps each one for its sharded form (groups and
   options kept) and creates the state at once (see [Note: eager optimizer
-  state] in ``optimizer_state.py``);
+  state] in ``optim/state.py``);
 - built after wrapping on ``model.parameters()`` (as with PyTorch FSDP2): it
   already holds the sharded forms; ``fully_shard_optimizer`` adds the eager
   state and zero_grad integration, and works without it too.
 
-Process-wide step hooks (``install_optimizer_hooks``, installed by
-``MegatronFSDP``) do what every such optimizer needs: before ``step()``
-finish every pending gradient reduction of the engines owning its parameters
-(no strategy ever steps on unreduced grads) and drop unused initial buffers;
-after it, install the updated weights into the model's buffers. The same
+Process-wide step hooks (``install_optimizer_hooks``, installed when
+``mf_fsdp`` is imported, so before any engine exists; an optimizer of no
+engine's parameters passes them at the cost of one cached lookup) do what
+every such optimizer needs: before ``step()`` finish every pending gradient
+reduction of the engines owning its parameters (no strategy ever steps on
+unreduced grads) and drop unused initial buffers; after it, install the
+updated weights into the model's buffers. The same
 pre-hook rejects an optimizer that still holds compute parameters (the
 original objects, whose values live in the engine's buffers), which would
 otherwise silently train nothing. This module never builds the sharded
-parameters (``optimizer_params.py`` does) and imports the engine for type
+parameters (``engine/sharded_params.py`` does) and imports the engine for type
 hints only.
 """
 
@@ -32,19 +34,19 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from mf_fsdp.local_step import ELEMENTWISE, enter_local_step, exit_local_step
-from mf_fsdp.optimizer_params import MANAGED_ATTR, owner_of
-from mf_fsdp.optimizer_state import (
+from mf_fsdp.engine.sharded_params import MANAGED_ATTR, owner_of
+from mf_fsdp.optim.local_step import ELEMENTWISE, enter_local_step, exit_local_step
+from mf_fsdp.optim.shape_aware import check_supported, serve_step
+from mf_fsdp.optim.state import (
     drop_unused_initial_state,
     init_optimizer_state,
     initializing,
     localize_loaded_state,
     snapshot_state,
 )
-from mf_fsdp.shape_aware import check_supported, serve_step
 
 if TYPE_CHECKING:
-    from mf_fsdp.megatron_fsdp import MegatronFSDP
+    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 
 __all__ = ["Optimizers", "fully_shard_optimizer", "install_optimizer_hooks", "optimizer_list"]
 
@@ -176,7 +178,7 @@ def fully_shard_optimizer(
         ValueError: if it was already passed through, has state keyed by the original
             parameters, holds a parameter that no ``MegatronFSDP`` manages, or is an
             optimizer the engine cannot step correctly on sharded parameters (see
-            ``mf_fsdp.shape_aware.check_supported``).
+            ``mf_fsdp.optim.shape_aware.check_supported``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

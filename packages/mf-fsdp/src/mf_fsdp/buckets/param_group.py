@@ -1,8 +1,8 @@
 """ParamGroup: one flat bucket of parameters, its buffers and its collectives.
 
 A group owns, for the parameters of one FSDP unit with one dtype (or one
-row-size group of them), its weights (``weights``, see ``weight_storage.py``)
-and its gradient buffers (``buffers``, see ``grad_storage.py``): each the
+row-size group of them), its weights (``weights``, see ``buckets/weight_storage.py``)
+and its gradient buffers (``buffers``, see ``buckets/grad_storage.py``): each the
 class of its ZeRO strategy, picked once when the group is built. The group
 decides when to accumulate, reduce, set aside and zero; the classes keep the
 buffers and their lifetimes.
@@ -14,7 +14,7 @@ sharded form the optimizer steps. Compute parameters' ``.data`` and ``.grad``
 are views of the whole-bucket weights / local grads; between passes a
 ZeRO-3 parameter keeps its view of a whole bucket whose storage is resized to
 zero. Where the gradients are in their reduction, and whether the weights are
-gathered, are explicit states (``grad_state.py``).
+gathered, are explicit states (``buckets/grad_state.py``).
 Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
 to it, so the units of one backward reuse each other's buffers.
 
@@ -46,22 +46,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mf_fsdp import collectives
-from mf_fsdp.buffer_pool import BufferPool
-from mf_fsdp.config import ZeroDPStrategy
-from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.grad_state import Gather, GradState, Local, Reduced, check_invariant
-from mf_fsdp.grad_storage import GradBuffers, grad_buffers_for
-from mf_fsdp.layout import BucketLayout
-from mf_fsdp.param import FSDPParam
-from mf_fsdp.tp_params import (
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.buffer_pool import BufferPool
+from mf_fsdp.buckets.grad_state import Gather, GradState, Local, Reduced, check_invariant
+from mf_fsdp.buckets.grad_storage import GradBuffers, grad_buffers_for
+from mf_fsdp.buckets.layout import BucketLayout
+from mf_fsdp.buckets.param import FSDPParam
+from mf_fsdp.buckets.tp_params import (
     TPInfo,
     local_shape,
     local_value,
     set_local_data,
     wrap_grad,
 )
-from mf_fsdp.weight_storage import BucketGeometry, weight_storage_for
+from mf_fsdp.buckets.weight_storage import BucketGeometry, weight_storage_for
+from mf_fsdp.config import ZeroDPStrategy
+from mf_fsdp.distributed_index import FSDPDistributedIndex
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
 

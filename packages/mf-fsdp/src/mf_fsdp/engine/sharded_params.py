@@ -1,6 +1,6 @@
 """The sharded parameters the optimizer steps on, built once over the engine's buffers.
 
-For each managed parameter (see [Note: parameter forms] in ``param.py``):
+For each managed parameter (see [Note: parameter forms] in ``buckets/param.py``):
 
 - ZeRO-1/2/3, or any strategy for a tensor-parallel parameter: an
   ``mf_dtensor.UnevenDTensor`` of the parameter's global shape whose local
@@ -33,14 +33,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor import UnevenDTensor
+from mf_fsdp.buckets.param import FSDPParam, ParamPieces
+from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.param import FSDPParam, ParamPieces
-from mf_fsdp.param_group import ParamGroup
 from mf_utils import is_expert_parallel_parameter, set_expert_parallel_attribute
 
 if TYPE_CHECKING:
-    from mf_fsdp.megatron_fsdp import MegatronFSDP
+    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 
 __all__ = ["MANAGED_ATTR", "OWNER_ATTR", "SPREAD_ATTR", "build_sharded_params", "owner_of"]
 

@@ -2,16 +2,16 @@
 
 A checkpoint is a folder ``step_NNNNNNN`` holding a torch.distributed.checkpoint
 (DCP) save of the model's and the optimizers' *tensors* in the form of
-``mf_fsdp.state_dict`` (see [Note: checkpoint form]: parameter-shaped,
+``mf_fsdp.checkpoint.state_dict`` (see [Note: checkpoint form]: parameter-shaped,
 tp-gathered global shapes), so it loads into any ZeRO strategy, data-parallel
 world size, HSDP layout and tp size, plus the record ``mf_checkpoint.json``
-(``checkpoint_record.py``: format version, step, the caller's ``extra``, the
+(``checkpoint/record.py``: format version, step, the caller's ``extra``, the
 model's fingerprint, every non-tensor value of the optimizers' state as JSON,
 and the size and SHA-256 of every data file). Checkpoints of older formats
 are refused with one error naming the format.
 
 Loading never runs code from the checkpoint (see [Note: loading never runs
-code] in ``safe_reader.py``) and verifies every file against the record
+code] in ``checkpoint/safe_reader.py``) and verifies every file against the record
 first (see [Note: checkpoint integrity]; ``verify=False`` skips that for a
 trusted local resume).
 
@@ -53,8 +53,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from mf_fsdp.checkpoint_integrity import FileDigest, data_files, digest_folder, find_damage
-from mf_fsdp.checkpoint_record import (
+from mf_fsdp.checkpoint.integrity import FileDigest, data_files, digest_folder, find_damage
+from mf_fsdp.checkpoint.record import (
     RECORD_FILE,
     build_record,
     compare_fingerprints,
@@ -63,10 +63,8 @@ from mf_fsdp.checkpoint_record import (
     tensor_info,
     to_json,
 )
-from mf_fsdp.megatron_fsdp import MegatronFSDP
-from mf_fsdp.optimizer import Optimizers, optimizer_list
-from mf_fsdp.safe_reader import SafeFileSystemReader, read_metadata, refuse_pickled_items
-from mf_fsdp.state_dict import (
+from mf_fsdp.checkpoint.safe_reader import SafeFileSystemReader, read_metadata, refuse_pickled_items
+from mf_fsdp.checkpoint.state_dict import (
     alias_names,
     apply_optimizer_state,
     check_optimizer_binding,
@@ -74,6 +72,8 @@ from mf_fsdp.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
 )
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+from mf_fsdp.optim.optimizer import Optimizers, optimizer_list
 
 __all__ = [
     "RECORD_FILE",

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mf_fsdp import collectives
-from mf_fsdp.param_group import BufferPool, ParamGroup
-from mf_fsdp.tp_params import local_value
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.param_group import BufferPool, ParamGroup
+from mf_fsdp.buckets.tp_params import local_value
 
 __all__ = ["BucketStats", "bucket_stats", "memory_footprint"]
 

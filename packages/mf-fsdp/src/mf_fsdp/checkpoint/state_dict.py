@@ -15,7 +15,7 @@ PyTorch FSDP2 or a plain module (``dcp_to_torch_save``). Tied parameters are
 stored once, under their canonical (first) name.
 
 This module only builds and applies state dicts (no file I/O); see
-``mf_fsdp.checkpoint`` for saving and loading.
+``mf_fsdp.checkpoint.folder`` for saving and loading.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from mf_fsdp.megatron_fsdp import MegatronFSDP
-from mf_fsdp.optimizer import Optimizers, optimizer_list
-from mf_fsdp.optimizer_params import owner_of
-from mf_fsdp.optimizer_state import localize_loaded_state, snapshot_state
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+from mf_fsdp.engine.sharded_params import owner_of
+from mf_fsdp.optim.optimizer import Optimizers, optimizer_list
+from mf_fsdp.optim.state import localize_loaded_state, snapshot_state
 
 __all__ = [
     "get_model_state_dict",

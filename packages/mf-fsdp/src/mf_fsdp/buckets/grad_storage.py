@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mf_fsdp.buffer_pool import KEEP_BELOW_BYTES, BufferPool
+from mf_fsdp.buckets.buffer_pool import KEEP_BELOW_BYTES, BufferPool
+from mf_fsdp.buckets.grad_state import check_invariant
+from mf_fsdp.buckets.tp_params import local_grad
+from mf_fsdp.buckets.weight_storage import BucketGeometry
 from mf_fsdp.config import ZeroDPStrategy
-from mf_fsdp.grad_state import check_invariant
-from mf_fsdp.tp_params import local_grad
-from mf_fsdp.weight_storage import BucketGeometry
 
 __all__ = ["GradBuffers", "PersistentGrads", "TransientGrads", "grad_buffers_for"]
 

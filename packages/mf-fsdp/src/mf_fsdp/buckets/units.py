@@ -8,7 +8,7 @@ are split by (dtype, requires_grad, expert or not) into buckets, keeping
 model order (expert parameters, marked with mf_utils'
 ``set_expert_parallel_attribute``, live on another process group); at a
 given world size ``lay_out`` may split a bucket further by row size (see
-``mf_fsdp.layout.partition_bucket``).
+``mf_fsdp.buckets.layout.partition_bucket``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mf_fsdp.layout import DEFAULT_ALIGNMENT, BucketLayout, partition_bucket
-from mf_fsdp.tp_params import local_shape
+from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout, partition_bucket
+from mf_fsdp.buckets.tp_params import local_shape
 from mf_utils import is_expert_parallel_parameter
 
 __all__ = [

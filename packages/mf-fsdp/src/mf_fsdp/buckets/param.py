@@ -41,8 +41,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from mf_fsdp.layout import BucketLayout, row_numel
-from mf_fsdp.tp_params import TPInfo
+from mf_fsdp.buckets.layout import BucketLayout, row_numel
+from mf_fsdp.buckets.tp_params import TPInfo
 
 __all__ = ["FSDPParam", "ParamPieces"]
 

@@ -52,7 +52,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from mf_fsdp.buffer_pool import BufferPool
+from mf_fsdp.buckets.buffer_pool import BufferPool
 
 __all__ = [
     "POINT_TO_POINT_MIN_BYTES",

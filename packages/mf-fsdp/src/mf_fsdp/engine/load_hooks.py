@@ -2,7 +2,7 @@
 
 ``MegatronFSDP.state_dict()`` is the wrapped module's own state dict taken
 while the sharded forms are registered (see [Note: parameter forms] in
-``param.py``), so it needs no code here, and the module's state-dict hooks
+``buckets/param.py``), so it needs no code here, and the module's state-dict hooks
 run on it as they would on the plain module.
 
 [Note: loading through the module's hooks]
@@ -37,8 +37,8 @@ from torch.utils.hooks import RemovableHandle
 from mf_dtensor import UnevenDTensor, uneven_local_piece
 
 if TYPE_CHECKING:
-    from mf_fsdp.megatron_fsdp import MegatronFSDP
-    from mf_fsdp.param import FSDPParam
+    from mf_fsdp.buckets.param import FSDPParam
+    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 
 __all__ = ["register_load_hooks"]
 

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mf_dtensor import UnevenDTensor, uneven_local_piece
-from mf_fsdp.shape_aware import init_served_state
+from mf_fsdp.optim.shape_aware import init_served_state
 
 __all__ = [
     "drop_unused_initial_state",
