@@ -12,16 +12,25 @@
   latest.
 - Damaged or malformed records, a deleted ``.metadata``, a file or ``None``
   passed as the path: one ``ValueError`` naming the file and what is wrong.
+- A checkpoint reads nothing outside its folder: a data path in ``.metadata``
+  that leaves the folder (relative or absolute), a data file that is a
+  symlink, or one the record does not list is refused by name, in the
+  offline converter and in ``load_checkpoint`` on every rank, and the outside
+  bytes never reach the weights. A data file holding pickled code is refused
+  naming the file, and the code never runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -63,6 +72,25 @@ def _plant_payload(path: Path, marker: Path) -> None:
     real = pickle.loads((path / METADATA).read_bytes())
     (path / METADATA).write_bytes(pickle.dumps((_Payload(str(marker)), real)))
     _rewrite_checksum(path, METADATA)
+
+
+def _redirect_data(path: Path, to: str) -> None:
+    """Make ``.metadata`` name ``to`` for every data item (checksum updated, as an author would)."""
+    metadata = pickle.loads((path / METADATA).read_bytes())
+    for key, info in metadata.storage_data.items():
+        metadata.storage_data[key] = dataclasses.replace(info, relative_path=to)
+    (path / METADATA).write_bytes(pickle.dumps(metadata))
+    _rewrite_checksum(path, METADATA)
+
+
+def _outside_copies(path: Path, outside: Path) -> dict[str, Path]:
+    """A copy of each data file in ``outside``: bytes DCP would read happily if pointed there."""
+    outside.mkdir(exist_ok=True)
+    copies = {}
+    for data in sorted(path.glob("*.distcp")):
+        copies[data.name] = outside / data.name
+        shutil.copyfile(data, copies[data.name])
+    return copies
 
 
 def _offline_checkpoint(root: Path) -> Path:
@@ -109,6 +137,65 @@ def test_damaged_files_are_refused_by_name(tmp_path: Path) -> None:
     data.unlink()
     with pytest.raises(ValueError, match=rf"{data.name}: missing; stray.bin: not part of"):
         mf_fsdp.checkpoint_to_full_state_dict(path)
+
+
+def test_a_checkpoint_reads_nothing_outside_its_folder(tmp_path: Path) -> None:
+    path = _offline_checkpoint(tmp_path / "ckpt")
+    name = next(path.glob("*.distcp")).name
+    outside = _outside_copies(path, tmp_path / "outside")[name]
+    pristine = (path / METADATA).read_bytes()
+    cases = {
+        f"../../outside/{name}": "is not a file name inside the checkpoint's folder",
+        str(outside): "is not a file name inside the checkpoint's folder",
+        f"sub/{name}": "is not a file name inside the checkpoint's folder",
+        "..": "is not a file name inside the checkpoint's folder",
+    }
+    for target, reason in cases.items():
+        (path / METADATA).write_bytes(pristine)
+        _redirect_data(path, target)
+        for verify in (True, False):
+            with pytest.raises(
+                ValueError, match=rf"data file {re.escape(repr(target))}, which {reason}"
+            ):
+                mf_fsdp.checkpoint_to_full_state_dict(path, verify=verify)
+    (path / METADATA).write_bytes(pristine)
+    _rewrite_checksum(path, METADATA)
+    # A data file that is a symlink out of the folder, its checksum the target's.
+    (path / name).unlink()
+    (path / name).symlink_to(outside)
+    _rewrite_checksum(path, name)
+    for verify in (True, False):
+        with pytest.raises(ValueError, match=rf"data file '{name}', which is a symbolic link"):
+            mf_fsdp.checkpoint_to_full_state_dict(path, verify=verify)
+    # A regular file the record does not list.
+    (path / name).unlink()
+    shutil.copyfile(outside, path / name)
+    record = json.loads((path / mf_fsdp.RECORD_FILE).read_text())
+    del record["files"][name]
+    (path / mf_fsdp.RECORD_FILE).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=rf"data file '{name}', which its record .* does not list"):
+        mf_fsdp.checkpoint_to_full_state_dict(path, verify=False)
+
+
+def test_a_data_file_holding_pickled_code_is_refused_by_name(tmp_path: Path) -> None:
+    path = mf_fsdp.full_state_dict_to_checkpoint({"w": torch.ones(4)}, tmp_path, step=1)
+    marker = tmp_path / "payload-ran"
+    payload = io.BytesIO()
+    torch.save(_Payload(str(marker)), payload)
+    name = next(path.glob("*.distcp")).name
+    (path / name).write_bytes(payload.getvalue())
+    metadata = pickle.loads((path / METADATA).read_bytes())
+    for key, info in metadata.storage_data.items():
+        metadata.storage_data[key] = dataclasses.replace(
+            info, offset=0, length=len(payload.getvalue())
+        )
+    (path / METADATA).write_bytes(pickle.dumps(metadata))
+    _rewrite_checksum(path, METADATA)
+    _rewrite_checksum(path, name)
+    message = rf"checkpoint_to_full_state_dict: checkpoint file '.*{name}' holds pickled objects"
+    with pytest.raises(ValueError, match=message):
+        mf_fsdp.checkpoint_to_full_state_dict(path)
+    assert not marker.exists()
 
 
 def test_damaged_records_and_bad_paths_name_the_problem(tmp_path: Path) -> None:
@@ -200,6 +287,16 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
         (hostile / data.name).write_bytes(bytes(content))
     torch.distributed.barrier()
     with pytest.raises(ValueError, match=r"load_checkpoint: .*hostile' is damaged: __\d_0.distcp"):
+        mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)
+    torch.distributed.barrier()
+    # Data paths that leave the folder: every rank refuses them before reading a byte.
+    if rank == 0:
+        shutil.rmtree(hostile)
+        shutil.copytree(saved, hostile)
+        outside = _outside_copies(saved, root_path / "outside")
+        _redirect_data(hostile, str(next(iter(outside.values()))))
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match=r"names the data file '/.*', which is not a file name"):
         mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)
     # The intact checkpoint loads (verified), bit-exact.
     mf_fsdp.load_checkpoint(saved, fresh, fresh_opt)

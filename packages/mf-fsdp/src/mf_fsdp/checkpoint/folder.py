@@ -63,7 +63,12 @@ from mf_fsdp.checkpoint.record import (
     tensor_info,
     to_json,
 )
-from mf_fsdp.checkpoint.safe_reader import SafeFileSystemReader, read_metadata, refuse_pickled_items
+from mf_fsdp.checkpoint.safe_reader import (
+    SafeFileSystemReader,
+    data_file_names,
+    read_metadata,
+    refuse_pickled_items,
+)
 from mf_fsdp.checkpoint.state_dict import (
     alias_names,
     apply_optimizer_state,
@@ -401,6 +406,12 @@ def _checked_metadata(path: Path, record: Mapping[str, Any]) -> Metadata:
     refuse_pickled_items(metadata, metadata.state_dict_metadata, path)
     if not record["files"]:
         raise ValueError(f"checkpoint record {str(path / RECORD_FILE)!r} lists no data files")
+    unlisted = sorted(data_file_names(metadata) - set(record["files"]))
+    if unlisted:
+        raise ValueError(
+            f"checkpoint {str(path)!r}: its DCP metadata names the data file {unlisted[0]!r}, "
+            f"which its record {RECORD_FILE} does not list with a checksum; refusing to load it"
+        )
     return metadata
 
 
@@ -409,6 +420,9 @@ def _read_tensors(state: dict[str, Any], path: Path, caller: str, **kwargs: Any)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), **kwargs)
     except CheckpointException as error:
+        refused = [exc for exc, _ in error.failures.values() if isinstance(exc, ValueError)]
+        if refused:  # the safe reader refused a file: its one line says which and why
+            raise ValueError(f"{caller}: {refused[0]}") from None
         cause = _failure_cause(error, path).replace("while writing", "while reading")
         raise RuntimeError(f"{caller}: {cause}\n{error}") from None
 

@@ -10,14 +10,26 @@ paths) and refuses anything else, naming the file and the global. The
 tensor data itself DCP reads with ``torch.load(weights_only=True)``; mf's
 checkpoints hold tensors only (every other value is in the JSON record), and
 a checkpoint with a pickled object (DCP's ``BytesStorageMetadata``) is
-refused before it is read (``refuse_pickled_items``).
+refused before it is read (``refuse_pickled_items``). A data file that holds
+pickled code anyway is refused by name when it is read.
+
+[Note: a checkpoint reads only its own folder]
+DCP's metadata names each data file by a path relative to the folder, and
+its reader opens whatever that path reaches: ``../../x`` or an absolute
+path would put the bytes of any file the user can read into the weights.
+``read_metadata`` accepts only bare file names that are regular files of the
+folder itself (no symlink, no sub-folder), so every loader refuses anything
+else before a byte of data is read; ``load_checkpoint`` further requires each
+to be listed, with its checksum, in the record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,8 +37,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
-__all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "read_metadata", "refuse_pickled_items"]
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "SafeFileSystemReader",
+    "data_file_names",
+    "read_metadata",
+    "refuse_pickled_items",
+]
 
 METADATA_FILE = ".metadata"
 """DCP's metadata file in a checkpoint folder."""
@@ -106,7 +126,39 @@ def read_metadata(path: str | os.PathLike[str], rank: int | None = None) -> Meta
             f"checkpoint file {str(file)!r} holds a {type(metadata).__name__}, not DCP "
             "metadata; the checkpoint is damaged"
         )
+    for name in data_file_names(metadata):
+        _refuse_outside(Path(path), name)
     return metadata
+
+
+def data_file_names(metadata: Metadata) -> set[str]:
+    """The data files DCP's ``metadata`` reads from, as it names them."""
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    return {str(getattr(info, "relative_path", info)) for info in storage.values()}
+
+
+def _refuse_outside(folder: Path, name: str) -> None:
+    """Raise unless ``name`` is a regular file directly inside ``folder``.
+
+    See [Note: a checkpoint reads only its own folder].
+    """
+    if name in ("", ".", "..") or Path(name).name != name or os.sep in name or "/" in name:
+        reason = "is not a file name inside the checkpoint's folder"
+    else:
+        try:
+            mode = (folder / name).lstat().st_mode
+        except OSError:
+            return  # a missing file: the record's check names it, or DCP's read fails on it
+        if stat.S_ISLNK(mode):
+            reason = "is a symbolic link"
+        elif not stat.S_ISREG(mode):
+            reason = "is not a regular file"
+        else:
+            return
+    raise ValueError(
+        f"checkpoint {str(folder)!r}: its DCP metadata names the data file {name!r}, which "
+        f"{reason}; a checkpoint reads only regular files of its own folder, refusing to load it"
+    )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -119,6 +171,25 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one data file at a time, so a refused file is named."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except pickle.UnpicklingError as error:
+                raise ValueError(
+                    f"checkpoint file {str(Path(self.path) / name)!r} holds pickled objects "
+                    "where tensors belong, which loading could run as code; refusing it "
+                    f"({str(error).splitlines()[0]})"
+                ) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 def refuse_pickled_items(metadata: Metadata, keys: Iterable[str], path: Path) -> None:
