@@ -6,14 +6,25 @@ Every local run here uses the same rendezvous: a c10d store on a free port of
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
+import signal
+import sys
 import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
-__all__ = ["leave_process_group", "local_launch_config", "new_run_id"]
+__all__ = [
+    "leave_process_group",
+    "local_launch_config",
+    "new_run_id",
+    "stop_with_launcher",
+]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def leave_process_group() -> None:
@@ -28,6 +39,26 @@ def leave_process_group() -> None:
 
     dist.destroy_process_group()
     gc.collect()
+
+
+def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent, the launcher, dies.
+
+    A worker whose launcher was killed (SIGKILL, the OOM killer, a closed
+    terminal) would otherwise train on as an orphan, holding its devices and
+    writing into the run's folders. ``mf.train.worker`` stops on SIGTERM as on
+    Ctrl-C: every rank saves a checkpoint and exits. Linux only (the parent-death
+    signal); returns whether it is armed.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def new_run_id(prefix: str) -> str:

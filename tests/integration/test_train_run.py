@@ -611,6 +611,48 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(
     assert validations == [r.get("validation_loss") for r in whole]
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no reaper collected counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["torchrun", "mf-train"])
+def test_workers_stop_when_their_launcher_is_killed(kind: str, tmp_path: Path) -> None:
+    """SIGKILL the launcher (mf-train's, or torchrun) mid-run: no worker lives 10 s
+    later, and the run's newest checkpoint is complete."""
+    command = _launcher(kind, tmp_path, "run", 0)
+    command[command.index("60")] = "100000"  # --steps: a run that would not end by itself
+    run = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for_first_step(run, tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120)
+        workers = _worker_children(run.pid)
+        assert len(workers) == 2, workers
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived their launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.stderr.close()
+    newest = latest_checkpoint(tmp_path / "run" / "ckpt")
+    if newest is not None:  # the ranks saved on their way out: it loads whole
+        assert checkpoint_to_full_state_dict(newest)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_moe_trains_the_same_at_any_ep_or_tp_and_reports_its_routing(tmp_path: Path) -> None:

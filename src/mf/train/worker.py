@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mf.launch import leave_process_group
+from mf.launch import leave_process_group, stop_with_launcher
 from mf.models import (
     MODEL_PRESETS,
     Block,
@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     from mf.train.cli import STOPPED_EXIT_CODE, check_data, print_summary, user_error
     from mf.train.options import parse_options
 
+    stop_with_launcher()  # a killed launcher stops its ranks (they save, as on Ctrl-C)
     args = sys.argv[1:] if argv is None else argv
     args = args[1:] if args[:1] == ["--"] else args
     world = os.environ.get("WORLD_SIZE", "1")
