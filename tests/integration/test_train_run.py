@@ -358,6 +358,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
         f"{other}\n"
     ) in err
     assert "Traceback" not in err
+    assert "\r" not in err  # off a terminal, progress is whole lines
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""What a ``mf-train`` user sees and keeps: progress bar, metrics file, loss curve, sample.
+"""What a ``mf-train`` user sees and keeps: progress, metrics file, loss curve, sample.
 
 Only rank 0 reports; on other ranks every method is a no-op.
 
@@ -25,6 +25,7 @@ import torch
 from mf.mfu import flops_per_token, peak_flops
 from mf.models import MODEL_PRESETS, MoEGPTConfig
 from mf.train.options import TrainOptions
+from mf.train.progress import progress_bar
 
 __all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "host_bound_hint", "last_saved_checkpoint"]
 
@@ -132,8 +133,6 @@ class Reporter:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_records(start_step)
         self.metrics_path.write_text("".join(_json_line(r) for r in self.history))
-        from tqdm import tqdm
-
         experts = f"ep={options.ep}, " if options.ep > 1 else ""
         print(
             f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
@@ -144,7 +143,7 @@ class Reporter:
         )
         if start_step:
             print(f"mf-train: resumed from {options.ckpt_dir} at step {start_step}", flush=True)
-        self.bar = tqdm(total=options.steps, initial=start_step, desc="train", unit="step")
+        self.bar = progress_bar(options.steps, start_step)
 
     def _earlier_records(self, start_step: int) -> list[dict[str, Any]]:
         """The metrics of the steps a resumed run keeps (up to ``start_step``).
