@@ -4,21 +4,25 @@ On a GPU a small model's step is bounded by what the host does (Python, op
 dispatch, kernel launches), not by the kernels. With the tiny preset on the
 CPU the compute is nearly nothing, so a step's CPU time is that host cost.
 
-Every engine is built in this one process (world 1, gloo, one intra-op thread)
-on the same model, and the engines take turns step by step, so the machine's
+Every engine is built in one process per rank (gloo, one intra-op thread) on
+the same model, and the engines take turns step by step, so the machine's
 drift (frequency, caches, neighbours) falls on all of them alike: separate
 processes per engine (``mf-bench``) differ by 10-20% on a shared machine.
-Printed per engine: the median CPU ms of the forward, the backward and the
-optimizer's ``step()`` + ``zero_grad()``, their total against plain PyTorch's,
-and the aten ops one step dispatches (torch's profiler).
+Printed per engine (rank 0's): the median CPU ms of the main thread in the
+forward, the backward and the optimizer's ``step()`` + ``zero_grad()``, their
+total against plain PyTorch's, and the aten ops one step dispatches (torch's
+profiler). With ``--world 2`` each rank trains on its own batch of the same
+size, and ``plain`` is the bare model on that batch: what a step costs the host
+beyond it is the engine's and its communication's.
 
-Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200``
+Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200 [--world 2]``
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 from collections.abc import Sequence
@@ -62,7 +66,7 @@ def _build(name: str, preset: str, bf16: bool) -> tuple[nn.Module, torch.optim.O
     from mf.models import GPT, PRESETS
 
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     model, optimizers = build_engine(name, GPT(PRESETS[preset]), mesh, 1e-3, "adam", bf16)
     return model, optimizers[0]
 
@@ -94,17 +98,17 @@ def measure(
     warmup: int = 20,
     bf16: bool = False,
 ) -> list[EngineCost]:
-    """Interleave ``steps`` training steps of every engine (world 1); return their costs.
+    """Interleave ``steps`` training steps of every engine; return this rank's costs.
 
-    Needs an initialised process group of one rank.
+    Needs an initialised gloo process group (every rank calls this); each rank
+    trains on its own batch.
     """
     from mf.models import PRESETS
 
     built = {name: _build(name, preset, bf16) for name in engines}
     config = PRESETS[preset]
-    tokens = torch.randint(
-        0, config.vocab_size, (2, config.seq_len + 1), generator=torch.Generator().manual_seed(0)
-    )
+    seed = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=seed)
     batch = (tokens[:, :-1], tokens[:, 1:])
     costs = {name: EngineCost(name) for name in engines}
     autocast = {name: bf16 and name in AUTOCAST for name in engines}
@@ -135,32 +139,48 @@ def report(costs: list[EngineCost]) -> list[str]:
     return lines
 
 
+def _rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+    """One rank: join the group, measure, and (rank 0) print the table."""
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        engines = args.engines.split(",")
+        costs = measure(engines, args.preset, args.steps, args.warmup, args.precision == "bf16")
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(
+            f"host cost per step: torch {torch.__version__}, preset {args.preset}, world "
+            f"{world}, {args.precision}, {args.steps} steps interleaved, CPU ms of rank 0's "
+            "main thread"
+        )
+        print("\n".join(report(costs)), flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every engine interleaved at world 1 and print the table."""
+    """Run every engine interleaved on ``--world`` ranks and print rank 0's table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--world", type=int, default=1, help="gloo ranks on this machine")
     args = parser.parse_args(argv)
-    engines = args.engines.split(",")
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
     if unknown:
         parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 500))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        costs = measure(engines, args.preset, args.steps, args.warmup, args.precision == "bf16")
-    finally:
-        dist.destroy_process_group()
-    print(
-        f"host cost per step: torch {torch.__version__}, preset {args.preset}, world 1, "
-        f"{args.precision}, {args.steps} steps interleaved, CPU ms of the main thread"
-    )
-    print("\n".join(report(costs)))
+    if args.world < 1:
+        parser.error(f"--world: expected a positive number of ranks, got {args.world}")
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    if args.world == 1:
+        _rank(0, 1, args, port)
+    else:
+        torch.multiprocessing.spawn(_rank, args=(args.world, args, port), nprocs=args.world)
     return 0
 
 

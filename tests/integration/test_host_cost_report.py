@@ -22,5 +22,6 @@ def _rank_report(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_report_times_each_engine_interleaved() -> None:
-    run_on_ranks(_rank_report, 1)
+@pytest.mark.parametrize("world", [1, 2])
+def test_report_times_each_engine_interleaved(world: int) -> None:
+    run_on_ranks(_rank_report, world)

@@ -17,7 +17,9 @@ The Python-level collectives are wrapped where both ``torch.distributed``
 and its ``distributed_c10d`` module look them up, under the name the running
 torch defines each one with (``mf_utils.collective_name``: the deprecated
 aliases delegate to the wrapped ones, so nothing is counted twice); they are
-counted under the newest torch's names. DDP reduces in
+counted under the newest torch's names. A coalesced batch (torch's
+``_coalescing_manager``: one NCCL group, or one gloo coalesced call) counts as
+one collective of each kind it holds, with the bytes of all. DDP reduces in
 C++ and is not seen here: its traffic (one all-reduce of every gradient) is
 reported by the benchmark from its bucket sizes.
 """
@@ -66,13 +68,33 @@ class CommCounter:
     calls: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
     enabled: bool = False
+    _batch: set[str] | None = field(default=None, repr=False)  # kinds seen in an open batch
 
     def record(self, name: str, sent_bytes: float) -> None:
-        """Add one collective in which this rank sends ``sent_bytes``."""
+        """Add one collective in which this rank sends ``sent_bytes``.
+
+        Inside a coalesced batch, only the first of each kind adds a call.
+        """
         if not self.enabled:
             return
-        self.calls[name] = self.calls.get(name, 0) + 1
+        if self._batch is None or name not in self._batch:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        if self._batch is not None:
+            self._batch.add(name)
         self.bytes_sent += sent_bytes
+
+    def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        @functools.wraps(original)
+        def batched(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            outer, self._batch = self._batch, set()
+            try:
+                with original(*args, **kwargs) as manager:
+                    yield manager
+            finally:
+                self._batch = outer
+
+        return batched
 
     def reset(self) -> None:
         """Forget everything counted so far."""
@@ -123,6 +145,10 @@ class CommCounter:
                     continue
                 saved.append((module, defined, original))
                 setattr(module, defined, self._wrap(name, original))
+            coalescing = getattr(module, "_coalescing_manager", None)
+            if coalescing is not None:
+                saved.append((module, "_coalescing_manager", coalescing))
+                module._coalescing_manager = self._wrap_coalescing(coalescing)
         try:
             yield self
         finally:

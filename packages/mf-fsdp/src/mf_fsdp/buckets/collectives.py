@@ -22,11 +22,19 @@ None, as ``torch.distributed`` does.
 
 Inside ``coalescing(max_numel)``, asynchronous calls on tensors of fewer than
 ``max_numel`` elements are recorded, not issued: when the block ends, the
-recorded calls of one kind, group, dtype and op are packed into one flat
-buffer and run as one collective (then copied out), so several small buckets
-cost one collective's latency instead of one each. That is what a small
-model's ZeRO-3 step is made of on gloo, where each collective costs a few
-hundred microseconds however few its bytes. A synchronous call, or one on a
+recorded calls of one kind, group, dtype and op run as one collective, so
+several small buckets cost one collective's latency instead of one each.
+That is what a small model's ZeRO-3 step is made of on gloo, where each
+collective costs a few hundred microseconds however few its bytes. A pack is
+one coalesced call (torch's ``_coalescing_manager``: one NCCL group, gloo's
+coalesced all-gather), where the backend packs and unpacks in its own thread
+and nothing is copied on the main thread; else (gloo's reductions, whose
+coalesced forms run one collective per tensor, and packs gloo sends point to
+point, see above) mf packs the tensors into one flat buffer, runs one
+collective and copies out. Measured on 2 gloo ranks, three small buckets,
+main-thread CPU / wall: all-gather 129 / 1046 us coalesced against
+299 / 1443 us packed by mf; reduce-scatter 314 / 4657 against 470 / 1962 us;
+all-reduce 108 / 2771 against 268 / 1581 us. A synchronous call, or one on a
 larger tensor, first issues what was recorded, so calls still go out in
 program order.
 
@@ -145,10 +153,15 @@ def uses_point_to_point(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     That is gloo with CPU tensors of at least ``POINT_TO_POINT_MIN_BYTES``; other
     backends keep their native collectives.
     """
+    return _point_to_point(tensor, tensor.numel(), group)
+
+
+def _point_to_point(like: torch.Tensor, numel: int, group: dist.ProcessGroup) -> bool:
+    """Whether ``numel`` elements of ``like``'s dtype and device go point to point on ``group``."""
     return (
-        tensor.device.type == "cpu"
+        like.device.type == "cpu"
         and _facts(group).gloo
-        and tensor.numel() * tensor.element_size() >= POINT_TO_POINT_MIN_BYTES
+        and numel * like.element_size() >= POINT_TO_POINT_MIN_BYTES
     )
 
 
@@ -469,13 +482,17 @@ def _issue(calls: list[_Call], max_numel: int) -> None:
 
 def _issue_packs(calls: list[_Call], max_numel: int) -> None:
     open_packs: dict[tuple[object, ...], list[_Call]] = {}
+    open_numel: dict[tuple[object, ...], int] = {}  # elements in each open pack so far
     packs: list[list[_Call]] = []
     for call in calls:
-        pack = open_packs.get(call.key)
-        if pack is None or sum(c.numel for c in pack) + call.numel > max_numel:
-            pack = open_packs[call.key] = []
+        key, numel = call.key, call.numel
+        pack = open_packs.get(key)
+        if pack is None or open_numel[key] + numel > max_numel:
+            pack = open_packs[key] = []
+            open_numel[key] = 0
             packs.append(pack)
         pack.append(call)
+        open_numel[key] += numel
     for pack in packs:
         handle = _run_pack(pack)
         for call in pack:
@@ -494,6 +511,11 @@ def _run_pack(pack: list[_Call]) -> Handle:
         else:
             handle = _all_reduce_now(first.output, op, group, True)
         return cast(Handle, handle)
+    numel = sum(call.numel for call in pack)
+    if (first.kind == "all_gather" or not _facts(group).gloo) and not _point_to_point(
+        first.input, numel, group
+    ):
+        return _run_coalesced(pack)
     # Packed buffers are fresh, not pooled: packs vary in size, and a pool would keep
     # one of each size for good (they are under the window: cheap for the allocator).
     rows = 1 if first.kind == "all_reduce" else len(_facts(group).ranks)
@@ -504,7 +526,7 @@ def _run_pack(pack: list[_Call]) -> Handle:
         dtype=first.input.dtype,
         device=first.input.device,
     )
-    for column, call in zip(packed_in.split(widths, dim=1), pack, strict=True):
+    for column, call in zip(packed_in.split_with_sizes(widths, dim=1), pack, strict=True):
         column.copy_(call.input.view(column.shape))
     if first.kind == "all_gather":
         packed_out = packed_in.new_empty((rows, total))
@@ -517,7 +539,35 @@ def _run_pack(pack: list[_Call]) -> Handle:
         work = _all_reduce_now(packed_in, op, group, True)
 
     def copy_out() -> None:
-        for column, call in zip(packed_out.split(widths, dim=1), pack, strict=True):
+        for column, call in zip(packed_out.split_with_sizes(widths, dim=1), pack, strict=True):
             call.output.view(column.shape).copy_(column)
 
     return _Then([cast(Handle, work)], copy_out)
+
+
+def _run_coalesced(pack: list[_Call]) -> Handle:
+    """Every call of ``pack`` as one coalesced collective: the backend does the packing.
+
+    gloo has no AVG: its reductions sum, and the outputs are divided after the wait.
+    """
+    first = pack[0]
+    group, op = first.group, cast(ReduceOp, first.op)
+    divide = op == dist.ReduceOp.AVG and _facts(group).gloo
+    native = dist.ReduceOp.SUM if divide else op
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:
+        for call in pack:
+            if call.kind == "all_gather":
+                dist.all_gather_into_tensor(call.output, call.input, group=group, async_op=True)
+            elif call.kind == "reduce_scatter":
+                dist.reduce_scatter_tensor(
+                    call.output, call.input, op=native, group=group, async_op=True
+                )
+            else:
+                dist.all_reduce(call.output, op=native, group=group, async_op=True)
+    divisor = len(_facts(group).ranks)
+
+    def finish() -> None:
+        if divide:
+            torch._foreach_div_([call.output for call in pack], divisor)
+
+    return _Then([manager], finish)

@@ -46,16 +46,22 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 __all__ = ["Gather", "GradState", "Local", "Reduced", "check_invariant"]
 
 
-def check_invariant(condition: bool, rank: int, bucket: str, what: str) -> None:
+def check_invariant(condition: bool, rank: int | None, bucket: str, what: str) -> None:
     """Raise RuntimeError naming the rank and the bucket unless ``condition`` holds.
 
     For the engine's internal invariants: a failure is a bug in mf (or a call
-    order the public API does not allow), never a user's bad input.
+    order the public API does not allow), never a user's bad input. ``rank``
+    None names this process's global rank, looked up only when raising (the
+    checks run on every step's hot path).
     """
     if not condition:
+        if rank is None:
+            rank = dist.get_rank()
         raise RuntimeError(f"mf_fsdp internal error on rank {rank}, {bucket}: {what}")
 
 
@@ -93,6 +99,8 @@ class GradState:
     reduced: Reduced = Reduced.NONE
 
     def _require(self, allowed: bool, transition: str) -> None:
+        if allowed:  # the message is built only for a failure (every step passes here)
+            return
         check_invariant(
             allowed,
             self.rank,

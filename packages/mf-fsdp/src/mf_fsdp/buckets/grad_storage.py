@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets.buffer_pool import KEEP_BELOW_BYTES, BufferPool
@@ -146,7 +145,7 @@ class GradBuffers:
 
     def local_for_reduction(self) -> torch.Tensor:
         """The local grads, flat, for the reduction about to start."""
-        check_invariant(self.local is not None, dist.get_rank(), self.name, "no local grads")
+        check_invariant(self.local is not None, None, self.name, "no local grads")
         return cast(torch.Tensor, self.local)
 
     def after_reduction(self) -> None:

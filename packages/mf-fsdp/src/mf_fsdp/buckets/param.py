@@ -195,8 +195,3 @@ class FSDPParam:
     def global_shape(self) -> torch.Size:
         """The shape the optimizer and state dicts see (tp-gathered)."""
         return torch.Size(self.shape) if self.tp is None else self.tp.global_shape(self.shape)
-
-    def register(self, tensor: nn.Parameter) -> None:
-        """Make ``tensor`` the parameter every owning module holds (no hooks, no checks)."""
-        for module, attr in self.slots:
-            module._parameters[attr] = tensor

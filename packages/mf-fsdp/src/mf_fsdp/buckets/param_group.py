@@ -252,6 +252,11 @@ class ParamGroup:
         return self.layout.world_size == 1 and not self.hybrid
 
     @property
+    def released(self) -> bool:
+        """True while the bucket's whole weights are neither here nor being gathered."""
+        return self.weights.gather is Gather.RELEASED
+
+    @property
     def gathered(self) -> bool:
         """True while the whole bucket of weights is present on this rank."""
         return self.weights.gather is Gather.GATHERED

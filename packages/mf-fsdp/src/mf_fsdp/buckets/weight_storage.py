@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.distributed as dist
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.grad_state import Gather, check_invariant
@@ -217,14 +216,14 @@ class ShardOwnerWeights(WeightStorage):
 
     def _allocate(self, compute: torch.dtype) -> None:
         self.full = self._whole_bucket(compute)
-        self.main = self._main_over(self._own())
-
-    def _own(self) -> torch.Tensor:
-        return self.full[self.geometry.lo : self.geometry.hi]
+        # One view for the bucket's lifetime: ``main`` is this very object when the
+        # dtypes agree, so ``install`` sees that there is nothing to copy.
+        self._own = self.full[self.geometry.lo : self.geometry.hi]
+        self.main = self._main_over(self._own)
 
     def install(self, async_op: bool) -> collectives.Handle | None:
-        """Copy this rank's stepped shard in, then all-gather every rank's."""
-        own = self._own()
+        """Copy this rank's stepped shard in (unless it is the main weights), then all-gather."""
+        own = self._own
         if self.main is not own:
             own.copy_(self.main)
         return collectives.all_gather_into(self.full, own, self.index.fsdp_group, async_op=async_op)
@@ -233,7 +232,7 @@ class ShardOwnerWeights(WeightStorage):
         """Broadcast the whole bucket over the dp group."""
         collectives.broadcast_from_first(self.full, self.index.get_dp_group())
         if self.main_is_separate:
-            self.main.copy_(self._own())
+            self.main.copy_(self._own)
 
 
 class ShardedWeights(WeightStorage):
@@ -293,9 +292,7 @@ class ShardedWeights(WeightStorage):
         if self.gather is not Gather.GATHERING:
             return
         handle = self._gathering
-        check_invariant(
-            handle is not None, dist.get_rank(), self.name, "gathering without an all-gather"
-        )
+        check_invariant(handle is not None, None, self.name, "gathering without an all-gather")
         cast(collectives.Handle, handle).wait()
         self._gathering = None
         self.gather = Gather.GATHERED

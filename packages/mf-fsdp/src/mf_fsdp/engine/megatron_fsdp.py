@@ -231,8 +231,15 @@ class MegatronFSDP(nn.Module):
         self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
-        # Parameters whose two forms are one object (ZeRO-0 without TP) never swap.
-        self._two_forms = [fp for fp in self.fsdp_params if fp.sharded is not fp.compute]
+        # Every registration of a parameter with two forms (ZeRO-0 without TP has one
+        # object for both, which never swaps): a swap is one store per slot, 4 x the
+        # parameters every step, so it must not cost more.
+        self._form_slots: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = [
+            (module._parameters, attr, fp.compute, fp.sharded)
+            for fp in self.fsdp_params
+            if fp.sharded is not fp.compute
+            for module, attr in fp.slots
+        ]
         self._register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
@@ -687,15 +694,15 @@ class MegatronFSDP(nn.Module):
     def _register_sharded(self) -> None:
         """Let every owning module hold the sharded form (between passes)."""
         if not self._sharded_registered:
-            for fp in self._two_forms:
-                fp.register(fp.sharded)
+            for parameters, attr, _, sharded in self._form_slots:
+                parameters[attr] = sharded
             self._sharded_registered = True
 
     def _register_compute(self) -> None:
         """Let every owning module hold the compute form (forward and backward)."""
         if self._sharded_registered:
-            for fp in self._two_forms:
-                fp.register(fp.compute)
+            for parameters, attr, compute, _ in self._form_slots:
+                parameters[attr] = compute
             self._sharded_registered = False
 
     @contextlib.contextmanager

@@ -16,9 +16,13 @@ optimizer's param groups hold each sharded parameter's local tensor, whose
 the parameter's state tensors. Updates land in the sharded tensors' storage;
 afterwards the param groups and state are the sharded ones again (anything the
 step created anew is wrapped like its parameter). Outside ``step()`` nothing
-changes: DSD, checkpoints and users see parameter-shaped DTensors. The local
-views, and each local tensor's ``.grad`` (a view of the gradient store), are
-kept from step to step; setting them anew was most of the swap's cost.
+changes: DSD, checkpoints and users see parameter-shaped DTensors.
+
+What a parameter swaps in (its local tensor, that tensor's ``.grad``, a view
+of the gradient store, and the local views of its state) is kept from step
+to step in a ``_Piece`` and rebuilt only when the parameter, its gradient
+object or its state entries are other objects than last time: building them
+anew was most of the swap's cost.
 
 Only optimizers bound by ``fully_shard_optimizer`` take this path (their
 ``step`` restores the swap even when it raises); others, and every optimizer
@@ -28,7 +32,6 @@ not in ``ELEMENTWISE``, step on the DTensors.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,23 +56,57 @@ ELEMENTWISE = (
 """torch's optimizers whose update of an element reads that element alone."""
 
 _SWAP_ATTR = "_mf_fsdp_local_step"
-_VIEWS_ATTR = "_mf_fsdp_local_views"
+_PIECES_ATTR = "_mf_fsdp_local_pieces"
+
+
+class _Piece:
+    """One sharded parameter's local tensors for the step, kept while they stay valid.
+
+    ``given`` is the local state dict the optimizer steps (its values are local
+    views of the parameter's state tensors); ``snapshot`` is what ``given`` held
+    when it was built, so that ``exit_local_step`` can tell what the step created.
+    """
+
+    __slots__ = ("given", "grad", "local", "local_grad", "param", "snapshot", "value_ids", "values")
+
+    def __init__(self, param: UnevenDTensor) -> None:
+        self.param = param
+        self.local = param.to_local()
+        self.grad: Any = None
+        self.local_grad: torch.Tensor | None = None
+        self.values: dict[str, Any] | None = None
+        self.value_ids: tuple[int, ...] = ()
+        self.given: dict[str, Any] = {}
+        self.snapshot: dict[str, Any] = {}
+
+    def refresh(self, state: dict[Any, Any]) -> None:
+        """Point the local tensor's ``.grad`` and ``given`` at this step's objects."""
+        grad = self.param.grad
+        if grad is not self.grad:
+            self.grad = grad
+            self.local_grad = grad.to_local() if type(grad) is UnevenDTensor else None
+        if self.local.grad is not self.local_grad:  # setting .grad checks it: only on change
+            self.local.grad = self.local_grad
+        values = state.get(self.param)
+        value_ids = () if values is None else tuple(map(id, values.values()))
+        if values is not self.values or value_ids != self.value_ids:
+            self.values, self.value_ids = values, value_ids
+            self.given = {
+                k: v.to_local() if type(v) is UnevenDTensor else v
+                for k, v in (values or {}).items()
+            }
+            self.snapshot = dict(self.given)
 
 
 class _Swap:
-    """What one step replaced: the param lists, the state, and each parameter's local."""
+    """What one step replaced: the param lists, the state, and the pieces swapped in."""
 
-    __slots__ = ("locals", "params", "state")
+    __slots__ = ("params", "pieces", "state")
 
-    def __init__(
-        self,
-        params: list[list[Any]],
-        state: Any,
-        pairs: list[tuple[UnevenDTensor, torch.Tensor, dict[str, Any]]],
-    ) -> None:
+    def __init__(self, params: list[list[Any]], state: Any, pieces: list[_Piece]) -> None:
         self.params = params
         self.state = state
-        self.locals = pairs
+        self.pieces = pieces
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
@@ -84,9 +121,10 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, _SWAP_ATTR, None) is not None or not _eligible(optimizer):
         return
     state = optimizer.state
-    locals_of = _local_views(optimizer)
+    previous: dict[int, _Piece] = getattr(optimizer, _PIECES_ATTR, {})
+    current: dict[int, _Piece] = {}  # only this step's parameters stay remembered
     local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    pairs: list[tuple[UnevenDTensor, torch.Tensor, dict[str, Any]]] = []
+    pieces: list[_Piece] = []
     saved: list[list[Any]] = []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -98,46 +136,19 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
                 if p in state:
                     local_state[p] = state[p]
                 continue
-            local = locals_of(p)
-            grad = p.grad
-            local_grad = locals_of(grad) if type(grad) is UnevenDTensor else None
-            if local.grad is not local_grad:  # kept across steps: setting .grad checks it
-                local.grad = local_grad
-            values = state.get(p)
-            given: dict[str, Any] = {}
-            if values is not None:
-                given = {
-                    k: locals_of(v) if type(v) is UnevenDTensor else v for k, v in values.items()
-                }
-                local_state[local] = given
-            pairs.append((p, local, given))
-            swapped.append(local)
+            piece = previous.get(id(p))
+            if piece is None or piece.param is not p:
+                piece = _Piece(p)
+            current[id(p)] = piece
+            piece.refresh(state)
+            if piece.values is not None:
+                local_state[piece.local] = piece.given
+            pieces.append(piece)
+            swapped.append(piece.local)
         group["params"] = swapped
+    setattr(optimizer, _PIECES_ATTR, current)
     optimizer.state = local_state
-    setattr(optimizer, _SWAP_ATTR, _Swap(saved, state, pairs))
-
-
-def _local_views(optimizer: torch.optim.Optimizer) -> Callable[[UnevenDTensor], torch.Tensor]:
-    """``to_local`` with the views remembered per tensor across steps.
-
-    A sharded parameter, its gradient and its state tensors are the same
-    objects step after step, and so are their local tensors; making a fresh
-    view of each every step was most of the swap's cost. An entry is used only
-    for the very tensor it was made from.
-    """
-    previous: dict[int, tuple[UnevenDTensor, torch.Tensor]] = getattr(optimizer, _VIEWS_ATTR, {})
-    current: dict[int, tuple[UnevenDTensor, torch.Tensor]] = {}
-    setattr(optimizer, _VIEWS_ATTR, current)  # only this step's tensors stay remembered
-
-    def local_of(tensor: UnevenDTensor) -> torch.Tensor:
-        key = id(tensor)
-        hit = previous.get(key)
-        if hit is None or hit[0] is not tensor:
-            hit = (tensor, tensor.to_local())
-        current[key] = hit
-        return hit[1]
-
-    return local_of
+    setattr(optimizer, _SWAP_ATTR, _Swap(saved, state, pieces))
 
 
 @torch.no_grad()
@@ -151,17 +162,17 @@ def exit_local_step(optimizer: torch.optim.Optimizer) -> None:
     state = swap.state
     for group, params in zip(optimizer.param_groups, swap.params, strict=True):
         group["params"] = params
-    for p, local, given in swap.locals:
-        stepped = local_state.get(local)
+    for piece in swap.pieces:
+        stepped = local_state.get(piece.local)
         if stepped is None:
             continue
         kept = None
         for key, value in stepped.items():
-            if given.get(key) is value:
+            if piece.snapshot.get(key) is value:
                 continue  # the entry it was given (a local view is updated in place)
             if kept is None:
-                kept = state.setdefault(p, {})
-            kept[key] = _like_param(value, p, local)
+                kept = state.setdefault(piece.param, {})
+            kept[key] = _like_param(value, piece.param, piece.local)
     optimizer.state = state
 
 
