@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -45,13 +46,43 @@ def _from_export(folder: Path) -> nn.Module:
 
     try:
         config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text())["config"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        with torch.device("meta"):  # shapes only: nothing is allocated yet
+            expected = {k: tuple(v.shape) for k, v in plain_model(config).state_dict().items()}
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise ValueError(
             f"{folder / CONFIG_FILE}: not an mf-train model config ({error})"
         ) from None
+    _check_export_shapes(folder, expected)
     model = plain_model(config)
     model.load_state_dict(load_file(folder / EXPORT_FILE), strict=True)
     return model
+
+
+def _check_export_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a config whose model is not the export's, before allocating it.
+
+    ``model.json`` decides what is allocated; a damaged or hostile one (64 layers
+    of width 65536) would otherwise ask for terabytes before any weight is read.
+    The export's header (read alone) names every tensor and its shape: the model
+    must be exactly those, so what is allocated is what the file holds.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(folder / EXPORT_FILE, "pt") as export:
+            found = {k: tuple(export.get_slice(k).get_shape()) for k in export.keys()}  # noqa: SIM118
+    except Exception as error:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"{folder / EXPORT_FILE}: not a safetensors export ({error})") from None
+    if found == expected:
+        return
+    numel = sum(math.prod(shape) for shape in expected.values())
+    differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    name = differ[0]
+    raise ValueError(
+        f"{folder / CONFIG_FILE} describes a model of {numel:,} parameters whose weights do "
+        f"not match {EXPORT_FILE} ({len(differ)} tensors differ; first {name!r}: the config "
+        f"says {expected.get(name)}, the export holds {found.get(name)}); refusing to build it"
+    )
 
 
 def _from_checkpoint(checkpoint: Path) -> nn.Module:
