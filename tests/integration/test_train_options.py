@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,27 @@ def test_resume_refuses_another_model(tmp_path) -> None:
         parse_options([*common, "--model", "tiny", "--seq-len", "32"])
     with pytest.raises(ValueError, match="is at step 5 and --steps is 5; expected --steps above 5"):
         parse_options([*common, "--steps", "5"])  # nothing left to train
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xca\xfe{", r"mf_checkpoint.json' is damaged: not JSON \('utf-8' codec"),
+        (b"{not json", r"mf_checkpoint.json' is damaged: not JSON"),
+        (b"[1, 2]", r"mf_checkpoint.json' is damaged: expected a JSON object"),
+        (b'{"step": 5, "extra": [1]}', r"mf_checkpoint.json' is damaged: expected a JSON object"),
+    ],
+)
+def test_resume_names_a_damaged_record(tmp_path, capsys, content: bytes, message: str) -> None:
+    from mf_fsdp import RECORD_FILE
+
+    saved = tmp_path / "step_0000005"
+    saved.mkdir()
+    (saved / RECORD_FILE).write_bytes(content)
+    assert main([*_CPU, "--resume", "--ckpt-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert re.search(rf"^mf-train: error: --resume: '.*{message}", err), err
 
 
 def test_cuda_without_gpus(gpus: int, capsys) -> None:

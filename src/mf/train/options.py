@@ -305,6 +305,20 @@ def _check_experts(options: TrainOptions, preset: object) -> None:
         )
 
 
+def _read_record(file: Path) -> dict:
+    """The checkpoint record ``file`` as a dict, or one ValueError naming the file."""
+    try:
+        record = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--resume: {str(file)!r} is damaged: not JSON ({error})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("extra", {}), dict):
+        raise ValueError(
+            f"--resume: {str(file)!r} is damaged: expected a JSON object with an object "
+            "'extra' (an mf checkpoint record)"
+        )
+    return record
+
+
 def _check_resumable(options: TrainOptions) -> None:
     """Refuse --resume without a checkpoint, one saved for another model, or nothing to do.
 
@@ -317,7 +331,7 @@ def _check_resumable(options: TrainOptions) -> None:
     path = latest_checkpoint(Path(options.ckpt_dir)) if os.path.isdir(options.ckpt_dir) else None
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-    record = json.loads((path / RECORD_FILE).read_text())
+    record = _read_record(path / RECORD_FILE)
     step = record.get("step")
     if isinstance(step, int) and step >= options.steps:
         raise ValueError(
