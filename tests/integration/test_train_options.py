@@ -12,7 +12,7 @@ import torch
 
 from mf.train.cli import _interrupted, check_local_processes, main
 from mf.train.data import TextData, decode, encode, load_corpus
-from mf.train.options import parse_options
+from mf.train.options import RESULT_SETTINGS, parse_options
 from mf.train.report import Reporter, host_bound_hint, last_saved_checkpoint
 from mf.train.worker import main as worker_main
 
@@ -128,6 +128,28 @@ def test_resume_refuses_another_model(tmp_path) -> None:
         parse_options([*common, "--model", "tiny", "--seq-len", "32"])
     with pytest.raises(ValueError, match="is at step 5 and --steps is 5; expected --steps above 5"):
         parse_options([*common, "--steps", "5"])  # nothing left to train
+
+
+def test_resume_refuses_changed_results_unless_allowed(tmp_path) -> None:
+    from mf_fsdp import RECORD_FILE
+
+    saved = tmp_path / "step_0000005"
+    saved.mkdir()
+    common = [*_CPU, "--resume", "--ckpt-dir", str(tmp_path), "--seq-len", "32"]
+    options = parse_options([*_CPU, "--seq-len", "32"])
+    extra = {"model": options.model, **{n: getattr(options, n) for n in RESULT_SETTINGS}}
+    (saved / RECORD_FILE).write_text(json.dumps({"step": 5, "extra": extra}))
+    assert parse_options(common).resume  # the same settings
+    assert parse_options([*common, "--zero", "1"]).resume  # the layout may change
+    changed = r"was saved with --seed 0 \(now 7\), --lr 0.001 \(now 0.002\): the run would go"
+    with pytest.raises(ValueError, match=changed):
+        parse_options([*common, "--seed", "7", "--lr", "0.002"])
+    with pytest.raises(ValueError, match=r"--seq-len 32 \(now 16\)"):
+        parse_options([*_CPU, "--resume", "--ckpt-dir", str(tmp_path), "--seq-len", "16"])
+    with pytest.raises(ValueError, match=r"--data None \(now .*corpus.txt\)"):
+        parse_options([*common, "--data", str(tmp_path / "corpus.txt")])
+    allowed = parse_options([*common, "--seed", "7", "--allow-changed-settings"])
+    assert allowed.seed == 7
 
 
 @pytest.mark.parametrize(

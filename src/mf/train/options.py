@@ -24,6 +24,7 @@ from mf.train.data import VOCAB_SIZE
 __all__ = [
     "CPU_MICRO_BATCH",
     "CUDA_MICRO_BATCH",
+    "RESULT_SETTINGS",
     "TrainOptions",
     "local_cpu_cores",
     "parse_options",
@@ -66,6 +67,7 @@ class TrainOptions:
     timeout: float = 300.0
     max_restarts: int = 0
     ep: int = 1
+    allow_changed_settings: bool = False
 
     @property
     def use_cuda(self) -> bool:
@@ -176,6 +178,12 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
     add("--save-every", type=int, default=200, help="save every N steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
+    add(
+        "--allow-changed-settings",
+        action="store_true",
+        help="with --resume: continue even where the settings in RESULT_SETTINGS (--seed, "
+        "--data, --seq-len, ...) differ from the saved run's, knowingly changing its course",
+    )
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, default=100, help="validation every N steps")
     add("--eval-batches", type=int, default=4, help="batches per validation")
@@ -305,6 +313,20 @@ def _check_experts(options: TrainOptions, preset: object) -> None:
         )
 
 
+RESULT_SETTINGS = ("seed", "data", "seq_len", "micro_batch", "grad_accum", "lr", "precision")
+"""Options that decide a run's batches or results: saved with every checkpoint, and a
+``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
+
+
+def _changed_settings(saved: dict, options: TrainOptions) -> list[str]:
+    """``--name saved (now value)`` for every result setting this run changes."""
+    return [
+        f"--{name.replace('_', '-')} {saved[name]} (now {getattr(options, name)})"
+        for name in RESULT_SETTINGS
+        if name in saved and saved[name] != getattr(options, name)
+    ]
+
+
 def _read_record(file: Path) -> dict:
     """The checkpoint record ``file`` as a dict, or one ValueError naming the file."""
     try:
@@ -323,7 +345,8 @@ def _check_resumable(options: TrainOptions) -> None:
     """Refuse --resume without a checkpoint, one saved for another model, or nothing to do.
 
     ``--zero``, ``--nproc``, ``--dp-outer`` and ``--tp`` may change (checkpoints
-    hold parameter-shaped, tp-gathered tensors and reshard); the model may not.
+    hold parameter-shaped, tp-gathered tensors and reshard); the model may not, and
+    the ``RESULT_SETTINGS`` only with ``--allow-changed-settings``.
     A checkpoint at or past ``--steps`` would leave no step to train.
     """
     from mf_fsdp import RECORD_FILE, latest_checkpoint
@@ -345,3 +368,10 @@ def _check_resumable(options: TrainOptions) -> None:
                 f"--resume: {str(path)!r} was saved with --{name} {saved[name]}, this run has "
                 f"--{name} {getattr(options, name)}; expected the same --{name}"
             )
+    changed = _changed_settings(saved, options)
+    if changed and not options.allow_changed_settings:
+        raise ValueError(
+            f"--resume: {str(path)!r} was saved with {', '.join(changed)}: the run would go "
+            "on with other batches or results than the saved one's; repeat the saved "
+            "settings, or pass --allow-changed-settings to change them knowingly"
+        )

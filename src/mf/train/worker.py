@@ -38,7 +38,7 @@ from mf.models import (
 )
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
-from mf.train.options import TrainOptions, local_cpu_cores
+from mf.train.options import RESULT_SETTINGS, TrainOptions, local_cpu_cores
 from mf.train.report import Reporter, last_saved_checkpoint
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -423,8 +423,8 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         "tp": options.tp,
         "ep": options.ep,
         "zero": options.zero,
-        "seed": options.seed,
         "optimizer": options.optimizer,
+        **{name: getattr(options, name) for name in RESULT_SETTINGS},
     }
     ckpt_dir = Path(options.ckpt_dir)
     restart = _restart_checkpoint(options)
