@@ -485,6 +485,47 @@ def test_two_node_loopback_run_equals_one_node(tmp_path: Path) -> None:
     )
 
 
+def _rank_different_settings(rank: int, world_size: int, tmp: str) -> None:
+    model = ["--model", "tiny"] if rank == 0 else ["--model", "small", "--seq-len", "32"]
+    options = parse_options([*_TINY, *model, "--steps", "2", "--out-dir", tmp])
+    with pytest.raises(RunStoppedError, match=r"rank 1 has --model small \(rank 0: tiny\)"):
+        train(options)
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_settings_stop_before_any_collective_differs(tmp_path) -> None:
+    run_on_ranks(_rank_different_settings, 2, str(tmp_path))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_two_torchrun_nodes_with_different_models_end_in_one_line(tmp_path: Path) -> None:
+    """torchrun on two loopback nodes, ``--model tiny`` on one and ``small`` on the
+    other: both end (no abort), rank 0's node printing the one line that says why."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    agent = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    agent += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "mismatch"]
+    options = [*_TINY, "--steps", "2", "--sample-tokens", "0", "--no-plot"]
+    options += ["--out-dir", str(tmp_path), "--ckpt-dir", str(tmp_path / "ckpt")]
+    nodes = [
+        subprocess.Popen(
+            [*agent, "-m", "mf.train.worker", *options, *model],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for model in (["--model", "tiny"], ["--model", "small"])
+    ]
+    errors = [node.communicate(timeout=100)[1] for node in nodes]
+    assert all(node.returncode not in (0, None) for node in nodes), errors
+    # c10d's rendezvous, not --node-rank, orders the nodes: either may hold rank 0.
+    line = "mf-train: error: the ranks were started with different settings: rank 1 has --model"
+    assert sum(err.count(line) for err in errors) == 1, errors
+    for err in errors:
+        assert "SIGABRT" not in err, err
+        assert "terminate called" not in err, err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(

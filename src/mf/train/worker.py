@@ -10,6 +10,7 @@ on every rank at the same step, after rank 0 printed why in one line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -120,6 +121,7 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
         torch.set_num_threads(max(1, local_cpu_cores() // local_ranks))
     if not dist.is_initialized():
         _join(options)
+    _check_same_settings(options)
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
@@ -130,6 +132,36 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
         mesh_dim_names=("dp_outer", "dp", "tp"),
     )
     return device, mesh
+
+
+def _check_same_settings(options: TrainOptions) -> None:
+    """Stop every rank, rank 0 printing one line, unless all ranks run the same options.
+
+    Ranks started with different settings (``torchrun`` with other flags on one
+    node) would build different meshes and models and issue different
+    collectives: gloo aborts the process (SIGABRT), NCCL hangs or exchanges the
+    wrong bytes. One object all-gather, before the first mesh, is safe whatever
+    the options are.
+    """
+    mine = dataclasses.asdict(options)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if not differ:
+            continue
+        shown = ", ".join(
+            f"--{k.replace('_', '-')} {theirs.get(k)} (rank 0: {first.get(k)})" for k in differ
+        )
+        message = (
+            f"the ranks were started with different settings: rank {rank} has {shown}; "
+            "start every rank with the same options"
+        )
+        if dist.get_rank() == 0:
+            print(f"mf-train: error: {message}", file=sys.stderr, flush=True)
+        dist.barrier()  # every rank stays until rank 0's line is out
+        raise RunStoppedError(message)
 
 
 def _dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
