@@ -413,6 +413,7 @@ def test_worker_module_runs_under_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "final train loss" in done.stdout
     assert (tmp_path / "ckpt" / "step_0000002" / RECORD_FILE).is_file()
+    assert not list(tmp_path.rglob(".mf-train.lock"))  # rank 0 locked the folders, and released
 
 
 @pytest.mark.multiprocess
@@ -646,6 +647,7 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(
     os.kill(workers[1], signal.SIGKILL)
     _, err = run.communicate(timeout=240)
     assert run.returncode == 0, err
+    assert "mf-train: note" not in err  # a restarted rank 0 takes its run's lock back quietly
     killed, whole = _metrics(tmp_path / "killed"), _metrics(tmp_path / "whole")
     assert [r["step"] for r in killed] == list(range(1, 61))
     assert [r["loss"] for r in killed] == [r["loss"] for r in whole]

@@ -2,13 +2,14 @@ r"""``mf-train``: check the options, then start the ranks with torch's elastic l
 
 User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
 data file, a seq-len the corpus cannot fill, --resume with nothing to
-resume, more CUDA processes than GPUs) are found here, before any worker
-starts, and printed as one line with exit code 2; more CPU processes than
-cores is a one-line warning. Ctrl-C reaches every rank: each finishes its
-step, saves a checkpoint and exits; the launcher then names the checkpoint
-this run saved, never another run's (exit code 130). A run that cannot go on
-(a non-finite loss, a failed final save) ends with rank 0's one line and exit
-code 1.
+resume, more CUDA processes than GPUs, a --ckpt-dir or --out-dir another run
+holds: ``mf.train.run_lock``) are found here, before any worker starts, and
+printed as one line with exit code 2; more CPU processes than cores is a
+one-line warning. The launcher holds the locks of both folders until the run
+ends. Ctrl-C reaches every rank: each finishes its step, saves a checkpoint and
+exits; the launcher then names the checkpoint this run saved, never another
+run's (exit code 130). A run that cannot go on (a non-finite loss, a failed
+final save) ends with rank 0's one line and exit code 1.
 
 For several machines, run the worker module under torchrun on each node
 (``--nproc`` is then torchrun's world size)::
@@ -31,6 +32,7 @@ from mf.launch import local_launch_config, new_run_id
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
+from mf.train.run_lock import RunLockError, acquire_run_locks, launcher_holds_locks
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -109,7 +111,8 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
+    with launcher_holds_locks():  # the ranks do not lock the folders again
+        elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -172,11 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run_id = new_run_id("mf-train")
     try:
-        _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
-    except (SignalException, KeyboardInterrupt):
-        return _interrupted(options, run_id)
-    except ChildFailedError as error:
-        return _worker_failed(error)
+        locks = acquire_run_locks(options, run_id)
+    except RunLockError as error:
+        user_error(error)
+        return 2
+    with locks:
+        try:
+            _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
+        except (SignalException, KeyboardInterrupt):
+            return _interrupted(options, run_id)
+        except ChildFailedError as error:
+            return _worker_failed(error)
     return 0
 
 

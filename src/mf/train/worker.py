@@ -41,6 +41,7 @@ from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
 from mf.train.options import RESULT_SETTINGS, TrainOptions, local_cpu_cores
 from mf.train.report import Reporter, last_saved_checkpoint
+from mf.train.run_lock import RunLockError, acquire_run_locks, worker_takes_locks
 from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["RunStoppedError", "lost_peer", "main", "train"]
@@ -526,29 +527,10 @@ def train(options: TrainOptions) -> dict[str, Any]:
             leave_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank under ``torchrun ... -m mf.train.worker <mf-train options>``.
+def _train_and_report(options: TrainOptions) -> int:
+    """Train on this rank; rank 0 prints the summary. Returns the exit code (see ``main``)."""
+    from mf.train.cli import STOPPED_EXIT_CODE, print_summary, user_error
 
-    ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
-    (or the one-line error) the ``mf-train`` launcher would. A run that stops
-    (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
-    rank 0 printed why, without a traceback. A rank that loses its peers (one
-    died, or a collective outlived ``--timeout``) exits with code 1 and one line.
-    """
-    from mf.train.cli import STOPPED_EXIT_CODE, check_data, print_summary, user_error
-    from mf.train.options import parse_options
-
-    stop_with_launcher()  # a killed launcher stops its ranks (they save, as on Ctrl-C)
-    args = sys.argv[1:] if argv is None else argv
-    args = args[1:] if args[:1] == ["--"] else args
-    world = os.environ.get("WORLD_SIZE", "1")
-    try:
-        options = parse_options(["--nproc", world, *args])
-        check_data(options)
-    except ValueError as error:
-        if os.environ.get("RANK", "0") == "0":
-            user_error(error)
-        return 2
     try:
         summary = train(options)
     except RunStoppedError:
@@ -566,6 +548,47 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print_summary(summary)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank under ``torchrun ... -m mf.train.worker <mf-train options>``.
+
+    ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
+    (or the one-line error) the ``mf-train`` launcher would. A run that stops
+    (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
+    rank 0 printed why, without a traceback. A rank that loses its peers (one
+    died, or a collective outlived ``--timeout``) exits with code 1 and one line.
+    Without ``mf-train``'s launcher, global rank 0 locks ``--ckpt-dir`` and
+    ``--out-dir`` for the run (``mf.train.run_lock``; exit code 2 when another run
+    holds one) and releases them when it ends; a rank 0 restarted by torchrun
+    takes its run's lock back.
+    """
+    from mf.train.cli import check_data, user_error
+    from mf.train.options import parse_options
+
+    stop_with_launcher()  # a killed launcher stops its ranks (they save, as on Ctrl-C)
+    args = sys.argv[1:] if argv is None else argv
+    args = args[1:] if args[:1] == ["--"] else args
+    world = os.environ.get("WORLD_SIZE", "1")
+    try:
+        options = parse_options(["--nproc", world, *args])
+        check_data(options)
+    except ValueError as error:
+        if os.environ.get("RANK", "0") == "0":
+            user_error(error)
+        return 2
+    if not worker_takes_locks():
+        return _train_and_report(options)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:
+        locks = acquire_run_locks(
+            options, os.environ.get("TORCHELASTIC_RUN_ID"), restarted=restarted
+        )
+    except RunLockError as error:
+        user_error(error)
+        return 2
+    with locks:
+        return _train_and_report(options)
 
 
 if __name__ == "__main__":
