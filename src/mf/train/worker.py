@@ -160,7 +160,9 @@ def _check_same_settings(options: TrainOptions) -> None:
             "start every rank with the same options"
         )
         if dist.get_rank() == 0:
-            print(f"mf-train: error: {message}", file=sys.stderr, flush=True)
+            from mf.train.cli import user_error
+
+            user_error(message)
         dist.barrier()  # every rank stays until rank 0's line is out
         raise RunStoppedError(message)
 
