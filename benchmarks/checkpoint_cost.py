@@ -8,7 +8,10 @@ for one step, then times, on every rank (the slowest rank is reported):
 - ``hash``: the hashing alone, as a save and a verified load run it;
 - ``load verified`` / ``load unverified``: ``load_checkpoint`` with
   ``verify=True`` (the default: every file hashed again and compared) and with
-  ``verify=False``.
+  ``verify=False``;
+- ``async blocked`` / ``async total``: ``save_checkpoint(..., async_save=True)``
+  until it returns (the state copied into host memory: what training waits
+  for) and until its future is done (the checkpoint published).
 
 The checkpoint's size is every data file's bytes (fp32 weights and the two Adam
 moments). Loads follow saves immediately, so the files are in the page cache:
@@ -51,6 +54,20 @@ def _timed(action: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _timed_async(save: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Medians of the slowest rank's time until ``save`` returns, and until it is done."""
+    blocked, total = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        future = save()
+        returned = time.perf_counter()
+        future.result()
+        blocked.append(_slowest(returned - start))
+        total.append(_slowest(time.perf_counter() - start))
+    return statistics.median(blocked), statistics.median(total)
+
+
 def measure(preset: str, folder: str, repeats: int) -> dict[str, float]:
     """Time save, hashing and both loads on this rank's process group (collective)."""
     import mf_fsdp
@@ -67,6 +84,9 @@ def measure(preset: str, folder: str, repeats: int) -> dict[str, float]:
     optimizer.step()
     root = Path(folder)
     save = _timed(lambda: mf_fsdp.save_checkpoint(root, model, optimizer, step=1), repeats)
+    blocked, total = _timed_async(
+        lambda: mf_fsdp.save_checkpoint(root, model, optimizer, step=2, async_save=True), repeats
+    )
     path = mf_fsdp.latest_checkpoint(root)
     assert path is not None
     names = data_files(path, mf_fsdp.RECORD_FILE)
@@ -82,6 +102,8 @@ def measure(preset: str, folder: str, repeats: int) -> dict[str, float]:
         "hash": digest,
         "load verified": verified,
         "load unverified": unverified,
+        "async blocked": blocked,
+        "async total": total,
     }
 
 
@@ -107,13 +129,24 @@ def report(preset: str, world: int, result: dict[str, float]) -> list[str]:
     """The printed table: each phase's median seconds, and hashing's share of a verified load."""
     mib = result["bytes"] / 2**20
     lines = [f"== preset {preset}, world {world}: checkpoint {mib:.1f} MiB =="]
-    for phase in ("save", "hash", "load verified", "load unverified"):
+    for phase in (
+        "save",
+        "hash",
+        "load verified",
+        "load unverified",
+        "async blocked",
+        "async total",
+    ):
         rate = mib / result[phase] if result[phase] else float("inf")
         lines.append(f"{phase:<16} {result[phase] * 1e3:9.1f} ms  {rate:9.1f} MiB/s")
     extra = result["load verified"] - result["load unverified"]
     lines.append(
         f"verification adds {extra * 1e3:.1f} ms to a load "
         f"({100 * extra / result['load unverified']:.0f}%)"
+    )
+    lines.append(
+        f"an asynchronous save blocks training for {result['async blocked'] * 1e3:.1f} ms "
+        f"({100 * result['async blocked'] / result['save']:.0f}% of a synchronous save)"
     )
     return lines
 

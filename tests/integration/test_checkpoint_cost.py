@@ -11,11 +11,14 @@ from tests._multiprocess import run_on_ranks
 def _rank_measure(rank: int, world: int, folder: str) -> None:
     result = measure("tiny", folder, repeats=1)
     assert result["bytes"] > 0
-    assert all(result[phase] > 0 for phase in ("save", "hash", "load verified"))
+    phases = ("save", "hash", "load verified", "async blocked", "async total")
+    assert all(result[phase] > 0 for phase in phases)
     lines = report("tiny", world, result)
     assert lines[0].startswith("== preset tiny, world 2: checkpoint")
-    assert [line.split()[0] for line in lines[1:5]] == ["save", "hash", "load", "load"]
-    assert lines[-1].startswith("verification adds")
+    firsts = [line.split()[0] for line in lines[1:7]]
+    assert firsts == ["save", "hash", "load", "load", "async", "async"]
+    assert lines[-2].startswith("verification adds")
+    assert lines[-1].startswith("an asynchronous save blocks training for")
 
 
 @pytest.mark.multiprocess

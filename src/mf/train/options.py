@@ -68,6 +68,7 @@ class TrainOptions:
     max_restarts: int = 0
     ep: int = 1
     allow_changed_settings: bool = False
+    sync_save: bool = False
 
     @property
     def use_cuda(self) -> bool:
@@ -177,6 +178,12 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
     add("--save-every", type=int, default=200, help="save every N steps (0: only at the end)")
+    add(
+        "--sync-save",
+        action="store_true",
+        help="write each periodic checkpoint before training on (default: copy it to host "
+        "memory and write it in the background while training goes on)",
+    )
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add(
         "--allow-changed-settings",

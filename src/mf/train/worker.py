@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -234,11 +235,6 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 # --- checkpoints: the only place that saves or loads training state ---------------------------
 
 
-def _save(ckpt_dir: Path, step: int, model, optimizers, info: dict[str, Any]) -> Path:
-    """Save model and optimizer state as the checkpoint of ``step`` (every rank calls this)."""
-    return save_checkpoint(ckpt_dir, model, optimizers, step=step, extra=info)
-
-
 def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
     """Load the newest complete checkpoint in ``ckpt_dir``; return the step it was saved at.
 
@@ -300,37 +296,72 @@ def _last_save_reason(step: int, steps: int, interrupted: bool) -> str | None:
     return None
 
 
-def _checkpoint(
-    ckpt_dir: Path,
-    step: int,
-    model,
-    optimizers,
-    info: dict[str, Any],
-    reporter: Reporter,
-    newest: Path | None,
-    final: str | None,
-) -> Path | None:
-    """Save the checkpoint of ``step``; return the newest checkpoint this run saved.
+class _Checkpoints:
+    """This run's saves: periodic ones written in the background, the last in the foreground.
 
-    ``final`` is None for a periodic save, else why it is the run's last ("at the
-    end of the run", "after the interrupt"). save_checkpoint raises RuntimeError
-    on every rank when it fails (first line: the cause). A periodic save that
-    fails is a warning: training goes on, the next save retries and the older
-    checkpoints stay. A final save that fails stops the run with that cause.
+    save_checkpoint raises RuntimeError on every rank when a save fails (first
+    line: the cause); a background save's future raises it. A periodic save
+    that fails is a warning: training goes on, the next save retries and the
+    older checkpoints stay. A final save that fails stops the run with that
+    cause. A background save is reported (and becomes the newest checkpoint)
+    once it is published, at the next save at the latest.
     """
-    try:
-        path = _save(ckpt_dir, step, model, optimizers, info)
-    except RuntimeError as error:
+
+    def __init__(
+        self, ckpt_dir: Path, model, optimizers, info: dict[str, Any], reporter: Reporter
+    ) -> None:
+        self.ckpt_dir, self.model, self.optimizers = ckpt_dir, model, optimizers
+        self.info, self.reporter = info, reporter
+        self.newest: Path | None = None
+        self._pending: tuple[int, Future[Path]] | None = None
+
+    def save(self, step: int, final: str | None, in_background: bool) -> None:
+        """Save the checkpoint of ``step``; ``final``: why it is the run's last, else None."""
+        self.settle()
+        try:
+            if final is None and in_background:
+                self._pending = (step, self._save(step, async_save=True))
+                return
+            path = self._save(step, async_save=False)
+        except RuntimeError as error:
+            self._failed(step, error, final)
+            return
+        self.reporter.saved(path, step)
+        self.newest = path
+
+    def _save(self, step: int, async_save: bool) -> Any:
+        return save_checkpoint(
+            self.ckpt_dir,
+            self.model,
+            self.optimizers,
+            step=step,
+            extra=self.info,
+            async_save=async_save,
+        )
+
+    def settle(self) -> None:
+        """Wait for the background save, and report how it ended."""
+        if self._pending is None:
+            return
+        (step, future), self._pending = self._pending, None
+        try:
+            path = future.result()
+        except RuntimeError as error:
+            self._failed(step, error, None)
+            return
+        self.reporter.saved(path, step)
+        self.newest = path
+
+    def _failed(self, step: int, error: RuntimeError, final: str | None) -> None:
         cause = (str(error).splitlines() or [type(error).__name__])[0]
         if final is None:
-            reporter.save_failed(step, cause)
-            return newest
+            self.reporter.save_failed(step, cause)
+            return
         _stop(
-            reporter,
-            f"could not save the checkpoint of step {step} {final}: {cause}; {_newest(newest)}",
+            self.reporter,
+            f"could not save the checkpoint of step {step} {final}: {cause}; "
+            f"{_newest(self.newest)}",
         )
-    reporter.saved(path, step)
-    return path
 
 
 # -----------------------------------------------------------------------------------------------
@@ -478,7 +509,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     )
     tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum
     tokens_per_step *= _dp_coordinates(mesh)[1]
-    saved_path: Path | None = None
+    checkpoints = _Checkpoints(ckpt_dir, model, optimizers, info, reporter)
     step = start_step
     with _StopFlag() as stop, reporter.bar_closed_on_error():
         while step < options.steps:
@@ -495,16 +526,18 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
                 validation = _validate(model, data, options, mesh, device)
             routing = _routing_metrics(model, options.tp)
             reporter.step(step, train_loss, validation, rate, device, routing, host_share)
-            _stop_if_diverged(reporter, train_loss, step, saved_path)
+            if not math.isfinite(train_loss):
+                checkpoints.settle()  # the stop names the newest checkpoint
+            _stop_if_diverged(reporter, train_loss, step, checkpoints.newest)
             interrupted = stop.agreed(device)
             final = _last_save_reason(step, options.steps, interrupted)
             if final or (options.save_every and step % options.save_every == 0):
-                saved_path = _checkpoint(
-                    ckpt_dir, step, model, optimizers, info, reporter, saved_path, final
-                )
+                checkpoints.save(step, final, in_background=not options.sync_save)
             if interrupted:
                 reporter.interrupted(step)
                 break
+    checkpoints.settle()
+    saved_path = checkpoints.newest
     finished = step == options.steps
     sample = _sample(model, "The ", options, device) if finished and options.sample_tokens else None
     exported = None

@@ -44,8 +44,9 @@ import re
 import shutil
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from mf_fsdp.checkpoint.background import (
+    run_in_background,
+    stage_on_host,
+    wait_for_pending_save,
+    writer_group,
+)
 from mf_fsdp.checkpoint.integrity import FileDigest, data_files, digest_folder, find_damage
 from mf_fsdp.checkpoint.record import (
     RECORD_FILE,
@@ -199,7 +206,9 @@ def _failure_cause(error: BaseException, partial: Path) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
-def _collective_on_rank0(action: Callable[[], None]) -> str | None:
+def _collective_on_rank0(
+    action: Callable[[], None], group: dist.ProcessGroup | None = None
+) -> str | None:
     """Run ``action`` on rank 0; every rank gets None, or the error it raised (collective)."""
     error = None
     if dist.get_rank() == 0:
@@ -208,13 +217,18 @@ def _collective_on_rank0(action: Callable[[], None]) -> str | None:
         except OSError as exc:
             error = _failure_cause(exc, Path())
     status = [error]
-    dist.broadcast_object_list(status, src=0)
+    dist.broadcast_object_list(status, src=0, group=group)
     return status[0]
 
 
-def _fail_save(partial: Path, cause: str, details: BaseException | None = None) -> RuntimeError:
+def _fail_save(
+    partial: Path,
+    cause: str,
+    details: BaseException | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> RuntimeError:
     """Remove the partial folder (rank 0; collective) and build the error every rank raises."""
-    _collective_on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True))
+    _collective_on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), group)
     message = f"save_checkpoint: {cause}; nothing was saved (older checkpoints are intact)"
     if details is not None:
         message += f"\n{details}"
@@ -243,6 +257,7 @@ def _split_optimizer_state(
     return {"state": tensors}, _merge_optimizer_records(_every_rank(model, record))
 
 
+@overload
 def save_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     model: MegatronFSDP,
@@ -250,13 +265,37 @@ def save_checkpoint(
     *,
     step: int,
     extra: Mapping[str, Any] | None = None,
-) -> Path:
+    async_save: Literal[False] = False,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: MegatronFSDP,
+    optimizer: Optimizers | None = None,
+    *,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    async_save: Literal[True],
+) -> Future[Path]: ...
+
+
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: MegatronFSDP,
+    optimizer: Optimizers | None = None,
+    *,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+) -> Path | Future[Path]:
     """Save ``model`` (and ``optimizer``) as ``checkpoint_dir/step_NNNNNNN``; collective.
 
     Every rank calls it with the same arguments. The save is crash-safe and
     checksummed (see [Note: crash-safe save], [Note: checkpoint integrity]); an
     existing checkpoint of the same step is replaced only once the new one is
-    complete.
+    complete. A save first waits for this process's pending asynchronous save.
 
     Args:
         checkpoint_dir: folder holding the checkpoints (created if needed; shared by
@@ -266,9 +305,13 @@ def save_checkpoint(
             them (stored as one state dict, see ``get_optimizer_state_dict``), or None.
         step: the training step, recorded and used in the folder name.
         extra: JSON-serialisable values returned by :func:`load_checkpoint`.
+        async_save: return once the state is copied into host memory and write the
+            checkpoint in the background (see [Note: asynchronous save]); training
+            may change the model and optimizer meanwhile.
 
     Returns:
-        The path of the complete checkpoint.
+        The path of the complete checkpoint; with ``async_save``, a future of it
+        (its ``result()`` raises the ``RuntimeError`` a synchronous save would).
 
     Raises:
         TypeError / ValueError: for bad arguments (on every rank, before any I/O).
@@ -276,6 +319,9 @@ def save_checkpoint(
             and the file (e.g. "No space left on device while writing ..."), and the
             partial folder is gone.
     """
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save: expected a bool, got {async_save!r}")
+    wait_for_pending_save()
     optimizer_tensors, optimizer_record = (
         _split_optimizer_state(model, optimizer) if optimizer is not None else ({}, None)
     )
@@ -284,23 +330,37 @@ def save_checkpoint(
     if optimizer_tensors:
         state["optimizer"] = optimizer_tensors
     checkpoint_dir = Path(checkpoint_dir)
+    if not async_save:
+        return _write(checkpoint_dir, step, state, record, group=None)
+    staged, group = stage_on_host(state), writer_group()
+    return run_in_background(lambda: _write(checkpoint_dir, step, staged, record, group))
+
+
+def _write(
+    checkpoint_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    record: dict[str, Any],
+    group: dist.ProcessGroup | None,
+) -> Path:
+    """Write ``state`` as the checkpoint of ``step``, then publish ``record``; collective."""
     partial = checkpoint_dir / f".{_step_name(step)}.partial"
     final = checkpoint_dir / _step_name(step)
-    cause = _collective_on_rank0(lambda: _fresh_dir(partial))
+    cause = _collective_on_rank0(lambda: _fresh_dir(partial), group)
     if cause is not None:
-        raise _fail_save(partial, cause)
+        raise _fail_save(partial, cause, group=group)
     try:
-        dcp.save(state, checkpoint_id=str(partial))
+        dcp.save(state, checkpoint_id=str(partial), process_group=group)
     except CheckpointException as error:
-        raise _fail_save(partial, _failure_cause(error, partial), error) from None
-    digests = digest_folder(partial, data_files(partial, RECORD_FILE))
+        raise _fail_save(partial, _failure_cause(error, partial), error, group) from None
+    digests = digest_folder(partial, data_files(partial, RECORD_FILE), group=group)
     unreadable = [f"{name}: {value}" for name, value in digests.items() if isinstance(value, str)]
     if unreadable:
-        raise _fail_save(partial, f"could not read back {unreadable[0]}")
+        raise _fail_save(partial, f"could not read back {unreadable[0]}", group=group)
     record["files"] = digests
-    cause = _collective_on_rank0(lambda: _publish(partial, final, record))
+    cause = _collective_on_rank0(lambda: _publish(partial, final, record), group)
     if cause is not None:
-        raise _fail_save(partial, cause)
+        raise _fail_save(partial, cause, group=group)
     return final
 
 
@@ -457,6 +517,7 @@ def load_checkpoint(
             differs from its checksum, it was saved from a different model (listing
             the differences), or holds no state of ``optimizer``'s classes.
     """
+    wait_for_pending_save()  # the pending save may be writing this very folder
     record = read_record(path)
     path = Path(path)
     fingerprint = _model_fingerprint(model)

@@ -39,22 +39,26 @@ def _digest(file: Path) -> FileDigest:
     return {"bytes": file.stat().st_size, "sha256": digest}
 
 
-def _spread(collective: bool) -> tuple[int, int]:
+def _spread(collective: bool, group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This process's index and the number of processes sharing the hashing."""
     if collective and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
 def digest_folder(
-    folder: Path, names: list[str], collective: bool = True
+    folder: Path,
+    names: list[str],
+    collective: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, FileDigest | str]:
     """Size and SHA-256 of each file in ``names``, or why it could not be read.
 
-    With ``collective`` and a process group initialized, every rank passes the
-    same names, hashes its share and gets every result; else local.
+    With ``collective`` and a process group initialized, every rank of ``group``
+    (default: the world) passes the same names, hashes its share and gets every
+    result; else local.
     """
-    rank, world = _spread(collective)
+    rank, world = _spread(collective, group)
     mine: dict[str, FileDigest | str] = {}
     for name in names[rank::world]:
         try:
@@ -64,7 +68,7 @@ def digest_folder(
     if world == 1:
         return mine
     everyone: list[dict[str, FileDigest | str] | None] = [None] * world
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     return {name: value for part in everyone if part for name, value in part.items()}
 
 
