@@ -2,8 +2,9 @@ r"""``mf-train``: check the options, then start the ranks with torch's elastic l
 
 User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
 data file, a seq-len the corpus cannot fill, --resume with nothing to
-resume, more CUDA processes than GPUs, a --ckpt-dir or --out-dir another run
-holds: ``mf.train.run_lock``) are found here, before any worker starts, and
+resume or from a damaged, hostile or foreign checkpoint: ``mf.train.resume``,
+more CUDA processes than GPUs, a --ckpt-dir or --out-dir another run holds:
+``mf.train.run_lock``) are found here, before any worker starts, and
 printed as one line with exit code 2; more CPU processes than cores is a
 one-line warning. The launcher holds the locks of both folders until the run
 ends. Ctrl-C reaches every rank: each finishes its step, saves a checkpoint and
@@ -32,6 +33,7 @@ from mf.launch import local_launch_config, new_run_id
 from mf.train.data import TextData, load_corpus
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
+from mf.train.resume import verify_resume
 from mf.train.run_lock import RunLockError, acquire_run_locks, launcher_holds_locks
 
 if TYPE_CHECKING:
@@ -180,6 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_error(error)
         return 2
     with locks:
+        try:
+            if options.resume:  # under the lock: no other run saves into the folder meanwhile
+                verify_resume(options)
+        except ValueError as error:
+            user_error(error)
+            return 2
         try:
             _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
         except (SignalException, KeyboardInterrupt):

@@ -41,8 +41,14 @@ from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
 from mf.train.options import RESULT_SETTINGS, TrainOptions, local_cpu_cores
 from mf.train.report import Reporter, last_saved_checkpoint
-from mf.train.run_lock import RunLockError, acquire_run_locks, worker_takes_locks
-from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
+from mf.train.resume import resume_checkpoint, verify_resume
+from mf.train.run_lock import (
+    RunLockError,
+    acquire_run_locks,
+    started_by_launcher,
+    worker_takes_locks,
+)
+from mf_fsdp import load_checkpoint, save_checkpoint
 
 __all__ = ["RunStoppedError", "lost_peer", "main", "train"]
 
@@ -239,17 +245,15 @@ def _save(ckpt_dir: Path, step: int, model, optimizers, info: dict[str, Any]) ->
     return save_checkpoint(ckpt_dir, model, optimizers, step=step, extra=info)
 
 
-def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
-    """Load the newest complete checkpoint in ``ckpt_dir``; return the step it was saved at.
+def _resume(options: TrainOptions, model, optimizers) -> int:
+    """Load the checkpoint --resume continues from; return the step it was saved at.
 
-    Any ``--zero``, ``--tp`` or world size may resume (the checkpoint reshards); the
-    optimizer state is built from the checkpoint, never by a synthetic step. The
-    ``--optimizer`` must be the one saved (else load_checkpoint names both).
+    ``--resume-from``'s, else the newest complete one in ``--ckpt-dir``
+    (``resume_checkpoint``), which the launcher verified. Any ``--zero``, ``--tp`` or
+    world size may resume (the checkpoint reshards); the optimizer state is built
+    from the checkpoint, never by a synthetic step.
     """
-    path = latest_checkpoint(ckpt_dir)
-    if path is None:
-        raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
-    return load_checkpoint(path, model, optimizers)["step"]
+    return load_checkpoint(resume_checkpoint(options), model, optimizers)["step"]
 
 
 def _restart_checkpoint(options: TrainOptions) -> Path | None:
@@ -466,7 +470,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     if restart is not None:  # the steps since that checkpoint are recomputed
         start_step = load_checkpoint(restart, model, optimizers)["step"]
     else:
-        start_step = _resume(ckpt_dir, model, optimizers, info) if options.resume else 0
+        start_step = _resume(options, model, optimizers) if options.resume else 0
     reporter = Reporter(
         options,
         dist.get_rank() == 0,
@@ -575,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(["--nproc", world, *args])
         check_data(options)
+        if options.resume and not started_by_launcher():  # mf-train's launcher verified it
+            verify_resume(options)
     except ValueError as error:
         if os.environ.get("RANK", "0") == "0":
             user_error(error)
