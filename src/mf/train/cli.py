@@ -31,6 +31,7 @@ import torch
 
 from mf.launch import local_launch_config, new_run_id
 from mf.train.data import TextData, load_corpus
+from mf.train.failures import failure_lines
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
 from mf.train.resume import verify_resume
@@ -154,11 +155,14 @@ def _interrupted(options: TrainOptions, run_id: str | None) -> int:
     return 130
 
 
-def _worker_failed(error: ChildFailedError) -> int:
-    """Report a failed worker in one line, unless rank 0 already did; return exit code 1."""
+def _worker_failed(error: ChildFailedError, options: TrainOptions) -> int:
+    """Report failed workers, each cause in one line, unless rank 0 already did; return 1.
+
+    See ``mf.train.failures``: the tracebacks and the agent's report go to logs.
+    """
     if not any(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
-        _, first = error.get_first_failure()
-        user_error(f"a worker failed: {first.message}")
+        for line in failure_lines(error, options.out_dir):
+            user_error(line)
     return 1
 
 
@@ -193,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (SignalException, KeyboardInterrupt):
             return _interrupted(options, run_id)
         except ChildFailedError as error:
-            return _worker_failed(error)
+            return _worker_failed(error, options)
     return 0
 
 

@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from mf.launch import leave_process_group, stop_with_launcher
 from mf.models import (
@@ -39,6 +38,7 @@ from mf.models import (
 )
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
+from mf.train.failures import report_rank_failure
 from mf.train.options import RESULT_SETTINGS, TrainOptions, local_cpu_cores
 from mf.train.report import Reporter, last_saved_checkpoint
 from mf.train.resume import resume_checkpoint, verify_resume
@@ -50,7 +50,7 @@ from mf.train.run_lock import (
 )
 from mf_fsdp import load_checkpoint, save_checkpoint
 
-__all__ = ["RunStoppedError", "lost_peer", "main", "train"]
+__all__ = ["RunStoppedError", "main", "train"]
 
 
 class RunStoppedError(RuntimeError):
@@ -58,17 +58,6 @@ class RunStoppedError(RuntimeError):
 
     Rank 0 has already printed the message as the one line ``mf-train: <message>``.
     """
-
-
-# How the backends report a rank that died (its sockets close) or stopped answering
-# (the collective outlives --timeout).
-_LOST_PEER = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer")
-
-
-def lost_peer(error: BaseException) -> str | None:
-    """The first line of ``error`` when it says another rank died or stopped answering."""
-    first = (str(error).splitlines() or [""])[0]
-    return first if any(sign in first for sign in _LOST_PEER) else None
 
 
 class _StopFlag:
@@ -517,7 +506,6 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     return reporter.finish(sample, saved_path, exported)
 
 
-@record
 def train(options: TrainOptions) -> dict[str, Any]:
     """Run the whole job on this rank; rank 0 returns the summary the launcher prints.
 
@@ -535,22 +523,14 @@ def train(options: TrainOptions) -> dict[str, Any]:
 
 def _train_and_report(options: TrainOptions) -> int:
     """Train on this rank; rank 0 prints the summary. Returns the exit code (see ``main``)."""
-    from mf.train.cli import STOPPED_EXIT_CODE, print_summary, user_error
+    from mf.train.cli import STOPPED_EXIT_CODE, print_summary
 
     try:
         summary = train(options)
     except RunStoppedError:
         return STOPPED_EXIT_CODE  # rank 0 printed why, in one line
-    except RuntimeError as error:
-        cause = lost_peer(error)
-        if cause is None:
-            raise
-        rank = os.environ.get("RANK", "?")
-        user_error(
-            f"rank {rank} lost contact with the other ranks (one died or stopped answering "
-            f"for --timeout {options.timeout:g} s): {cause}"
-        )
-        return 1
+    except Exception as error:  # one line, the traceback in this rank's log
+        return report_rank_failure(error, options, gathered=started_by_launcher())
     if summary:
         print_summary(summary)
     return 0
@@ -562,8 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
     (or the one-line error) the ``mf-train`` launcher would. A run that stops
     (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
-    rank 0 printed why, without a traceback. A rank that loses its peers (one
-    died, or a collective outlived ``--timeout``) exits with code 1 and one line.
+    rank 0 printed why, without a traceback. Any other exception (a lost peer,
+    out of memory, a bug) exits with code 1, its traceback in this rank's log and
+    one line (``mf.train.failures``): printed by this rank under torchrun, by the
+    ``mf-train`` launcher once for all ranks that raised it.
     Without ``mf-train``'s launcher, global rank 0 locks ``--ckpt-dir`` and
     ``--out-dir`` for the run (``mf.train.run_lock``; exit code 2 when another run
     holds one) and releases them when it ends; a rank 0 restarted by torchrun
