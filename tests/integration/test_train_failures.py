@@ -10,10 +10,14 @@ rank 0 alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from mf.train.failures import RankFailure, describe, failure_lines, report_rank_failure
 from mf.train.options import parse_options
+from tests.integration.test_train_run import _wait_for_first_step, _worker_children
 
 _RUN = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2"]
 _RUN += ["--eval-every", "100", "--sample-tokens", "0", "--no-plot"]
@@ -187,3 +192,38 @@ def test_an_exception_in_one_worker_is_one_line_with_its_log(tmp_path: Path) -> 
     assert "Traceback (most recent call last)" in text
     assert "export_model" in text
     assert "torch elastic's report of the run" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_frozen_rank_ends_the_run_within_the_timeout_in_one_line(tmp_path: Path) -> None:
+    """SIGSTOP on one rank of a real ``mf-train --timeout 10``: the other times out,
+    and the launcher wakes the frozen one (which then takes the agent's SIGTERM)
+    instead of waiting 30 s for the agent's SIGKILL; one line, exit code 1."""
+    command = [sys.executable, "-m", "mf.train.cli", *_RUN, "--steps", "100000"]
+    command += ["--timeout", "10", "--save-every", "0", "--out-dir", str(tmp_path / "out")]
+    command += ["--ckpt-dir", str(tmp_path / "ckpt")]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        _wait_for_first_step(launcher, tmp_path / "out" / "metrics.jsonl", time.monotonic() + 120)
+        workers = _worker_children(launcher.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        waited = time.monotonic() - frozen
+    finally:
+        launcher.kill()
+        for pid in workers:  # none should be left; never a stopped one
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 1, err
+    assert waited < 10 + 15, waited  # the timeout, the step in flight, the exit (loaded CPU)
+    lines = [line for line in err.splitlines() if not line.startswith("train: ")]
+    assert len(lines) == 1, err
+    assert re.fullmatch(
+        r"mf-train: error: rank [01] lost contact with the other ranks \(one died or stopped "
+        r"answering for --timeout 10 s\): .*\(traceback: .*/out/logs/rank-[01]\.log\)",
+        lines[0],
+    ), err

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mf.launch import local_launch_config, new_run_id
+from mf.launch import local_launch_config, new_run_id, wake_stopped_workers
 from mf.train.data import TextData, load_corpus
 from mf.train.failures import failure_lines
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
@@ -114,7 +114,8 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    with launcher_holds_locks():  # the ranks do not lock the folders again
+    # A rank frozen by a signal would hold the end of a failed run for the agent's 30 s.
+    with launcher_holds_locks(), wake_stopped_workers():  # the ranks do not lock again
         elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
 
 
