@@ -10,7 +10,9 @@ one-line warning. The launcher holds the locks of both folders until the run
 ends. Ctrl-C reaches every rank: each finishes its step, saves a checkpoint and
 exits; the launcher then names the checkpoint this run saved, never another
 run's (exit code 130). A run that cannot go on (a non-finite loss, a failed
-final save) ends with rank 0's one line and exit code 1.
+final save) ends with rank 0's one line and exit code 1; an exception in a
+worker with one line per cause, naming the log of its traceback
+(``mf.train.failures``), exit code 1.
 
 For several machines, run the worker module under torchrun on each node
 (``--nproc`` is then torchrun's world size)::
