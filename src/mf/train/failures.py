@@ -71,11 +71,13 @@ def lost_peer(error: BaseException) -> str | None:
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is an allocation that failed."""
     seen: BaseException | None = error
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop back
         if isinstance(seen, torch.OutOfMemoryError | MemoryError):
             return True
         if isinstance(seen, RuntimeError) and _CPU_OUT_OF_MEMORY in str(seen):
             return True
+        visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return False
 
@@ -101,7 +103,7 @@ def describe(error: BaseException, options: TrainOptions) -> tuple[str, bool]:
             "to keep the batch, or use fewer --nproc per machine or a smaller --model",
             False,
         )
-    return f"{_first_line(error)[:500]}", False
+    return _first_line(error)[:500], False
 
 
 def _write_log(path: Path, rank: str, error: BaseException) -> None:
