@@ -6,12 +6,16 @@ Every local run here uses the same rendezvous: a c10d store on a free port of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import signal
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,6 +26,7 @@ __all__ = [
     "local_launch_config",
     "new_run_id",
     "stop_with_launcher",
+    "wake_stopped_workers",
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -86,3 +91,57 @@ def local_launch_config(
         monitor_interval=monitor_interval,
         start_method="spawn",
     )
+
+
+def _children(parent: int) -> dict[int, str]:
+    """The state letter of each live (not zombie) child of ``parent``, by pid (Linux /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(parent) and fields[0] != "Z":
+            found[int(entry.name)] = fields[0]
+    return found
+
+
+@contextlib.contextmanager
+def wake_stopped_workers(interval: float = 0.5) -> Iterator[None]:
+    """While open: once a child of this process has exited, resume the children a signal stopped.
+
+    A rank frozen by SIGSTOP (or a job-control stop of that process alone) cannot
+    take the SIGTERM the elastic agent sends when another rank ends the run: the
+    signal waits, and the agent waits 30 s before its SIGKILL, whatever
+    ``--timeout`` says. Resumed (SIGCONT), the rank takes the SIGTERM and ends at
+    once, its peers being gone. Nothing is resumed while every rank runs, and a
+    rank stopped by a debugger (tracing stop) is left alone. A thread polling
+    ``/proc`` every ``interval`` seconds; Linux only (elsewhere it does nothing).
+    """
+    if not Path("/proc/self/stat").exists():
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while not done.wait(interval):
+            children = _children(os.getpid())
+            ended = seen - children.keys()
+            seen |= children.keys()
+            if not ended:
+                continue
+            for pid, state in children.items():
+                if state == "T":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=watch, name="mf-wake-stopped-workers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -18,6 +18,9 @@
   offline converter and in ``load_checkpoint`` on every rank, and the outside
   bytes never reach the weights. A data file holding pickled code is refused
   naming the file, and the code never runs.
+- ``verify_checkpoint`` (offline, loading nothing) refuses all of the above and
+  a checkpoint of another model or optimizer, and reads every tensor: pickled
+  code or garbage in a data file whose checksum was rewritten is named.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import io
 import json
 import os
@@ -44,53 +46,15 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import mf_fsdp
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import batch, full_params, make_model, unit_classes
-
-METADATA = ".metadata"
-
-
-class _Payload:
-    """Unpickling this creates ``marker``: what a hostile checkpoint would do instead."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
-def _rewrite_checksum(path: Path, name: str) -> None:
-    """Update the record's checksum of ``name``, as the author of a hostile file would."""
-    record_file = path / mf_fsdp.RECORD_FILE
-    record = json.loads(record_file.read_text())
-    data = (path / name).read_bytes()
-    record["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    record_file.write_text(json.dumps(record))
-
-
-def _plant_payload(path: Path, marker: Path) -> None:
-    """Replace the DCP metadata by a pickle of the real metadata plus a payload."""
-    real = pickle.loads((path / METADATA).read_bytes())
-    (path / METADATA).write_bytes(pickle.dumps((_Payload(str(marker)), real)))
-    _rewrite_checksum(path, METADATA)
-
-
-def _redirect_data(path: Path, to: str) -> None:
-    """Make ``.metadata`` name ``to`` for every data item (checksum updated, as an author would)."""
-    metadata = pickle.loads((path / METADATA).read_bytes())
-    for key, info in metadata.storage_data.items():
-        metadata.storage_data[key] = dataclasses.replace(info, relative_path=to)
-    (path / METADATA).write_bytes(pickle.dumps(metadata))
-    _rewrite_checksum(path, METADATA)
-
-
-def _outside_copies(path: Path, outside: Path) -> dict[str, Path]:
-    """A copy of each data file in ``outside``: bytes DCP would read happily if pointed there."""
-    outside.mkdir(exist_ok=True)
-    copies = {}
-    for data in sorted(path.glob("*.distcp")):
-        copies[data.name] = outside / data.name
-        shutil.copyfile(data, copies[data.name])
-    return copies
+from tests.fsdp._hostile import (
+    METADATA,
+    Payload,
+    outside_copies,
+    plant_payload,
+    plant_pickled_data,
+    redirect_data,
+    rewrite_checksum,
+)
 
 
 def _offline_checkpoint(root: Path) -> Path:
@@ -100,7 +64,7 @@ def _offline_checkpoint(root: Path) -> Path:
 def test_malicious_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path) -> None:
     path = _offline_checkpoint(tmp_path)
     marker = tmp_path / "payload-ran"
-    _plant_payload(path, marker)
+    plant_payload(path, marker)
     message = r"names the global pathlib.Path.touch, which a DCP metadata file never needs"
     for verify in (True, False):
         with pytest.raises(ValueError, match=message):
@@ -110,14 +74,12 @@ def test_malicious_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Pa
     other = tmp_path / "objects"
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(
-            {"model": {"w": torch.ones(2)}, "evil": _Payload(str(marker))}, checkpoint_id=other
-        )
+        dcp.save({"model": {"w": torch.ones(2)}, "evil": Payload(str(marker))}, checkpoint_id=other)
     record = json.loads((path / mf_fsdp.RECORD_FILE).read_text())
     (other / mf_fsdp.RECORD_FILE).write_text(json.dumps(record))
     for name in os.listdir(other):
         if name != mf_fsdp.RECORD_FILE:
-            _rewrite_checksum(other, name)
+            rewrite_checksum(other, name)
     with pytest.raises(ValueError, match=r"stores 'evil' as a pickled object"):
         mf_fsdp.checkpoint_to_full_state_dict(other)
     assert not marker.exists()
@@ -142,7 +104,7 @@ def test_damaged_files_are_refused_by_name(tmp_path: Path) -> None:
 def test_a_checkpoint_reads_nothing_outside_its_folder(tmp_path: Path) -> None:
     path = _offline_checkpoint(tmp_path / "ckpt")
     name = next(path.glob("*.distcp")).name
-    outside = _outside_copies(path, tmp_path / "outside")[name]
+    outside = outside_copies(path, tmp_path / "outside")[name]
     pristine = (path / METADATA).read_bytes()
     cases = {
         f"../../outside/{name}": "is not a file name inside the checkpoint's folder",
@@ -152,18 +114,18 @@ def test_a_checkpoint_reads_nothing_outside_its_folder(tmp_path: Path) -> None:
     }
     for target, reason in cases.items():
         (path / METADATA).write_bytes(pristine)
-        _redirect_data(path, target)
+        redirect_data(path, target)
         for verify in (True, False):
             with pytest.raises(
                 ValueError, match=rf"data file {re.escape(repr(target))}, which {reason}"
             ):
                 mf_fsdp.checkpoint_to_full_state_dict(path, verify=verify)
     (path / METADATA).write_bytes(pristine)
-    _rewrite_checksum(path, METADATA)
+    rewrite_checksum(path, METADATA)
     # A data file that is a symlink out of the folder, its checksum the target's.
     (path / name).unlink()
     (path / name).symlink_to(outside)
-    _rewrite_checksum(path, name)
+    rewrite_checksum(path, name)
     for verify in (True, False):
         with pytest.raises(ValueError, match=rf"data file '{name}', which is a symbolic link"):
             mf_fsdp.checkpoint_to_full_state_dict(path, verify=verify)
@@ -181,7 +143,7 @@ def test_a_data_file_holding_pickled_code_is_refused_by_name(tmp_path: Path) -> 
     path = mf_fsdp.full_state_dict_to_checkpoint({"w": torch.ones(4)}, tmp_path, step=1)
     marker = tmp_path / "payload-ran"
     payload = io.BytesIO()
-    torch.save(_Payload(str(marker)), payload)
+    torch.save(Payload(str(marker)), payload)
     name = next(path.glob("*.distcp")).name
     (path / name).write_bytes(payload.getvalue())
     metadata = pickle.loads((path / METADATA).read_bytes())
@@ -190,8 +152,8 @@ def test_a_data_file_holding_pickled_code_is_refused_by_name(tmp_path: Path) -> 
             info, offset=0, length=len(payload.getvalue())
         )
     (path / METADATA).write_bytes(pickle.dumps(metadata))
-    _rewrite_checksum(path, METADATA)
-    _rewrite_checksum(path, name)
+    rewrite_checksum(path, METADATA)
+    rewrite_checksum(path, name)
     message = rf"checkpoint_to_full_state_dict: checkpoint file '.*{name}' holds pickled objects"
     with pytest.raises(ValueError, match=message):
         mf_fsdp.checkpoint_to_full_state_dict(path)
@@ -227,6 +189,51 @@ def test_damaged_records_and_bad_paths_name_the_problem(tmp_path: Path) -> None:
         mf_fsdp.checkpoint_to_full_state_dict(record_file)
     with pytest.raises(ValueError, match=r"path: expected a checkpoint folder .*got None"):
         mf_fsdp.load_checkpoint(None, None)  # type: ignore[arg-type]
+
+
+def test_verify_checkpoint_checks_what_a_load_would_without_loading(tmp_path: Path) -> None:
+    path = _offline_checkpoint(tmp_path / "ckpt")
+    with torch.device("meta"):
+        meta = make_model(0)
+    assert mf_fsdp.verify_checkpoint(path) == {"step": 1}
+    assert mf_fsdp.verify_checkpoint(path, meta) == {"step": 1}  # tied names included
+    with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['weight'"):
+        mf_fsdp.verify_checkpoint(path, torch.nn.Linear(2, 3))
+    with pytest.raises(ValueError, match=r"holds the state of no optimizer, not of Adam"):
+        mf_fsdp.verify_checkpoint(path, meta, torch.optim.Adam(meta.parameters()))
+    with pytest.raises(TypeError, match=r"model: expected a torch.nn.Module or None"):
+        mf_fsdp.verify_checkpoint(path, "model")  # type: ignore[arg-type]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(path, pristine)
+    marker = tmp_path / "payload-ran"
+
+    def fresh() -> Path:
+        shutil.rmtree(path)
+        shutil.copytree(pristine, path)
+        return path
+
+    name = plant_pickled_data(fresh(), marker)
+    with pytest.raises(ValueError, match=rf"verify_checkpoint: checkpoint file '.*{name}' holds"):
+        mf_fsdp.verify_checkpoint(path)
+    plant_payload(fresh(), marker)
+    with pytest.raises(ValueError, match=r"names the global pathlib.Path.touch"):
+        mf_fsdp.verify_checkpoint(path)
+    assert not marker.exists()
+    data = next(fresh().glob("*.distcp"))
+    content = bytearray(data.read_bytes())  # each item's zip directory wiped, as garbage
+    for info in pickle.loads((path / METADATA).read_bytes()).storage_data.values():
+        end = info.offset + info.length
+        content[end - 22 : end] = bytes(22)
+    data.write_bytes(bytes(content))
+    rewrite_checksum(path, data.name)
+    with pytest.raises(ValueError, match=rf"'.*{data.name}' does not hold the tensors its DCP"):
+        mf_fsdp.verify_checkpoint(path)
+    data.write_bytes(b"x")
+    with pytest.raises(ValueError, match=rf"is damaged: {data.name}: 1 bytes, expected \d+; ref"):
+        mf_fsdp.verify_checkpoint(path)
+    redirect_data(fresh(), f"../../outside/{data.name}")
+    with pytest.raises(ValueError, match=r"which is not a file name inside the checkpoint's"):
+        mf_fsdp.verify_checkpoint(path)
 
 
 def _wrap(seed: int = 0):
@@ -270,7 +277,7 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
     marker = root_path / "payload-ran"
     if rank == 0:
         shutil.copytree(saved, hostile)
-        _plant_payload(hostile, marker)
+        plant_payload(hostile, marker)
     torch.distributed.barrier()
     fresh, fresh_opt = _wrap(seed=1)
     with pytest.raises(ValueError, match=r"names the global pathlib.Path.touch"):
@@ -283,7 +290,7 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
         content = bytearray(data.read_bytes())
         content[len(content) // 3] ^= 0x01
         (hostile / METADATA).write_bytes((saved / METADATA).read_bytes())
-        _rewrite_checksum(hostile, METADATA)
+        rewrite_checksum(hostile, METADATA)
         (hostile / data.name).write_bytes(bytes(content))
     torch.distributed.barrier()
     with pytest.raises(ValueError, match=r"load_checkpoint: .*hostile' is damaged: __\d_0.distcp"):
@@ -293,8 +300,8 @@ def _rank_trust(rank: int, world: int, root: str) -> None:
     if rank == 0:
         shutil.rmtree(hostile)
         shutil.copytree(saved, hostile)
-        outside = _outside_copies(saved, root_path / "outside")
-        _redirect_data(hostile, str(next(iter(outside.values()))))
+        outside = outside_copies(saved, root_path / "outside")
+        redirect_data(hostile, str(next(iter(outside.values()))))
     torch.distributed.barrier()
     with pytest.raises(ValueError, match=r"names the data file '/.*', which is not a file name"):
         mf_fsdp.load_checkpoint(hostile, fresh, fresh_opt)

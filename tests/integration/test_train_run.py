@@ -9,6 +9,7 @@ subprocess test starts the real ``mf-train`` command and interrupts it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -95,9 +96,12 @@ def test_train_and_resume_continue_exactly_zero3(tmp_path: Path) -> None:
 
 def _rank_muon_then_resume(rank: int, world_size: int, tmp: str) -> None:
     _rank_train_then_resume(rank, world_size, tmp, "3", "--optimizer", "muon")
-    adamw = parse_options([*_TINY, "--ckpt-dir", tmp + "/ckpt", "--resume", "--out-dir", tmp])
+    argv = [*_TINY, "--ckpt-dir", tmp + "/ckpt", "--resume", "--out-dir", tmp]
+    with pytest.raises(ValueError, match="saved with --optimizer muon, this run has --opt"):
+        parse_options(argv)  # the launcher's line
+    muon = parse_options([*argv, "--optimizer", "muon"])
     with pytest.raises(ValueError, match="holds the state of Muon, AdamW, not of AdamW"):
-        train(adamw)
+        train(dataclasses.replace(muon, optimizer="adamw"))  # and the load's, past the launcher
 
 
 @pytest.mark.multiprocess

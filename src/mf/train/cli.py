@@ -2,14 +2,17 @@ r"""``mf-train``: check the options, then start the ranks with torch's elastic l
 
 User mistakes (bad sizes or numbers, an unknown preset, a missing or empty
 data file, a seq-len the corpus cannot fill, --resume with nothing to
-resume, more CUDA processes than GPUs, a --ckpt-dir or --out-dir another run
-holds: ``mf.train.run_lock``) are found here, before any worker starts, and
+resume or from a damaged, hostile or foreign checkpoint: ``mf.train.resume``,
+more CUDA processes than GPUs, a --ckpt-dir or --out-dir another run holds:
+``mf.train.run_lock``) are found here, before any worker starts, and
 printed as one line with exit code 2; more CPU processes than cores is a
 one-line warning. The launcher holds the locks of both folders until the run
 ends. Ctrl-C reaches every rank: each finishes its step, saves a checkpoint and
 exits; the launcher then names the checkpoint this run saved, never another
 run's (exit code 130). A run that cannot go on (a non-finite loss, a failed
-final save) ends with rank 0's one line and exit code 1.
+final save) ends with rank 0's one line and exit code 1; an exception in a
+worker with one line per cause, naming the log of its traceback
+(``mf.train.failures``), exit code 1.
 
 For several machines, run the worker module under torchrun on each node
 (``--nproc`` is then torchrun's world size)::
@@ -28,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mf.launch import local_launch_config, new_run_id
+from mf.launch import local_launch_config, new_run_id, wake_stopped_workers
 from mf.train.data import TextData, load_corpus
+from mf.train.failures import failure_lines
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
+from mf.train.resume import verify_resume
 from mf.train.run_lock import RunLockError, acquire_run_locks, launcher_holds_locks
 
 if TYPE_CHECKING:
@@ -111,7 +116,8 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    with launcher_holds_locks():  # the ranks do not lock the folders again
+    # A rank frozen by a signal would hold the end of a failed run for the agent's 30 s.
+    with launcher_holds_locks(), wake_stopped_workers():  # the ranks do not lock again
         elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
 
 
@@ -152,11 +158,14 @@ def _interrupted(options: TrainOptions, run_id: str | None) -> int:
     return 130
 
 
-def _worker_failed(error: ChildFailedError) -> int:
-    """Report a failed worker in one line, unless rank 0 already did; return exit code 1."""
+def _worker_failed(error: ChildFailedError, options: TrainOptions) -> int:
+    """Report failed workers, each cause in one line, unless rank 0 already did; return 1.
+
+    See ``mf.train.failures``: the tracebacks and the agent's report go to logs.
+    """
     if not any(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
-        _, first = error.get_first_failure()
-        user_error(f"a worker failed: {first.message}")
+        for line in failure_lines(error, options.out_dir):
+            user_error(line)
     return 1
 
 
@@ -181,11 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with locks:
         try:
+            if options.resume:  # under the lock: no other run saves into the folder meanwhile
+                verify_resume(options)
+        except ValueError as error:
+            user_error(error)
+            return 2
+        try:
             _launch(options, run_id, ["--nproc", str(options.nproc), *argv])
         except (SignalException, KeyboardInterrupt):
             return _interrupted(options, run_id)
         except ChildFailedError as error:
-            return _worker_failed(error)
+            return _worker_failed(error, options)
     return 0
 
 

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 import torch
 
 from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.train.data import VOCAB_SIZE
+from mf.train.resume import RESULT_SETTINGS, check_resume_settings
 
 __all__ = [
     "CPU_MICRO_BATCH",
@@ -69,6 +68,7 @@ class TrainOptions:
     ep: int = 1
     allow_changed_settings: bool = False
     sync_save: bool = False
+    resume_from: str | None = None
 
     @property
     def use_cuda(self) -> bool:
@@ -186,6 +186,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add(
+        "--resume-from",
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from this checkpoint folder (a step_N folder; implies --resume), "
+        "e.g. an older one when --resume refused the newest",
+    )
+    add(
         "--allow-changed-settings",
         action="store_true",
         help="with --resume: continue even where the settings in RESULT_SETTINGS (--seed, "
@@ -267,8 +274,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "
             f"{preset.seq_len} positions"
         )
+    if options.resume_from is not None:
+        options = dataclasses.replace(options, resume=True)
     if options.resume:
-        _check_resumable(options)
+        check_resume_settings(options)
     return options
 
 
@@ -317,68 +326,4 @@ def _check_experts(options: TrainOptions, preset: object) -> None:
         raise ValueError(
             f"--ep {options.ep} does not divide the {preset.num_experts} experts of the "
             f"{options.model!r} model; expected a divisor of {preset.num_experts}"
-        )
-
-
-RESULT_SETTINGS = ("seed", "data", "seq_len", "micro_batch", "grad_accum", "lr", "precision")
-"""Options that decide a run's batches or results: saved with every checkpoint, and a
-``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
-
-
-def _changed_settings(saved: dict, options: TrainOptions) -> list[str]:
-    """``--name saved (now value)`` for every result setting this run changes."""
-    return [
-        f"--{name.replace('_', '-')} {saved[name]} (now {getattr(options, name)})"
-        for name in RESULT_SETTINGS
-        if name in saved and saved[name] != getattr(options, name)
-    ]
-
-
-def _read_record(file: Path) -> dict:
-    """The checkpoint record ``file`` as a dict, or one ValueError naming the file."""
-    try:
-        record = json.loads(file.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"--resume: {str(file)!r} is damaged: not JSON ({error})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("extra", {}), dict):
-        raise ValueError(
-            f"--resume: {str(file)!r} is damaged: expected a JSON object with an object "
-            "'extra' (an mf checkpoint record)"
-        )
-    return record
-
-
-def _check_resumable(options: TrainOptions) -> None:
-    """Refuse --resume without a checkpoint, one saved for another model, or nothing to do.
-
-    ``--zero``, ``--nproc``, ``--dp-outer`` and ``--tp`` may change (checkpoints
-    hold parameter-shaped, tp-gathered tensors and reshard); the model may not, and
-    the ``RESULT_SETTINGS`` only with ``--allow-changed-settings``.
-    A checkpoint at or past ``--steps`` would leave no step to train.
-    """
-    from mf_fsdp import RECORD_FILE, latest_checkpoint
-
-    path = latest_checkpoint(Path(options.ckpt_dir)) if os.path.isdir(options.ckpt_dir) else None
-    if path is None:
-        raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-    record = _read_record(path / RECORD_FILE)
-    step = record.get("step")
-    if isinstance(step, int) and step >= options.steps:
-        raise ValueError(
-            f"--resume: {str(path)!r} is at step {step} and --steps is {options.steps}; "
-            f"expected --steps above {step} to train further"
-        )
-    saved = record.get("extra", {})
-    for name in ("model",):
-        if name in saved and saved[name] != getattr(options, name):
-            raise ValueError(
-                f"--resume: {str(path)!r} was saved with --{name} {saved[name]}, this run has "
-                f"--{name} {getattr(options, name)}; expected the same --{name}"
-            )
-    changed = _changed_settings(saved, options)
-    if changed and not options.allow_changed_settings:
-        raise ValueError(
-            f"--resume: {str(path)!r} was saved with {', '.join(changed)}: the run would go "
-            "on with other batches or results than the saved one's; repeat the saved "
-            "settings, or pass --allow-changed-settings to change them knowingly"
         )

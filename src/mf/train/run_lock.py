@@ -61,6 +61,7 @@ __all__ = [
     "RunLocks",
     "acquire_run_locks",
     "launcher_holds_locks",
+    "started_by_launcher",
     "worker_takes_locks",
 ]
 
@@ -331,7 +332,14 @@ def launcher_holds_locks() -> Iterator[None]:
             os.environ[LAUNCHER_LOCKED_VARIABLE] = previous
 
 
+def started_by_launcher() -> bool:
+    """Whether the ``mf-train`` launcher started this rank, rather than torchrun or a test.
+
+    That launcher holds the run's locks and made its checks before any rank started.
+    """
+    return os.environ.get(LAUNCHER_LOCKED_VARIABLE) == "1"
+
+
 def worker_takes_locks() -> bool:
     """Whether this worker locks the run's folders: rank 0, not started by ``mf-train``."""
-    launcher_locked = os.environ.get(LAUNCHER_LOCKED_VARIABLE) == "1"
-    return not launcher_locked and os.environ.get("RANK", "0") == "0"
+    return not started_by_launcher() and os.environ.get("RANK", "0") == "0"

@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from mf.launch import leave_process_group, stop_with_launcher
 from mf.models import (
@@ -40,12 +39,19 @@ from mf.models import (
 )
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
+from mf.train.failures import report_rank_failure
 from mf.train.options import RESULT_SETTINGS, TrainOptions, local_cpu_cores
 from mf.train.report import Reporter, last_saved_checkpoint
-from mf.train.run_lock import RunLockError, acquire_run_locks, worker_takes_locks
-from mf_fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
+from mf.train.resume import resume_checkpoint, verify_resume
+from mf.train.run_lock import (
+    RunLockError,
+    acquire_run_locks,
+    started_by_launcher,
+    worker_takes_locks,
+)
+from mf_fsdp import load_checkpoint, save_checkpoint
 
-__all__ = ["RunStoppedError", "lost_peer", "main", "train"]
+__all__ = ["RunStoppedError", "main", "train"]
 
 
 class RunStoppedError(RuntimeError):
@@ -53,17 +59,6 @@ class RunStoppedError(RuntimeError):
 
     Rank 0 has already printed the message as the one line ``mf-train: <message>``.
     """
-
-
-# How the backends report a rank that died (its sockets close) or stopped answering
-# (the collective outlives --timeout).
-_LOST_PEER = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer")
-
-
-def lost_peer(error: BaseException) -> str | None:
-    """The first line of ``error`` when it says another rank died or stopped answering."""
-    first = (str(error).splitlines() or [""])[0]
-    return first if any(sign in first for sign in _LOST_PEER) else None
 
 
 class _StopFlag:
@@ -235,17 +230,15 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 # --- checkpoints: the only place that saves or loads training state ---------------------------
 
 
-def _resume(ckpt_dir: Path, model, optimizers, info: dict[str, Any]) -> int:
-    """Load the newest complete checkpoint in ``ckpt_dir``; return the step it was saved at.
+def _resume(options: TrainOptions, model, optimizers) -> int:
+    """Load the checkpoint --resume continues from; return the step it was saved at.
 
-    Any ``--zero``, ``--tp`` or world size may resume (the checkpoint reshards); the
-    optimizer state is built from the checkpoint, never by a synthetic step. The
-    ``--optimizer`` must be the one saved (else load_checkpoint names both).
+    ``--resume-from``'s, else the newest complete one in ``--ckpt-dir``
+    (``resume_checkpoint``), which the launcher verified. Any ``--zero``, ``--tp`` or
+    world size may resume (the checkpoint reshards); the optimizer state is built
+    from the checkpoint, never by a synthetic step.
     """
-    path = latest_checkpoint(ckpt_dir)
-    if path is None:
-        raise ValueError(f"--resume: no complete checkpoint in {str(ckpt_dir)!r}")
-    return load_checkpoint(path, model, optimizers)["step"]
+    return load_checkpoint(resume_checkpoint(options), model, optimizers)["step"]
 
 
 def _restart_checkpoint(options: TrainOptions) -> Path | None:
@@ -497,7 +490,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     if restart is not None:  # the steps since that checkpoint are recomputed
         start_step = load_checkpoint(restart, model, optimizers)["step"]
     else:
-        start_step = _resume(ckpt_dir, model, optimizers, info) if options.resume else 0
+        start_step = _resume(options, model, optimizers) if options.resume else 0
     reporter = Reporter(
         options,
         dist.get_rank() == 0,
@@ -546,7 +539,6 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     return reporter.finish(sample, saved_path, exported)
 
 
-@record
 def train(options: TrainOptions) -> dict[str, Any]:
     """Run the whole job on this rank; rank 0 returns the summary the launcher prints.
 
@@ -564,22 +556,14 @@ def train(options: TrainOptions) -> dict[str, Any]:
 
 def _train_and_report(options: TrainOptions) -> int:
     """Train on this rank; rank 0 prints the summary. Returns the exit code (see ``main``)."""
-    from mf.train.cli import STOPPED_EXIT_CODE, print_summary, user_error
+    from mf.train.cli import STOPPED_EXIT_CODE, print_summary
 
     try:
         summary = train(options)
     except RunStoppedError:
         return STOPPED_EXIT_CODE  # rank 0 printed why, in one line
-    except RuntimeError as error:
-        cause = lost_peer(error)
-        if cause is None:
-            raise
-        rank = os.environ.get("RANK", "?")
-        user_error(
-            f"rank {rank} lost contact with the other ranks (one died or stopped answering "
-            f"for --timeout {options.timeout:g} s): {cause}"
-        )
-        return 1
+    except Exception as error:  # one line, the traceback in this rank's log
+        return report_rank_failure(error, options, gathered=started_by_launcher())
     if summary:
         print_summary(summary)
     return 0
@@ -591,8 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     ``--nproc`` defaults to torchrun's world size. Rank 0 prints the summary
     (or the one-line error) the ``mf-train`` launcher would. A run that stops
     (non-finite loss, failed final save) exits with ``STOPPED_EXIT_CODE`` after
-    rank 0 printed why, without a traceback. A rank that loses its peers (one
-    died, or a collective outlived ``--timeout``) exits with code 1 and one line.
+    rank 0 printed why, without a traceback. Any other exception (a lost peer,
+    out of memory, a bug) exits with code 1, its traceback in this rank's log and
+    one line (``mf.train.failures``): printed by this rank under torchrun, by the
+    ``mf-train`` launcher once for all ranks that raised it.
     Without ``mf-train``'s launcher, global rank 0 locks ``--ckpt-dir`` and
     ``--out-dir`` for the run (``mf.train.run_lock``; exit code 2 when another run
     holds one) and releases them when it ends; a rank 0 restarted by torchrun
@@ -608,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(["--nproc", world, *args])
         check_data(options)
+        if options.resume and not started_by_launcher():  # mf-train's launcher verified it
+            verify_resume(options)
     except ValueError as error:
         if os.environ.get("RANK", "0") == "0":
             user_error(error)

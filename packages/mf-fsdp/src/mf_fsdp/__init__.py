@@ -19,6 +19,7 @@ from mf_fsdp.checkpoint.folder import (
     load_checkpoint,
     save_checkpoint,
     save_full_state_dict,
+    verify_checkpoint,
 )
 from mf_fsdp.checkpoint.state_dict import (
     get_model_state_dict,
@@ -82,4 +83,5 @@ __all__ = [
     "save_full_state_dict",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "verify_checkpoint",
 ]

@@ -73,6 +73,7 @@ from mf_fsdp.checkpoint.record import (
 from mf_fsdp.checkpoint.safe_reader import (
     SafeFileSystemReader,
     data_file_names,
+    read_every_tensor,
     read_metadata,
     refuse_pickled_items,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "save_full_state_dict",
+    "verify_checkpoint",
 ]
 
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -454,9 +456,22 @@ def _verify(path: Path, record: Mapping[str, Any], caller: str, collective: bool
     """Raise on every rank if a data file differs from the record (see ``find_damage``)."""
     problems = find_damage(path, record["files"], RECORD_FILE, collective)
     if problems:
+        skip = "" if caller == "verify_checkpoint" else " (verify=False skips this check)"
         raise ValueError(
             f"{caller}: checkpoint {str(path)!r} is damaged: {'; '.join(problems)}; refusing "
-            "to load it (verify=False skips this check)"
+            f"to load it{skip}"
+        )
+
+
+def _check_optimizer_classes(path: Path, record: Mapping[str, Any], optimizer: Optimizers) -> None:
+    """Raise unless the checkpoint holds the state of ``optimizer``'s classes, in order."""
+    saved = record["optimizer"]["classes"] if record["optimizer"] else []
+    if saved != _class_names(optimizer):
+        raise ValueError(
+            f"optimizer: checkpoint {str(path)!r} holds the state of "
+            f"{', '.join(saved or ['no optimizer'])}, not of "
+            f"{', '.join(_class_names(optimizer))}; pass the same optimizer classes in "
+            "the same order, or optimizer=None to load the model only"
         )
 
 
@@ -523,14 +538,7 @@ def load_checkpoint(
     fingerprint = _model_fingerprint(model)
     compare_fingerprints(path, record, fingerprint)
     if optimizer is not None:
-        saved = record["optimizer"]["classes"] if record["optimizer"] else []
-        if saved != _class_names(optimizer):
-            raise ValueError(
-                f"optimizer: checkpoint {str(path)!r} holds the state of "
-                f"{', '.join(saved or ['no optimizer'])}, not of "
-                f"{', '.join(_class_names(optimizer))}; pass the same optimizer classes in "
-                "the same order, or optimizer=None to load the model only"
-            )
+        _check_optimizer_classes(path, record, optimizer)
         check_optimizer_binding(model, optimizer)
     metadata = _checked_metadata(path, record)
     if verify:
@@ -544,6 +552,86 @@ def load_checkpoint(
         local = {fp.fqn for fp in model.fsdp_params}
         loaded = _optimizer_state(state, record["optimizer"], local)
         apply_optimizer_state(model, optimizer, loaded, owned=True)
+    return {**record["extra"], "step": record["step"]}
+
+
+def _module_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
+    """Name -> shape and dtype of every tensor of an unwrapped module's state dict.
+
+    Tied names are listed like any other: tying does not change what a checkpoint
+    must hold under each name.
+    """
+    return {
+        "tensors": {
+            fqn: tensor_info(value.shape, value.dtype)
+            for fqn, value in module.state_dict().items()
+            if isinstance(value, torch.Tensor)
+        }
+    }
+
+
+def _saved_fingerprint(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record's tensors with each tied name listed under its own name too."""
+    tensors = dict(record["tensors"])
+    for alias, fqn in record["aliases"].items():
+        if fqn in tensors:
+            tensors[alias] = tensors[fqn]
+    return {"tensors": tensors}
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module | None = None,
+    optimizer: Optimizers | None = None,
+) -> dict[str, Any]:
+    """Check a checkpoint as :func:`load_checkpoint` would, offline and loading nothing.
+
+    For a launcher to refuse a damaged, hostile or foreign checkpoint before it
+    starts any process. Needs no process group and reads one tensor at a time.
+    Checks, in order: the record (every field); that it was saved from ``model``
+    and holds the state of ``optimizer``'s classes; DCP's metadata, read without
+    running code, naming no pickled item and only regular files of the folder
+    listed in the record; every data file against its checksum; and every tensor
+    chunk, read once and dropped, so a data file holding pickled code is refused by
+    name. Nothing runs from the checkpoint.
+
+    Args:
+        path: a checkpoint folder.
+        model: the *unwrapped* module the checkpoint is for (one built on the meta
+            device costs nothing): the names, global shapes and dtypes of its state
+            dict must be the checkpoint's; None skips this.
+        optimizer: an optimizer or a list of them whose classes, in order, must be
+            the checkpoint's (built over the meta module's parameters is enough);
+            None skips this.
+
+    Returns:
+        The ``extra`` values saved with the checkpoint, plus ``"step"``.
+
+    Raises:
+        TypeError: if ``model`` is a ``MegatronFSDP`` (pass its unwrapped module, or
+            use :func:`load_checkpoint`).
+        ValueError: naming the folder and the file or field at fault.
+    """
+    if isinstance(model, MegatronFSDP):
+        raise TypeError(
+            "model: verify_checkpoint takes the unwrapped module (e.g. built on the meta "
+            "device), not a MegatronFSDP; load_checkpoint checks a wrapped model"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    record = read_record(path)
+    path = Path(path)
+    if model is not None:
+        compare_fingerprints(path, _saved_fingerprint(record), _module_fingerprint(model))
+    if optimizer is not None:
+        _check_optimizer_classes(path, record, optimizer)
+    metadata = _checked_metadata(path, record)
+    _verify(path, record, "verify_checkpoint", collective=False)
+    try:
+        with _single_process():
+            read_every_tensor(path, metadata)
+    except ValueError as error:
+        raise ValueError(f"verify_checkpoint: {error}") from None
     return {**record["extra"], "step": record["step"]}
 
 

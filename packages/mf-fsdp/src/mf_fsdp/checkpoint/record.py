@@ -239,8 +239,22 @@ def compare_fingerprints(path: Path, saved: Mapping[str, Any], current: Mapping[
     if missing or unexpected or differ:
         raise ValueError(
             f"checkpoint {str(path)!r} was saved from a different model: missing keys "
-            f"{missing!r}, unexpected keys {unexpected!r}, mismatched: {'; '.join(differ) or '-'}"
+            f"{_first(missing)}, unexpected keys {_first(unexpected)}, mismatched: "
+            f"{'; '.join(differ[:_SHOWN]) or '-'}{_more(differ)}"
         )
+
+
+_SHOWN = 5
+"""Differences listed per kind; a model of another size differs in every tensor."""
+
+
+def _more(items: Sequence[str]) -> str:
+    return f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+
+
+def _first(names: Sequence[str]) -> str:
+    """``names`` as a list, cut to its first ``_SHOWN`` with a count of the rest."""
+    return f"{names[:_SHOWN]!r}{_more(names)}"
 
 
 def _describe(info: Mapping[str, Any]) -> str:

@@ -36,14 +36,21 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 __all__ = [
     "ALLOWED_GLOBALS",
     "SafeFileSystemReader",
     "data_file_names",
+    "read_every_tensor",
     "read_metadata",
     "refuse_pickled_items",
 ]
@@ -205,3 +212,70 @@ def refuse_pickled_items(metadata: Metadata, keys: Iterable[str], path: Path) ->
                 "hold tensors only (other values are in the JSON record), and loading it could "
                 "run code from the checkpoint"
             )
+
+
+class _DiscardingPlanner:
+    """The planner side of ``read_data`` for a read that keeps nothing.
+
+    Each tensor gets a fresh buffer of its chunk's size, dropped once filled, so a
+    whole checkpoint is read with one chunk in memory at a time.
+    """
+
+    def __init__(self, metadata: Metadata) -> None:
+        self._metadata = metadata
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        properties = self._metadata.state_dict_metadata[item.storage_index.fqn].properties
+        return torch.empty(tuple(item.lengths), dtype=properties.dtype)
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """Drop the tensor: reading it was the point."""
+
+
+def read_every_tensor(path: str | os.PathLike[str], metadata: Metadata) -> None:
+    """Read every tensor chunk that ``metadata`` lists once, through the safe reader.
+
+    Nothing is kept (one chunk is in memory at a time). This proves, without a
+    process group or a model, that every item decodes as tensors only: a data file
+    holding pickled code is refused naming the file, as a load would refuse it,
+    but before any process depends on the checkpoint. Pass metadata from
+    ``read_metadata`` (which refused paths outside the folder) after
+    ``refuse_pickled_items``.
+
+    Raises:
+        ValueError: naming the data file that holds pickled objects or does not decode.
+    """
+    per_file: dict[str, list[ReadItem]] = {}
+    for item in _every_chunk(metadata):
+        name = metadata.storage_data[item.storage_index].relative_path
+        per_file.setdefault(name, []).append(item)
+    reader = SafeFileSystemReader(str(path))
+    reader.set_up_storage_reader(metadata, is_coordinator=True)
+    planner: Any = _DiscardingPlanner(metadata)
+    for name, items in sorted(per_file.items()):
+        try:
+            reader.read_data(LoadPlan(items), planner).wait()
+        except (RuntimeError, EOFError, OSError, AssertionError) as error:
+            cause = (str(error).splitlines() or [type(error).__name__])[0]
+            raise ValueError(
+                f"checkpoint file {str(Path(path) / name)!r} does not hold the tensors its "
+                f"DCP metadata names ({type(error).__name__}: {cause}); the checkpoint is damaged"
+            ) from None
+
+
+def _every_chunk(metadata: Metadata) -> list[ReadItem]:
+    """A read of every stored tensor chunk, whole, as DCP's planner would ask for it."""
+    return [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=index,
+            dest_offsets=torch.Size([0] * len(chunk.sizes)),
+            storage_index=index,
+            storage_offsets=torch.Size([0] * len(chunk.sizes)),
+            lengths=chunk.sizes,
+        )
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+        for position, chunk in enumerate(entry.chunks)
+        for index in [MetadataIndex(key, chunk.offsets, position)]
+    ]
