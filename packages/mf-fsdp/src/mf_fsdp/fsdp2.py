@@ -69,12 +69,9 @@ class _Record:
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy
     engine: MegatronFSDP | None = None
-    unit: Unit | None = None  # the engine's unit; None for the root
+    unit: Unit | None = None  # the engine's unit (None for the root, or a unit left no weight)
+    is_root: bool = False
     hooks: list[Any] = field(default_factory=list)
-
-    @property
-    def is_root(self) -> bool:
-        return self.engine is not None and self.unit is None
 
 
 def fully_shard(
@@ -288,6 +285,7 @@ def _build_engine(root: _Record) -> None:
         unit_modules=[u.modules for u in units],
     )
     by_module = {id(u.module): u for u in engine._units}
+    root.is_root = True
     for record in (root, *units):
         record.engine = engine
         _PENDING.discard(record.modules[0])
