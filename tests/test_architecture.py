@@ -34,6 +34,7 @@ FSDP_LAYERS = {
     "optim": 3,
     "checkpoint": 4,
     "fully_shard": 5,
+    "fsdp2": 5,
 }
 
 

@@ -6,7 +6,9 @@ ZeRO-3 on 2 ranks and is saved through torch's DSD (``get_state_dict``) and
 and the root, an optimizer built after wrapping) loads it through DSD on 2
 ranks and on 1: the parameters are bit-exact, the next step's loss is mf's,
 and so is the loss after one more optimizer step (so Adam's state came along).
-Then the other way round: FSDP2 trains and saves, mf loads. Finally
+Then the other way round: FSDP2 trains and saves, mf loads. The same both ways
+with mf's FSDP2 front end (``mf_fsdp.fsdp2.fully_shard``) in mf's place, which
+also loads on 1 rank. Finally
 ``dcp_to_torch_save`` turns mf's checkpoint into one ``torch.save`` file whose
 model part the plain module loads with ``strict=True``.
 
@@ -29,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mf.models import GPT
+from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import CONFIG, make_model
 from tests.fsdp.test_checkpoint import _local_batch, _optimizer, _train
@@ -38,14 +41,24 @@ TOL = {"rtol": 1e-6, "atol": 1e-6}
 TRAINED = 3
 
 
-def _fsdp2_pair(world: int, seed: int):
-    """The tiny GPT under FSDP2 (every Block and the root), Adam built after wrapping."""
+def _fsdp2_pair(world: int, seed: int, shard=fully_shard):
+    """The tiny GPT under FSDP2 (every Block and the root), Adam built after wrapping.
+
+    ``shard`` is torch's ``fully_shard`` or mf's FSDP2 front end (``mf_fsdp.fsdp2``).
+    """
     module = make_model(seed)
     mesh = init_device_mesh("cpu", (world,))
     for block in module.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        shard(block, mesh=mesh)
+    shard(module, mesh=mesh)
     return module, _optimizer("adam", module.parameters())
+
+
+def _pair(engine: str, world: int, seed: int):
+    """The trained pair of ``engine``: mf's own interface, torch's FSDP2, or mf's FSDP2 one."""
+    if engine == "mf":
+        return _recipe_pair(3, "adam", seed=seed)
+    return _fsdp2_pair(world, seed, fsdp2.fully_shard if engine == "mf-fsdp2" else fully_shard)
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -90,10 +103,7 @@ def _compare(got: dict, expected: dict, label: str) -> None:
 
 
 def _rank_save(rank: int, world: int, root: str, engine: str) -> None:
-    if engine == "mf":
-        model, opt = _recipe_pair(3, "adam")
-    else:
-        model, opt = _fsdp2_pair(world, seed=0)
+    model, opt = _pair(engine, world, seed=0)
     _train(model, opt, rank, world, range(TRAINED))
     _save(model, opt, f"{root}/{engine}")
     expected = _after(model, opt, rank, world)
@@ -102,10 +112,7 @@ def _rank_save(rank: int, world: int, root: str, engine: str) -> None:
 
 
 def _rank_load(rank: int, world: int, root: str, engine: str, saved_by: str) -> None:
-    if engine == "mf":
-        model, opt = _recipe_pair(3, "adam", seed=1)
-    else:
-        model, opt = _fsdp2_pair(world, seed=1)
+    model, opt = _pair(engine, world, seed=1)
     _load(model, opt, f"{root}/{saved_by}")
     expected = torch.load(Path(root) / f"{saved_by}.expected.pt")
     _compare(_after(model, opt, rank, world), expected, f"{saved_by} -> {engine} x{world}")
@@ -127,3 +134,14 @@ def test_mf_checkpoint_loads_into_fsdp2_and_back(tmp_path: Path) -> None:
     expected = torch.load(tmp_path / "mf.expected.pt")
     for name, value in plain.named_parameters():
         assert torch.equal(value.detach(), expected["params"][name]), name
+
+
+@pytest.mark.multiprocess
+def test_mf_fsdp2_front_end_checkpoint_loads_into_fsdp2_and_back(tmp_path: Path) -> None:
+    """mf's FSDP2 front end saves, torch's ``fully_shard`` loads; then the other way round."""
+    root = str(tmp_path)
+    run_on_ranks(_rank_save, 2, root, "mf-fsdp2", timeout=180)
+    run_on_ranks(_rank_load, 2, root, "fsdp2", "mf-fsdp2", timeout=180)
+    run_on_ranks(_rank_save, 2, root, "fsdp2", timeout=180)
+    run_on_ranks(_rank_load, 2, root, "mf-fsdp2", "fsdp2", timeout=180)
+    run_on_ranks(_rank_load, 1, root, "mf-fsdp2", "fsdp2", timeout=180)

@@ -1,9 +1,11 @@
 """mf_fsdp: fully sharded data parallelism (ZeRO-0..3) over flat, bucketed buffers.
 
 Start with ``fully_shard(model, optimizer, fsdp_unit_modules=[Block])``; see the
-README for the gradient-reduction contract and the strategies.
+README for the gradient-reduction contract and the strategies. Code written for
+PyTorch FSDP2 uses ``mf_fsdp.fsdp2.fully_shard`` instead (same interface, mf's engine).
 """
 
+from mf_fsdp import fsdp2
 from mf_fsdp.buckets.layout import (
     DEFAULT_ALIGNMENT,
     BucketLayout,
@@ -65,6 +67,7 @@ __all__ = [
     "checkpoint_to_full_state_dict",
     "clip_grad_norm_",
     "compute_bucket_layout",
+    "fsdp2",
     "full_state_dict_to_checkpoint",
     "fully_shard",
     "fully_shard_model",

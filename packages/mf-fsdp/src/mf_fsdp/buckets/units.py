@@ -1,9 +1,12 @@
 """Finding FSDP units and splitting a model's parameters into buckets.
 
 A unit is a module whose class is listed in ``fsdp_unit_modules`` and that
-does not sit inside another unit (the outermost match wins). A parameter
+does not sit inside another unit (the outermost match wins), or one of the
+``unit_modules`` given as instances: a module, or a group of modules gathered
+and released together (FSDP2's ``fully_shard([norm, output])``). A parameter
 belongs to the unit that contains it; a parameter reachable from several
-units (a tied weight) or from none goes to the root. Each unit's parameters
+units (a tied weight) or from none goes to the root (with units given as
+instances, also one a module outside every unit holds). Each unit's parameters
 are split by (dtype, requires_grad, expert or not) into buckets, keeping
 model order (expert parameters, marked with mf_utils'
 ``set_expert_parallel_attribute``, live on another process group); at a
@@ -43,6 +46,8 @@ class BucketSpec:
         names: their qualified names (the first name of a tied parameter).
         expert: the parameters are expert parameters (sharded and reduced over the
             expert-data-parallel group).
+        members: every module of the unit when it is a group of modules (``unit`` is
+            the first of them); empty for a unit of one module and for the root.
     """
 
     unit: nn.Module | None
@@ -50,6 +55,7 @@ class BucketSpec:
     params: tuple[nn.Parameter, ...]
     names: tuple[str, ...]
     expert: bool = False
+    members: tuple[nn.Module, ...] = ()
 
 
 def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
@@ -103,12 +109,20 @@ def _import_class(path: str) -> type[nn.Module]:
 
 
 def plan_buckets(
-    module: nn.Module, unit_classes: tuple[type[nn.Module], ...], disable_bucketing: bool
+    module: nn.Module,
+    unit_classes: tuple[type[nn.Module], ...],
+    disable_bucketing: bool,
+    unit_modules: Sequence[Sequence[nn.Module]] = (),
 ) -> list[BucketSpec]:
     """Split ``module``'s parameters into buckets: the root bucket(s) first, then units.
 
+    ``unit_modules`` names units by instance (each a group of one or more modules of
+    ``module``), in addition to the instances of ``unit_classes``.
+
     Raises:
-        ValueError: if the module has no parameters, or a unit class matches no submodule.
+        ValueError: if the module has no parameters, a unit class matches no submodule,
+            or a unit module is not inside ``module``, is ``module`` itself, or sits
+            inside another unit.
     """
     names: dict[nn.Parameter, str] = {}
     for name, param in module.named_parameters():
@@ -118,15 +132,28 @@ def plan_buckets(
             f"module: {type(module).__name__} has no parameters; expected a module with at "
             "least one parameter to shard"
         )
-    units: list[tuple[str, nn.Module]] = []
+    units: list[tuple[str, tuple[nn.Module, ...]]] = []
     covered: set[int] = set()
     seen: set[type] = set()
+    groups = _instance_units(module, unit_modules)
     for qual, sub in module.named_modules():
+        group = groups.get(id(sub))
+        if group is not None:
+            if id(sub) in covered:
+                raise ValueError(
+                    f"unit_modules: {qual!r} ({type(sub).__name__}) sits inside another unit; "
+                    "nested units are not supported (expected units that do not contain "
+                    "one another, e.g. the blocks, then the root)"
+                )
+            if sub is group[0]:
+                units.append((qual, group))
+            covered.update(id(m) for m in sub.modules())
+            continue
         if not isinstance(sub, unit_classes):
             continue
         seen.update(c for c in unit_classes if isinstance(sub, c))
         if id(sub) not in covered:
-            units.append((qual, sub))
+            units.append((qual, (sub,)))
             covered.update(id(m) for m in sub.modules())
     missing = [c.__qualname__ for c in unit_classes if c not in seen]
     if missing:
@@ -137,14 +164,50 @@ def plan_buckets(
     if disable_bucketing:
         units = []
     owners: dict[nn.Parameter, list[int]] = {}
-    for index, (_, unit) in enumerate(units):
-        for param in unit.parameters():
+    for index, (_, members) in enumerate(units):
+        for param in _unit_params(members):
             owners.setdefault(param, []).append(index)
+    if groups:  # FSDP2's rule: a weight the root's own modules use too stays the root's
+        for sub in module.modules():
+            if id(sub) not in covered:
+                for param in sub._parameters.values():
+                    if param in owners:
+                        owners[param].append(-1)
     specs = _split(None, "", [p for p in names if len(owners.get(p, ())) != 1], names)
-    for index, (qual, unit) in enumerate(units):
-        own = [p for p in unit.parameters() if owners[p] == [index]]
-        specs.extend(_split(unit, qual, own, names))
+    for index, (qual, members) in enumerate(units):
+        own = [p for p in _unit_params(members) if owners[p] == [index]]
+        specs.extend(_split(members[0], qual, own, names, members if len(members) > 1 else ()))
     return specs
+
+
+def _unit_params(members: tuple[nn.Module, ...]) -> list[nn.Parameter]:
+    """The parameters of a unit's modules, each once, in module order."""
+    return list(dict.fromkeys(p for m in members for p in m.parameters()))
+
+
+def _instance_units(
+    module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]
+) -> dict[int, tuple[nn.Module, ...]]:
+    """Each unit module of ``unit_modules`` (by ``id``) -> its group, checked against ``module``.
+
+    Raises:
+        TypeError: for an entry that is not a group of ``nn.Module``s.
+        ValueError: for a module outside ``module``, ``module`` itself, or one in two groups.
+    """
+    inside = {id(m) for m in module.modules()}
+    groups: dict[int, tuple[nn.Module, ...]] = {}
+    for entry in unit_modules:
+        group = tuple(entry)
+        if not group or not all(isinstance(m, nn.Module) for m in group):
+            raise TypeError(f"unit_modules: expected groups of nn.Modules, got {entry!r}")
+        for member in group:
+            if member is module or id(member) not in inside or id(member) in groups:
+                raise ValueError(
+                    f"unit_modules: {type(member).__name__} is the root module, not inside "
+                    f"{type(module).__name__}, or in two units; expected distinct submodules"
+                )
+            groups[id(member)] = group
+    return groups
 
 
 def _split(
@@ -152,13 +215,14 @@ def _split(
     qual: str,
     params: list[nn.Parameter],
     names: dict[nn.Parameter, str],
+    members: tuple[nn.Module, ...] = (),
 ) -> list[BucketSpec]:
     by_key: dict[tuple[object, bool, bool], list[nn.Parameter]] = {}
     for param in params:
         key = (param.dtype, param.requires_grad, is_expert_parallel_parameter(param))
         by_key.setdefault(key, []).append(param)
     return [
-        BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group), expert)
+        BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group), expert, members)
         for (_, _, expert), group in by_key.items()
     ]
 
@@ -180,6 +244,7 @@ def lay_out(
                 tuple(spec.params[i] for i in indices),
                 tuple(spec.names[i] for i in indices),
                 spec.expert,
+                spec.members,
             ),
             layout,
         )

@@ -82,16 +82,42 @@ class RegisterFSDPBackwardFunction(torch.autograd.Function):
 
 
 class Unit:
-    """One FSDP unit (or the root) and its per-iteration state."""
+    """One FSDP unit (or the root) and its per-iteration state.
 
-    __slots__ = ("_numel", "forwarded", "groups", "module", "name", "state")
+    A unit of several modules (``members``, FSDP2's ``fully_shard([norm, output])``)
+    has hooks on each; its post-backward waits until the backward of every member
+    forward of the iteration has run (``pending``), or until the backward's end
+    when one of them had no input requiring grad. ``reshard_after_forward=False``
+    keeps the unit gathered from its forward to its backward (FSDP2's option).
+    """
 
-    def __init__(self, module: nn.Module | None, name: str, groups: list[ParamGroup]) -> None:
+    __slots__ = (
+        "_numel",
+        "forwarded",
+        "groups",
+        "members",
+        "module",
+        "name",
+        "pending",
+        "reshard_after_forward",
+        "state",
+    )
+
+    def __init__(
+        self,
+        module: nn.Module | None,
+        name: str,
+        groups: list[ParamGroup],
+        members: tuple[nn.Module, ...] = (),
+    ) -> None:
         self.module = module
         self.name = name
         self.groups = groups
+        self.members = members
         self.state = TrainingState.IDLE
         self.forwarded = False
+        self.pending = 0
+        self.reshard_after_forward = True
         self._numel: int | None = None
 
     @property
@@ -157,16 +183,17 @@ class UnitHooks:
         self._all_whole = all(group.whole_on_every_rank for group in groups)
         for unit in units:
             assert unit.module is not None  # internal invariant
-            self._handles.append(
-                unit.module.register_forward_pre_hook(
-                    eager(functools.partial(self._unit_pre_forward, unit)), with_kwargs=True
+            for member in unit.members or (unit.module,):
+                self._handles.append(
+                    member.register_forward_pre_hook(
+                        eager(functools.partial(self._unit_pre_forward, unit)), with_kwargs=True
+                    )
                 )
-            )
-            self._handles.append(
-                unit.module.register_forward_hook(
-                    eager(functools.partial(self._unit_post_forward, unit))
+                self._handles.append(
+                    member.register_forward_hook(
+                        eager(functools.partial(self._unit_post_forward, unit))
+                    )
                 )
-            )
 
     @property
     def _prefetching(self) -> bool:
@@ -189,6 +216,7 @@ class UnitHooks:
             if unit.state is TrainingState.FORWARD:
                 for group in unit.groups:
                     group.reshard()
+            unit.pending = 0
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
         self._kept = (
@@ -224,16 +252,20 @@ class UnitHooks:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
-        unit.state = TrainingState.FORWARD
-        unit.forwarded = True
-        self._fwd_order.append(unit)
+        if not (unit.members and unit.state is TrainingState.FORWARD):  # a group's first
+            unit.state = TrainingState.FORWARD
+            unit.forwarded = True
+            self._fwd_order.append(unit)
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)
             if self._prefetching:
                 self._prefetch(unit, self._prev_order, +1)
         if not torch.is_grad_enabled():
             return None
-        return _thread_inputs(functools.partial(self._unit_post_backward, unit), args, kwargs)
+        if not unit.members:
+            return _thread_inputs(functools.partial(self._unit_post_backward, unit), args, kwargs)
+        unit.pending += 1  # undone by this member's backward, if its inputs thread one
+        return _thread_inputs(functools.partial(self._member_post_backward, unit), args, kwargs)
 
     def _unit_post_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any
@@ -244,7 +276,7 @@ class UnitHooks:
         # The last units of the forward are the first of the backward: keep them
         # gathered when a backward will come (torchtitan leaves the last block
         # unresharded too). A forward that ends without one releases them.
-        kept = any(unit is k for k in self._kept)
+        kept = not unit.reshard_after_forward or any(unit is k for k in self._kept)
         if not (kept and torch.is_grad_enabled() and tensors):
             for group in unit.groups:
                 group.reshard()
@@ -316,6 +348,8 @@ class UnitHooks:
 
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         self._ensure_callback()
+        if unit.members and unit.state is TrainingState.PRE_BACKWARD:
+            return  # another member of the group started the unit's backward
         unit.state = TrainingState.PRE_BACKWARD
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)
@@ -323,6 +357,12 @@ class UnitHooks:
                 self._prefetch(unit, self._fwd_order, -1)
         for group in unit.groups:
             group.begin_accumulate()
+
+    def _member_post_backward(self, unit: Unit) -> None:
+        """One member forward's backward of a group unit ran; the last one ends the unit's."""
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._unit_post_backward(unit)
 
     def _unit_post_backward(self, unit: Unit) -> None:
         if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
@@ -378,6 +418,7 @@ class UnitHooks:
         for unit in (self._root, *self._units):
             unit.state = TrainingState.IDLE
             unit.forwarded = False
+            unit.pending = 0
         self._callback_queued = False
         self._reducing = []
         self._on_backward_end()

@@ -154,6 +154,10 @@ class MegatronFSDP(nn.Module):
         gradient_scaling_factor: extra factor applied to every reduced gradient
             (finite and positive; None means 1).
         alignment: per-tensor start alignment inside a bucket, in elements.
+        unit_modules: units given as instances, each a group of one or more
+            submodules gathered and released together (FSDP2's front end,
+            ``mf_fsdp.fsdp2``, passes what ``fully_shard`` was called on); they may
+            not contain one another.
 
     Raises:
         TypeError: if ``module``, ``dist_index``, ``ddp_config``,
@@ -183,6 +187,7 @@ class MegatronFSDP(nn.Module):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         gradient_scaling_factor: float | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
+        unit_modules: Sequence[Sequence[nn.Module]] = (),
     ) -> None:
         super().__init__()
         check_module_to_wrap(module)
@@ -223,7 +228,9 @@ class MegatronFSDP(nn.Module):
         index_of = _index_chooser(module, dist_index)
         validate_tp_params(module.named_parameters(), index_of, init_model_with_meta_device)
         sources = _param_sources(module, index_of, self.strategy)
-        specs = plan_buckets(module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing)
+        specs = plan_buckets(
+            module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing, unit_modules
+        )
         self._build_units(
             specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
         )
@@ -285,7 +292,8 @@ class MegatronFSDP(nn.Module):
                 else:
                     unit = by_unit.get(id(part.unit))
                     if unit is None:
-                        unit = by_unit[id(part.unit)] = Unit(part.unit, part.unit_name, [])
+                        unit = Unit(part.unit, part.unit_name, [], part.members)
+                        by_unit[id(part.unit)] = unit
                         self._units.append(unit)
                 unit.groups.append(group)
         for unit in (self._root, *self._units):

@@ -1,0 +1,547 @@
+"""FSDP2's interface on mf's engine: ``fully_shard(module, *, mesh=..., ...)`` applied in place.
+
+A trainer written against PyTorch FSDP2 (torchtitan's ``parallelize``,
+Accelerate) switches to mf's flat buckets by one import::
+
+    from mf_fsdp.fsdp2 import fully_shard   # instead of torch.distributed.fsdp
+
+Each call marks what it is given (a module, or a list of modules making one
+unit) and swaps the module's class for an ``FSDPModule`` subclass, as FSDP2
+does; the calls go per block, then on the root. The engine is mf's one
+``MegatronFSDP`` (same buckets, hooks and collectives as ``mf_fsdp.fully_shard``),
+built over the outermost marked module with every marked module inside it as a
+unit, when the model is first used: ``parameters()`` / ``named_parameters()``
+(the optimizer is built after wrapping, on them), ``state_dict()``,
+``load_state_dict()``, a forward or an ``FSDPModule`` method. Until then the
+parameters are the plain ones, so ``to_empty()`` and the model's init run on
+them as usual (FSDP2 defers its own root set-up to the first forward too).
+The optimizer sees parameter-shaped ``UnevenDTensor``s; state-dict keys are
+the module's own.
+
+[Note: what is honoured] Every public method of torch's ``FSDPModule`` is
+either honoured through the engine or raises ``NotImplementedError`` naming
+itself (``_UNSUPPORTED``); nothing silently does nothing. Options FSDP2 has
+and mf cannot honour yet (``shard_placement_fn``, ``ignored_params``, an int
+``reshard_after_forward``, CPU offload, a mesh over part of the ranks, units
+nested below others) raise naming the option.
+
+This module builds no buckets and runs no collective itself; it must not
+keep a second engine's state: everything lives in the ``MegatronFSDP``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.utils._pytree import tree_map
+
+from mf_fsdp.config import DistributedDataParallelConfig
+from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
+from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine.hooks import Unit
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
+from mf_utils import get_group_device
+
+__all__ = ["FSDPModule", "fully_shard"]
+
+_RECORD_ATTR = "_mf_fsdp2_record"
+_PENDING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The first module of every ``fully_shard`` call whose engine is not built yet."""
+_building = False
+"""True while an engine is being built: its own parameter walks must not start another."""
+
+
+@dataclass(eq=False)
+class _Record:
+    """One ``fully_shard`` call: its modules and options, and the engine once built."""
+
+    modules: tuple[nn.Module, ...]
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+    engine: MegatronFSDP | None = None
+    unit: Unit | None = None  # the engine's unit (None for the root, or a unit left no weight)
+    is_root: bool = False
+    hooks: list[Any] = field(default_factory=list)
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, as torch's)
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module`` with mf's flat-bucket engine, in place, as FSDP2's ``fully_shard``.
+
+    Call it on each block, then on the root (torchtitan's order); a list of modules
+    makes one unit (gathered and released together). The module's class becomes a
+    subclass of torch's ``FSDPModule``. Build the optimizer afterwards on
+    ``model.parameters()``.
+
+    Args:
+        module: a module, or a list of modules forming one unit.
+        mesh: a 1-D mesh over every rank (shard), or a named 2-D one
+            ``(replicate, shard)`` for HSDP; None: a 1-D mesh over the world.
+        reshard_after_forward: True frees the unit's gathered weights after its
+            forward (gathered again in backward); False keeps them until the
+            backward. None means True. The root always keeps its own (as FSDP2's).
+        shard_placement_fn: must be None (mf shards flat buckets by rows).
+        mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
+            ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
+            ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2.
+        offload_policy: torch's ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy``
+            is not supported yet.
+        ignored_params: must be None or empty.
+
+    Returns:
+        ``module``, now an ``FSDPModule`` (each module of a list).
+
+    Raises:
+        TypeError: for a module that is not an ``nn.Module`` (or a list of them), or a
+            policy of another type.
+        ValueError: for a module already sharded.
+        NotImplementedError: naming an option mf cannot honour yet.
+    """
+    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
+    if not modules:
+        raise ValueError("fully_shard: module is an empty list; expected modules to shard")
+    for item in modules:
+        if not isinstance(item, nn.Module):
+            raise TypeError(
+                f"fully_shard: module must be an nn.Module or a list of them, got {item!r}"
+            )
+        if _RECORD_ATTR in item.__dict__:
+            raise ValueError(
+                f"fully_shard: {type(item).__name__} was already passed to fully_shard; "
+                "expected each module once"
+            )
+        check_module_to_wrap(item)
+    _check_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    if ignored_params:
+        raise NotImplementedError(
+            f"fully_shard: ignored_params ({len(ignored_params)} parameters) is not supported "
+            "by mf_fsdp.fsdp2 yet; expected None"
+        )
+    record = _Record(modules, mesh, reshard_after_forward is not False, mp_policy)
+    for item in modules:
+        item.__dict__[_RECORD_ATTR] = record
+        record.hooks.append(
+            item.register_forward_pre_hook(_cast_inputs(mp_policy), with_kwargs=True)
+        )
+        record.hooks.append(item.register_forward_hook(_cast_output(mp_policy)))
+        item.__class__ = _fsdp_class(type(item))
+    _PENDING.add(modules[0])
+    return module
+
+
+def _check_options(
+    mesh: object,
+    reshard_after_forward: object,
+    shard_placement_fn: object,
+    mp_policy: object,
+    offload_policy: object,
+) -> None:
+    """Raise naming the first option mf cannot honour (see [Note: what is honoured])."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {mesh!r}")
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise NotImplementedError(
+            f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
+            "(shard) or a 2-D one (replicate, shard)"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if isinstance(reshard_after_forward, int):
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int: reshard "
+                "to a smaller group) is not supported by mf_fsdp.fsdp2 yet; expected True or "
+                "False"
+            )
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard: shard_placement_fn is not supported by mf_fsdp.fsdp2 (mf shards each "
+            "unit's flat bucket by rows, Shard(0)); expected None"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{mp_policy!r}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "fully_shard: offload_policy must be torch.distributed.fsdp.OffloadPolicy, got "
+            f"{offload_policy!r}"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard: offload_policy={type(offload_policy).__name__} is not supported by "
+            "mf_fsdp.fsdp2 yet; expected OffloadPolicy() (no offload)"
+        )
+
+
+def _cast_to(dtype: torch.dtype | None, tree: Any) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype`` (unchanged when None)."""
+    if dtype is None:
+        return tree
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _cast_inputs(policy: MixedPrecisionPolicy) -> Callable[..., Any]:
+    """FSDP2's ``cast_forward_inputs``: floating inputs in ``param_dtype``."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            return _cast_to(policy.param_dtype, (args, kwargs))
+        return None
+
+    return hook
+
+
+def _cast_output(policy: MixedPrecisionPolicy) -> Callable[..., Any]:
+    """FSDP2's ``output_dtype``: floating outputs in that dtype."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return None if policy.output_dtype is None else _cast_to(policy.output_dtype, output)
+
+    return hook
+
+
+# ---------------------------------------------------------------------- building the engine
+def _record(module: nn.Module) -> _Record:
+    return module.__dict__[_RECORD_ATTR]
+
+
+def _ensure_built(module: nn.Module) -> MegatronFSDP:
+    """The engine of ``module``'s model, built now if this is the model's first use."""
+    record = _record(module)
+    if record.engine is None and not _building:
+        _build(_outermost(record))
+    if record.engine is None:  # only inside a build, which never asks
+        raise RuntimeError("mf_fsdp.fsdp2: the engine is being built")
+    return record.engine
+
+
+def _subtree(record: _Record) -> set[int]:
+    return {id(m) for top in record.modules for m in nn.Module.modules(top)}
+
+
+def _outermost(record: _Record) -> _Record:
+    """The pending record whose modules contain ``record``'s, and no other contains."""
+    pending = [_record(m) for m in list(_PENDING)]
+    first = id(record.modules[0])
+    outer = [r for r in pending if first in _subtree(r)]
+    return max(outer, key=lambda r: len(_subtree(r)))
+
+
+def _build(root: _Record) -> None:
+    """Build one ``MegatronFSDP`` over ``root``'s module with the records inside as units."""
+    global _building
+    _building = True  # the engine's and this build's parameter walks must not start another
+    try:
+        _build_engine(root)
+    finally:
+        _building = False
+
+
+def _build_engine(root: _Record) -> None:
+    if len(root.modules) != 1:
+        raise NotImplementedError(
+            "fully_shard: the outermost call was on a list of modules; mf_fsdp.fsdp2 needs "
+            "the outermost call on one module (the root, e.g. fully_shard(model))"
+        )
+    module = root.modules[0]
+    inside = _subtree(root)
+    units = [_record(m) for m in list(_PENDING) if _record(m) is not root and id(m) in inside]
+    for unit in units:
+        _check_same(root, unit)
+    engine_policy = _engine_policy(module, root.mp_policy)
+    engine = MegatronFSDP(
+        module,
+        _dist_index(root.mesh),
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params"),
+        sync_model_each_microbatch=True,
+        mixed_precision_policy=engine_policy,
+        unit_modules=[u.modules for u in units],
+    )
+    by_module = {id(u.module): u for u in engine._units}
+    root.is_root = True
+    for record in (root, *units):
+        record.engine = engine
+        _PENDING.discard(record.modules[0])
+    for record in units:
+        record.unit = by_module.get(id(record.modules[0]))
+        if record.unit is not None:
+            record.unit.reshard_after_forward = record.reshard_after_forward
+    module.__dict__["_mf_fsdp2_engine"] = engine  # kept alive with the model
+
+
+def _check_same(root: _Record, unit: _Record) -> None:
+    """Units of one model share the mesh and the engine-wide mixed-precision dtypes."""
+    if unit.mesh is not root.mesh and unit.mesh is not None and root.mesh is not None:
+        raise NotImplementedError(
+            "fully_shard: mesh differs between calls on one model; mf_fsdp.fsdp2 needs the "
+            "same mesh for every call"
+        )
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(unit.mp_policy, name) != getattr(root.mp_policy, name):
+            raise NotImplementedError(
+                f"fully_shard: mp_policy.{name} differs between calls on one model "
+                f"({getattr(unit.mp_policy, name)} and {getattr(root.mp_policy, name)}); "
+                "mf_fsdp.fsdp2 needs one value per model"
+            )
+
+
+def _engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:
+    """The engine's dtypes for torch's policy (the sharded weights keep the model's dtype)."""
+    dtypes = {p.dtype for p in nn.Module.parameters(module) if p.is_floating_point()}
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            f"fully_shard: the model's parameters have several dtypes {sorted(map(str, dtypes))}; "
+            "mf_fsdp.fsdp2 needs one (the sharded weights keep it)"
+        )
+    main = dtypes.pop() if dtypes else torch.float32
+    return EngineMixedPrecision(
+        param_dtype=policy.param_dtype,
+        main_params_dtype=main,
+        grad_comm_dtype=policy.reduce_dtype or policy.param_dtype,
+    )
+
+
+def _dist_index(mesh: DeviceMesh | None) -> FSDPDistributedIndex:
+    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if mesh is None:
+        mesh = init_device_mesh(get_group_device(None).type, (world,), mesh_dim_names=("dp_shard",))
+    if mesh.size() != world:
+        raise NotImplementedError(
+            f"fully_shard: mesh covers {mesh.size()} of {world} ranks; mf_fsdp.fsdp2 needs a "
+            "mesh over every rank"
+        )
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        if names is None:
+            mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=("dp_shard",))
+            names = ("dp_shard",)
+        return FSDPDistributedIndex(mesh, dp_shard_dim=names[0])
+    if names is None:
+        raise ValueError("fully_shard: a 2-D mesh needs dim names (replicate, shard)")
+    return FSDPDistributedIndex(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
+
+
+# ---------------------------------------------------------------------- the module class
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: ``FSDPModule`` first in the MRO, then ``cls`` (one class per ``cls``)."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy}
+        )
+    return _CLASSES[cls]
+
+
+def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise NotImplementedError(
+        "deepcopy of a module sharded by mf_fsdp.fsdp2 is not supported (as with FSDP2); "
+        "copy through its state_dict()"
+    )
+
+
+class FSDPModule(TorchFSDPModule):
+    """What a module becomes under ``mf_fsdp.fsdp2.fully_shard``: torch's ``FSDPModule``, on mf.
+
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds, as for FSDP2 (torch's
+    DSD and DCP never look at it: DSD checks for FSDP1's wrapper class only; torch's
+    pipelining schedules do, and then call these methods). Each method of torch's
+    class is honoured through the engine or raises ``NotImplementedError`` naming
+    itself (see [Note: what is honoured]).
+    """
+
+    _orig_cls_mro_index = 3  # [FSDP<Orig>, FSDPModule (mf), FSDPModule (torch), Orig, ...]
+
+    # -- the module contract: the first use builds the engine
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Build the engine on the first call, then run the module (with its hooks)."""
+        if self.__dict__[_RECORD_ATTR].engine is None:
+            _ensure_built(self)
+        return super().__call__(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters, sharded (parameter-shaped DTensors) between passes."""
+        if not _building:
+            _ensure_built(self)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's state dict: its own keys, sharded DTensor values."""
+        engine = _ensure_built(self)
+        with engine._sharded_forms():
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load any layout (sharded, other world size, full); ``assign`` has no effect."""
+        engine = _ensure_built(self)
+        del assign  # values are always copied into the engine's buffers
+        with engine._sharded_forms():
+            return super().load_state_dict(state_dict, strict=strict)
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
+        """FSDP2's meta-device flow: storage for meta tensors, before or after sharding."""
+        record = self.__dict__[_RECORD_ATTR]
+        if record.engine is None:
+            return super().to_empty(device=device, recurse=recurse)
+        if not record.is_root:
+            raise NotImplementedError(
+                "to_empty on a block after the model was sharded: call it on the root"
+            )
+        record.engine.to_empty(device=device, recurse=recurse)
+        return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to()`` / ``.float()`` and the like: only before the parameters are sharded."""
+        if self.__dict__[_RECORD_ATTR].engine is not None:
+            raise NotImplementedError(
+                "module.to() / .cuda() / .float() after mf_fsdp.fsdp2 sharded the model "
+                "(its first parameters(), state_dict() or forward) is not supported; move or "
+                "convert the model before"
+            )
+        return nn.Module._apply(self, fn, recurse)
+
+    # -- FSDPModule's methods
+    def _engine_and_record(self) -> tuple[MegatronFSDP, _Record]:
+        engine = _ensure_built(self)
+        return engine, self.__dict__[_RECORD_ATTR]
+
+    def _records_below(self, recurse: bool) -> list[_Record]:
+        """This call's record and, with ``recurse``, those of the FSDP modules inside it."""
+        own = self.__dict__[_RECORD_ATTR]
+        if not recurse:
+            return [own]
+        found = {id(own): own}
+        for sub in nn.Module.modules(self):
+            record = sub.__dict__.get(_RECORD_ATTR)
+            if record is not None:
+                found.setdefault(id(record), record)
+        return list(found.values())
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce gradients in backward (True) or accumulate them locally (False).
+
+        mf decides this for the whole model: on the root it applies to every unit; on
+        another module it must match the model's current setting.
+        """
+        engine, record = self._engine_and_record()
+        policy = engine.sync_policy
+        if not record.is_root:
+            if bool(requires_gradient_sync) != (not policy.suppressed):
+                raise NotImplementedError(
+                    "set_requires_gradient_sync on a module other than the root: mf syncs "
+                    "gradients for the whole model; call it on the root"
+                )
+            return
+        if requires_gradient_sync:
+            policy.suppressed = False
+            policy.last_microbatch = True
+        else:
+            policy.suppressed = True
+            policy.last_microbatch = False
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free (True) or keep (False) each unit's gathered weights after its forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): only a bool is supported"
+            )
+        self._engine_and_record()
+        for record in self._records_below(recurse):
+            record.reshard_after_forward = reshard_after_forward
+            if record.unit is not None:
+                record.unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """True (what mf does: free gathered weights after each unit's backward) only."""
+        self._engine_and_record()
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "set_reshard_after_backward(False) is not supported by mf_fsdp.fsdp2: each "
+                "unit's gathered weights are freed after its backward"
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
+
+        On the root: every unit; on another module it must match the model's factor.
+        """
+        engine, record = self._engine_and_record()
+        if record.is_root:
+            engine.set_gradient_divide_factor(factor)
+        elif engine._gradient_divide_factor != factor:
+            raise NotImplementedError(
+                "set_gradient_divide_factor on a module other than the root: mf uses one "
+                "factor per model; call it on the root"
+            )
+
+
+_HONOURED = {
+    name for name, value in vars(FSDPModule).items() if callable(value) and not name.startswith("_")
+}
+_UNSUPPORTED = sorted(
+    name
+    for name, value in vars(TorchFSDPModule).items()
+    if callable(value) and not name.startswith("_") and name not in _HONOURED
+)
+"""Torch's ``FSDPModule`` methods mf cannot honour yet; each raises naming itself."""
+
+
+def _unsupported(name: str) -> Callable[..., NoReturn]:
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{name} (FSDP2's FSDPModule.{name}) is not supported by "
+            "mf_fsdp.fsdp2 yet"
+        )
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = "Not supported by mf_fsdp.fsdp2 yet: raises ``NotImplementedError``."
+    return method
+
+
+for _name in _UNSUPPORTED:
+    setattr(FSDPModule, _name, _unsupported(_name))
+del _name

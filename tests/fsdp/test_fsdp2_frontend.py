@@ -1,0 +1,192 @@
+"""FSDP2's interface on mf's engine (``mf_fsdp.fsdp2.fully_shard``), against one process.
+
+The tiny GPT is wrapped as torchtitan wraps a model: every ``Block``, then the
+final norm and LM head as one unit (``fully_shard([ln_f, lm_head])``; the LM
+head's weight is tied to the token embedding, so it stays the root's), then the
+root; the optimizer is built afterwards on ``model.parameters()``. At world 2:
+
+- 5 steps of SGD and Adam in fp32 give the losses and final weights of one
+  process on the global batch (1e-5: the ranks' halves are reduced in another
+  order than one process sums them);
+- bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)
+  gives torch's own FSDP2 losses under the same policy (same casts, same world)
+  within 1e-2, and stays within ``BF16_LOSS_RTOL`` of the fp32 reference;
+- ``set_requires_gradient_sync(False)`` for the first of 2 micro-batches equals
+  one process stepping on the whole;
+- DSD's ``get_state_dict`` / ``set_state_dict`` round trip into a fresh model;
+- every option and ``FSDPModule`` method mf cannot honour raises naming itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from mf_fsdp import fsdp2
+from tests._multiprocess import run_on_ranks
+from tests.fsdp._helpers import (
+    assert_bf16_losses_close,
+    assert_matches_reference,
+    batch,
+    full_params,
+    make_model,
+    make_optimizer,
+    optimizer_step,
+    reference_run,
+)
+
+WORLD = 2
+STEPS = 5
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def shard_like_torchtitan(
+    model: torch.nn.Module, shard=fsdp2.fully_shard, head_unit: bool = True, **options
+) -> None:
+    """Blocks, then ``[ln_f, lm_head]`` as one unit, then the root (torchtitan's order).
+
+    ``head_unit=False`` leaves the head to the root: torch's FSDP2 refuses a unit
+    whose weight is tied to one outside it (mf gives such a weight to the root).
+    """
+    for block in model.blocks:
+        shard(block, **options)
+    if head_unit:
+        shard([model.ln_f, model.lm_head], **options)
+    shard(model, **options)
+
+
+def _train(model, opt, rank: int, steps: int = STEPS) -> list[float]:
+    return [optimizer_step(model(*batch(step, rank)), opt, WORLD) for step in range(steps)]
+
+
+def _rank_parity(rank: int, world: int, opt_name: str) -> None:
+    model = make_model()
+    shard_like_torchtitan(model)
+    assert isinstance(model, TorchFSDPModule)
+    assert isinstance(model.blocks[0], TorchFSDPModule)
+    opt = make_optimizer(opt_name, model.parameters())
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    losses = _train(model, opt, rank)
+    ref_losses, ref_params = reference_run(opt_name, world, STEPS)
+    assert model.state_dict().keys() == make_model().state_dict().keys()
+    assert_matches_reference(
+        losses, full_params(model), ref_losses, ref_params, f"fsdp2 {opt_name}", **TOL
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_torchtitan_style_wrapping_trains_like_one_process(opt_name: str) -> None:
+    run_on_ranks(_rank_parity, WORLD, opt_name, timeout=180)
+
+
+def _rank_bf16(rank: int, world: int) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = {}
+    for name, shard in (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = make_model()
+        shard_like_torchtitan(model, shard, head_unit=False, mp_policy=policy)
+        runs[name] = _train(model, make_optimizer("adam", model.parameters()), rank)
+    torch.testing.assert_close(
+        torch.tensor(runs["mf"]), torch.tensor(runs["torch"]), rtol=1e-2, atol=0.0
+    )
+    fp32_losses, _ = reference_run("adam", world, STEPS)
+    assert_bf16_losses_close(runs["mf"], fp32_losses, "fsdp2 bf16")
+
+
+@pytest.mark.multiprocess
+def test_bf16_param_dtype_matches_torch_fsdp2_with_the_same_policy() -> None:
+    run_on_ranks(_rank_bf16, WORLD, timeout=240)
+
+
+def _rank_accumulation(rank: int, world: int) -> None:
+    model = make_model()
+    shard_like_torchtitan(model)
+    opt = make_optimizer("sgd", model.parameters())
+    losses = []
+    for step in range(3):
+        total = torch.zeros(())
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            loss = model(*batch(step, rank, micro)) / 2
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    ref_losses, ref_params = reference_run("sgd", world, 3, micro=2)
+    assert_matches_reference(
+        losses, full_params(model), ref_losses, ref_params, "no-sync accumulation", **TOL
+    )
+
+
+@pytest.mark.multiprocess
+def test_requires_gradient_sync_false_accumulates_like_one_process() -> None:
+    run_on_ranks(_rank_accumulation, WORLD, timeout=180)
+
+
+def _rank_dsd(rank: int, world: int) -> None:
+    model = make_model()
+    shard_like_torchtitan(model)
+    opt = make_optimizer("adam", model.parameters())
+    _train(model, opt, rank, steps=2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert model_sd.keys() == make_model().state_dict().keys()
+    fresh = make_model(seed=1)
+    shard_like_torchtitan(fresh)
+    fresh_opt = make_optimizer("adam", fresh.parameters())
+    set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    expected = full_params(model)
+    for name, value in full_params(fresh).items():
+        assert torch.equal(value, expected[name]), name
+    after = _train(model, opt, rank, steps=1)
+    assert _train(fresh, fresh_opt, rank, steps=1) == after  # Adam's state came along
+
+
+@pytest.mark.multiprocess
+def test_dsd_state_dict_round_trip() -> None:
+    run_on_ranks(_rank_dsd, WORLD, timeout=180)
+
+
+def _rank_unsupported(rank: int, world: int) -> None:
+    options = [
+        ({"reshard_after_forward": 2}, "reshard_after_forward=2"),
+        ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
+        ({"offload_policy": CPUOffloadPolicy()}, "offload_policy=CPUOffloadPolicy"),
+    ]
+    for kwargs, match in options:
+        with pytest.raises(NotImplementedError, match=match):
+            fsdp2.fully_shard(make_model(), **kwargs)
+    model = make_model()
+    with pytest.raises(NotImplementedError, match="ignored_params"):
+        fsdp2.fully_shard(model, ignored_params={model.wte.weight})
+    with pytest.raises(TypeError, match="mp_policy"):
+        fsdp2.fully_shard(make_model(), mp_policy=object())
+    model = make_model()
+    shard_like_torchtitan(model)
+    with pytest.raises(ValueError, match="already passed to fully_shard"):
+        fsdp2.fully_shard(model)
+    for name in fsdp2._UNSUPPORTED:
+        with pytest.raises(NotImplementedError, match=f"FSDPModule.{name}"):
+            getattr(model, name)()
+    with pytest.raises(NotImplementedError, match=r"set_reshard_after_backward\(False\)"):
+        model.set_reshard_after_backward(False)
+    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync on a module other"):
+        model.blocks[0].set_requires_gradient_sync(False)
+    with pytest.raises(NotImplementedError, match="to\\(\\)"):
+        model.to(torch.float64)
+    # Every public method of torch's FSDPModule is mf's own (honoured or raising).
+    public = {n for n, v in vars(TorchFSDPModule).items() if callable(v) and n[0] != "_"}
+    assert all(n in vars(fsdp2.FSDPModule) for n in public)
+
+
+@pytest.mark.multiprocess
+def test_unsupported_options_and_methods_raise_naming_themselves() -> None:
+    run_on_ranks(_rank_unsupported, WORLD, timeout=120)
