@@ -170,6 +170,7 @@ class UnitHooks:
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
         self._next = 0  # the units' order: where the forward is (units before it are done)
+        self._in_forward = False  # between the root's pre- and post-forward
         self._back = 0  # the reversed order: where the backward is (see _finish_before)
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
@@ -229,6 +230,7 @@ class UnitHooks:
                     group.reshard()
             unit.forwarded = unit.ran = False
         self._next = 0
+        self._in_forward = True
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
         self._kept = (
@@ -248,6 +250,7 @@ class UnitHooks:
     def root_post_forward(self, out: Any) -> Any:
         """Hook the root's pre-backward on ``out`` (or release the root without grad)."""
         self._stand_in_forward(len(self._units))  # the units this rank skipped at the end
+        self._in_forward = False
         self._prev_order = self._fwd_order
         tensors = _grad_tensors(out)
         if torch.is_grad_enabled() and tensors:
@@ -267,7 +270,7 @@ class UnitHooks:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
-        if unit.index != self._next:  # a skip (or a unit out of order)
+        if unit.index != self._next and self._in_forward:  # a skip (or a unit out of order)
             if unit.index < self._next:
                 self._out_of_order(
                     unit,
@@ -440,8 +443,8 @@ class UnitHooks:
         while self._back < place:
             unit = self._reversed[self._back]
             self._back += 1
-            if unit.state is TrainingState.POST_BACKWARD:
-                continue
+            if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
+                continue  # done, or not part of this pass (a unit called by itself)
             if unit.state is not TrainingState.PRE_BACKWARD:
                 self._backward_collectives(unit)
                 if not unit.ran:
