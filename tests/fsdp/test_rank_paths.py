@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
 
 import mf_fsdp
 from mf.models import GPT
@@ -55,12 +56,17 @@ class SkippingGPT(GPT):
         targets: torch.Tensor,
         skip: frozenset = frozenset(),
         order: tuple[int, ...] | None = None,
+        recompute: bool = False,
     ) -> torch.Tensor:
         x = self.wte(tokens)
         if "wpe" not in skip:
             x = x + self.wpe(torch.arange(tokens.shape[1]))
         for index in range(len(self.blocks)) if order is None else order:
-            if index not in skip:
+            if index in skip:
+                continue
+            if recompute:  # activation checkpointing: the block runs again in backward
+                x = checkpoint(self.blocks[index], x, use_reentrant=False)
+            else:
                 x = self.blocks[index](x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -110,7 +116,9 @@ def record_collectives() -> Iterator[list[tuple[str, int, str]]]:
             setattr(collectives, name, fn)
 
 
-def _train(model, opt, rank: int, world: int, plan: Plan, micro: int = 1) -> list[float]:
+def _train(
+    model, opt, rank: int, world: int, plan: Plan, micro: int = 1, recompute: bool = False
+) -> list[float]:
     losses = []
     for step in range(STEPS):
         total = torch.zeros(())
@@ -118,7 +126,8 @@ def _train(model, opt, rank: int, world: int, plan: Plan, micro: int = 1) -> lis
             tokens, targets = batch(step, rank, m)
             quiet = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
             with quiet:
-                loss = model(tokens, targets, skip=plan.get((step, rank, m), frozenset())) / micro
+                skip = plan.get((step, rank, m), frozenset())
+                loss = model(tokens, targets, skip=skip, recompute=recompute) / micro
                 loss.backward()
             total += loss.detach()
         dist.all_reduce(total)
@@ -136,7 +145,10 @@ def _same_on_every_rank(calls: list[tuple[str, int, str]], label: str) -> None:
 
 
 def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, int]]) -> None:
-    """Train each run (label, fully_shard kwargs, optimizer, plan, micro) against one process."""
+    """Train each run (label, fully_shard kwargs, optimizer, plan, micro) against one process.
+
+    A kwargs entry ``recompute=True`` runs the blocks under activation checkpointing.
+    """
     # fp64: Adam divides by the grads' magnitude, so the rounding noise of a grad that is
     # zero in exact arithmetic (the key bias's) would decide the result in fp32.
     torch.set_default_dtype(torch.float64)
@@ -148,6 +160,7 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
             refs[key] = reference(plan, opt_name, world, micro)
         ref = refs[key]
         kwargs = dict(kwargs)
+        recompute = kwargs.pop("recompute", False)
         if "mesh" in kwargs:
             kwargs["device_mesh"] = cpu_mesh(*kwargs.pop("mesh"))
         module = make_skipping()
@@ -159,7 +172,7 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
             **kwargs,
         )
         with record_collectives() as calls:
-            losses = _train(model, opt, rank, world, plan, micro)
+            losses = _train(model, opt, rank, world, plan, micro, recompute)
         _same_on_every_rank(calls, label)
         assert_matches_reference(losses, full_params(model), *ref, label, RTOL, ATOL)
 
@@ -200,6 +213,9 @@ def test_skipped_units_train_exactly_at_world_2() -> None:
             for strategy in range(4):
                 kwargs = {"zero_dp_strategy": strategy}
                 runs.append((f"{name} {opt_name} z{strategy}", kwargs, opt_name, plan, 1))
+    for strategy in (0, 3):  # activation checkpointing: the recomputation reuses the gather
+        kwargs = {"zero_dp_strategy": strategy, "recompute": True}
+        runs.append((f"recompute z{strategy}", kwargs, "adam", DIFFERENT, 1))
     run_on_ranks(_check_runs, 2, runs, timeout=240)
 
 

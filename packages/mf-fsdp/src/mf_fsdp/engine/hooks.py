@@ -16,6 +16,12 @@ Hooks (per unit, registered once):
   the root and any unit whose post-backward did not fire, then hands over to
   the engine's end-of-backward step (micro-batch count, auto-sync).
 
+Ranks may skip units (see [Note: ranks that skip units]): every rank walks the
+units in their registration order and issues a skipped unit's collectives in
+its place, in the forward (``_stand_in_forward``) and in the backward
+(``_finish_before``); an order it cannot fit stops every rank
+(``engine/rank_paths.py``).
+
 A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
 recompute and backward share one gather.
@@ -93,13 +99,11 @@ class Unit:
 
     __slots__ = ("_numel", "forwarded", "groups", "index", "module", "name", "ran", "state")
 
-    def __init__(
-        self, module: nn.Module | None, name: str, groups: list[ParamGroup], index: int = -1
-    ) -> None:
+    def __init__(self, module: nn.Module | None, name: str, groups: list[ParamGroup]) -> None:
         self.module = module
         self.name = name
         self.groups = groups
-        self.index = index
+        self.index = -1  # set by UnitHooks
         self.state = TrainingState.IDLE
         self.forwarded = False
         self.ran = False
