@@ -44,12 +44,14 @@ def reference_run(
     per_token: bool = False,
     make: Callable[[], torch.nn.Module] = make_model,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    call_kwargs: Callable[[int, int, int], dict] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the global batch: losses and final parameters.
 
     With ``per_token`` the ranks' losses are summed, not averaged (the contract of
     ``calculate_per_token_loss``); ``make`` builds the model (the tiny GPT by default),
-    ``optimizer(opt_name, params)`` the optimizer (``make_optimizer`` by default).
+    ``optimizer(opt_name, params)`` the optimizer (``make_optimizer`` by default);
+    ``call_kwargs(step, rank, micro)`` extra keyword arguments of each rank's forward.
     """
     model = make()
     opt = (optimizer or make_optimizer)(opt_name, model.parameters())
@@ -59,7 +61,8 @@ def reference_run(
         for m in range(micro):
             for r in range(world):
                 tokens, targets = batch(step, r, m)
-                loss = model(tokens, targets) / ((1 if per_token else world) * micro)
+                extra = {} if call_kwargs is None else call_kwargs(step, r, m)
+                loss = model(tokens, targets, **extra) / ((1 if per_token else world) * micro)
                 loss.backward()
                 total += loss.item()
         if clip is not None:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import math
 import re
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from mf.models import GPT, PRESETS
+from mf.models.gpt import layer_drop
 from mf.train.cli import _interrupted, check_local_processes, main
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import RESULT_SETTINGS, parse_options
 from mf.train.report import Reporter, host_bound_hint, last_saved_checkpoint
+from mf.train.worker import _seed_layer_drop
 from mf.train.worker import main as worker_main
 
 
@@ -70,6 +74,9 @@ def test_defaults_follow_the_hardware(gpus: int) -> None:
         (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
         (["--sample-tokens", "-1"], "--sample-tokens must be 0 or more, got -1"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--layer-drop", "1"], r"--layer-drop must be a probability in \[0, 1\), got 1.0"),
+        (["--layer-drop", "-0.1"], r"--layer-drop must be a probability in \[0, 1\), got -0.1"),
+        (["--model", "moe-tiny", "--layer-drop", "0.1"], "--layer-drop 0.1 is for dense models"),
         (["--ep", "2"], r"--ep 2 needs a mixture-of-experts --model \(one of \['moe-small'"),
         (["--model", "moe-tiny", "--ep", "0"], "--ep must be at least 1, got 0"),
         (
@@ -85,6 +92,31 @@ def test_defaults_follow_the_hardware(gpus: int) -> None:
 def test_option_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_options([*_CPU, *argv])
+
+
+def test_layer_drop_differs_between_ranks_and_repeats() -> None:
+    """``--layer-drop``: each data-parallel rank draws its own blocks to skip, the same for
+    the same (seed, micro-batch, rank), and evaluation runs every block."""
+    options = parse_options([*_CPU, "--model", "tiny", "--layer-drop", "0.5"])
+    model = types.SimpleNamespace(module=GPT(PRESETS["tiny"]))
+
+    def kept(micro_batch: int, dp_rank: int) -> list[int]:
+        _seed_layer_drop(model, options, micro_batch, dp_rank)
+        module = model.module
+        blocks = layer_drop(module.blocks, module.layer_drop, module.layer_drop_generator)
+        return [next(i for i, b in enumerate(module.blocks) if b is block) for block in blocks]
+
+    draws = [(kept(m, 0), kept(m, 1)) for m in range(6)]
+    assert draws == [(kept(m, 0), kept(m, 1)) for m in range(6)]
+    assert any(mine != theirs for mine, theirs in draws), draws
+    assert any(len(mine) < 2 for mine, _ in draws), draws
+    model.module.eval()
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    calls = []
+    for block in model.module.blocks:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    model.module(tokens)
+    assert len(calls) == len(model.module.blocks)
 
 
 def test_data_errors_are_one_line(tmp_path, capsys) -> None:

@@ -94,6 +94,14 @@ def test_train_and_resume_continue_exactly_zero3(tmp_path: Path) -> None:
     run_on_ranks(_rank_train_then_resume, 2, str(tmp_path), "3", timeout=100)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_layer_drop_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    """``--layer-drop 0.5``: the ranks skip different blocks (FSDP units) in a step, and
+    the run learns, and resumes exactly (the draws follow the seed, step and rank)."""
+    run_on_ranks(_rank_train_then_resume, 2, str(tmp_path), "3", "--layer-drop", "0.5", timeout=100)
+
+
 def _rank_muon_then_resume(rank: int, world_size: int, tmp: str) -> None:
     _rank_train_then_resume(rank, world_size, tmp, "3", "--optimizer", "muon")
     argv = [*_TINY, "--ckpt-dir", tmp + "/ckpt", "--resume", "--out-dir", tmp]

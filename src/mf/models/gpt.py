@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "PRESETS", "Block", "GPTConfig"]
+__all__ = ["GPT", "PRESETS", "Block", "GPTConfig", "layer_drop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,21 @@ def check_positions(config: GPTConfig, tokens: torch.Tensor, caller: str) -> int
     return seq
 
 
+def layer_drop(
+    blocks: nn.ModuleList, rate: float, generator: torch.Generator | None
+) -> list[nn.Module]:
+    """The blocks a training forward runs under LayerDrop: each skipped with probability ``rate``.
+
+    LayerDrop (Fan et al., 2019) regularises depth by skipping whole blocks at
+    random while training. The draws are on the CPU ``generator`` (no device
+    sync); seeded per rank, different ranks skip different blocks, which an
+    FSDP engine must handle (mf-fsdp does: see its README, "Ranks that take
+    different paths").
+    """
+    keep = torch.rand(len(blocks), generator=generator).ge(rate).tolist()
+    return [block for block, kept in zip(blocks, keep, strict=True) if kept]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused QKV projection."""
 
@@ -130,7 +145,14 @@ class GPT(nn.Module):
     Args:
         config: the model shape.
         block: builds each block from the config (``Block``; the MoE GPT's differ).
+
+    Attributes:
+        layer_drop: LayerDrop rate in training (0: every block runs; see ``layer_drop``).
+        layer_drop_generator: the CPU generator its draws come from (None: torch's default).
     """
+
+    layer_drop: float = 0.0
+    layer_drop_generator: torch.Generator | None = None
 
     def __init__(self, config: GPTConfig, block: Callable[[GPTConfig], nn.Module] = Block) -> None:
         super().__init__()
@@ -168,7 +190,10 @@ class GPT(nn.Module):
         seq = check_positions(self.config, tokens, "GPT.forward")
         positions = torch.arange(seq, device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
-        for block in self.blocks:
+        blocks = self.blocks
+        if self.training and self.layer_drop > 0:
+            blocks = layer_drop(self.blocks, self.layer_drop, self.layer_drop_generator)
+        for block in blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mf.models.gpt import GPTConfig, check_positions
+from mf.models.gpt import GPTConfig, check_positions, layer_drop
 from mf_tp import (
     ColumnParallelLinear,
     ModelParallelConfig,
@@ -115,9 +115,16 @@ class GPTTensorParallel(nn.Module):
         config: the model shape (a preset from :data:`mf.models.PRESETS`).
         tp_group: the tensor-parallel process group (e.g. ``mesh["tp"].get_group()``).
 
+    Attributes:
+        layer_drop, layer_drop_generator: LayerDrop in training, as ``GPT``'s (the ranks
+            of one TP group must draw alike: seed their generators the same).
+
     Raises:
         ValueError: if the TP size does not divide ``n_heads`` or ``vocab_size``.
     """
+
+    layer_drop: float = 0.0
+    layer_drop_generator: torch.Generator | None = None
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup) -> None:
         super().__init__()
@@ -158,7 +165,10 @@ class GPTTensorParallel(nn.Module):
         """Return full logits [B, S, V], or the mean cross-entropy loss given ``targets``."""
         seq = check_positions(self.config, tokens, "GPTTensorParallel.forward")
         x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
-        for block in self.blocks:
+        blocks = self.blocks
+        if self.training and self.layer_drop > 0:
+            blocks = layer_drop(self.blocks, self.layer_drop, self.layer_drop_generator)
+        for block in blocks:
             x = block(x)
         head_weight = self.wte.weight if self.config.tie_embeddings else None
         logits, _ = self.lm_head(self.ln_f(x), weight=head_weight)

@@ -69,6 +69,7 @@ class TrainOptions:
     allow_changed_settings: bool = False
     sync_save: bool = False
     resume_from: str | None = None
+    layer_drop: float = 0.0
 
     @property
     def use_cuda(self) -> bool:
@@ -199,6 +200,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--data, --seq-len, ...) differ from the saved run's, knowingly changing its course",
     )
     add("--seed", type=int, default=0)
+    add(
+        "--layer-drop",
+        type=_finite_float,
+        default=0.0,
+        metavar="P",
+        help="LayerDrop: in training, each rank skips each block with probability P, drawn "
+        "from --seed, the step and its data-parallel rank, so ranks skip different blocks",
+    )
     add("--eval-every", type=int, default=100, help="validation every N steps")
     add("--eval-batches", type=int, default=4, help="batches per validation")
     add("--sample-tokens", type=int, default=200, help="length of the final text sample")
@@ -238,6 +247,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     if not options.lr > 0:
         raise ValueError(f"--lr must be a positive number, got {options.lr}")
+    if not 0.0 <= options.layer_drop < 1.0:
+        raise ValueError(f"--layer-drop must be a probability in [0, 1), got {options.layer_drop}")
     if not options.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {options.timeout}")
     if options.sample_tokens < 0:
@@ -258,6 +269,11 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         )
     preset = MODEL_PRESETS[options.model]
     _check_experts(options, preset)
+    if options.layer_drop and isinstance(preset, MoEGPTConfig):
+        raise ValueError(
+            f"--layer-drop {options.layer_drop} is for dense models; --model "
+            f"{options.model!r} is a mixture of experts (its load-balance loss sums every block)"
+        )
     if preset.vocab_size < VOCAB_SIZE:
         raise ValueError(
             f"--model {options.model!r} has {preset.vocab_size} tokens; bytes need 256"

@@ -41,7 +41,16 @@ __all__ = [
     "verify_resume",
 ]
 
-RESULT_SETTINGS = ("seed", "data", "seq_len", "micro_batch", "grad_accum", "lr", "precision")
+RESULT_SETTINGS = (
+    "seed",
+    "data",
+    "seq_len",
+    "micro_batch",
+    "grad_accum",
+    "lr",
+    "precision",
+    "layer_drop",
+)
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
 

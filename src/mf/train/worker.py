@@ -398,11 +398,18 @@ def _validate(
 
 @torch.no_grad()
 def _sample(model, prompt: str, options: TrainOptions, device: torch.device) -> str:
-    """Sampling (temperature 0.8) in lockstep on every rank from a shared seed."""
+    """Sampling (temperature 0.8) in lockstep on every rank from a shared seed.
+
+    In eval mode: every block runs (``--layer-drop`` is for training), and dropout is off.
+    """
     prompt_tokens = encode(prompt).to(device)
-    sequence = sample_text(
-        model, prompt_tokens, options.sample_tokens, options.seq_len, options.seed + 1
-    )
+    model.eval()
+    try:
+        sequence = sample_text(
+            model, prompt_tokens, options.sample_tokens, options.seq_len, options.seed + 1
+        )
+    finally:
+        model.train()
     return decode(sequence.cpu())
 
 
@@ -438,6 +445,8 @@ def _train_step(
     losses = []
     for micro, (inputs, targets) in enumerate(batches):
         last = micro == options.grad_accum - 1
+        if options.layer_drop:
+            _seed_layer_drop(model, options, step * options.grad_accum + micro, dp_rank)
         with contextlib.nullcontext() if last else model.no_sync():
             loss = model(inputs, targets) / options.grad_accum
             loss.backward()
@@ -448,6 +457,22 @@ def _train_step(
         optimizer.zero_grad()
     issued = time.perf_counter()
     return _mean_over(torch.stack(losses).sum(), mesh), issued
+
+
+def _seed_layer_drop(model, options: TrainOptions, micro_batch: int, dp_rank: int) -> None:
+    """Seed the model's LayerDrop draws for one micro-batch (``--layer-drop``).
+
+    From the seed, the micro-batch's index and the data-parallel rank: ranks of one
+    tensor-parallel group skip the same blocks (their blocks exchange activations),
+    data-parallel ranks different ones, and a resumed run the same as an unbroken one.
+    """
+    module = model.module
+    if module.layer_drop_generator is None:
+        module.layer_drop = options.layer_drop
+        module.layer_drop_generator = torch.Generator()
+    module.layer_drop_generator.manual_seed(
+        (options.seed * 1_000_003 + micro_batch) * 65_537 + dp_rank
+    )
 
 
 def _routing_metrics(model, tp: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from mf_fsdp.config import (
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.grad_norm import clip_grad_norm_, get_grad_norm
 from mf_fsdp.engine.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
+from mf_fsdp.engine.rank_paths import UnitOrderError
 from mf_fsdp.fully_shard import fully_shard, fully_shard_model
 from mf_fsdp.optim.optimizer import fully_shard_optimizer, install_optimizer_hooks
 from mf_fsdp.optim.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
@@ -63,6 +64,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "RegisterFSDPBackwardFunction",
     "TrainingState",
+    "UnitOrderError",
     "ZeroDPStrategy",
     "checkpoint_to_full_state_dict",
     "clip_grad_norm_",

@@ -240,6 +240,11 @@ class ParamGroup:
         # Reduced grads set aside, by how far they are reduced, while newer grads are being
         # reduced (accumulating after a reduction); merged once both are reduced alike.
         self._aside: dict[Reduced, torch.Tensor] = {}
+        # [Note: grads no rank made] This rank's backward reached the bucket's unit since
+        # the grads were last dropped (``used``); it did not, and its local grads (and an
+        # empty store) hold negative zeros (``unused_mark``).
+        self.used = False
+        self.unused_mark = False
         self._allocate()
 
     # ------------------------------------------------------------------ buffers
@@ -410,6 +415,53 @@ class ParamGroup:
             store.add_(held)
             self.pool.give(held)
 
+    def mark_used(self) -> None:
+        """This rank ran the bucket's unit in this step: its grads count as made here.
+
+        Turns negative zeros left by an earlier ``mark_unused`` into zeros
+        (``-0.0 + 0.0 == 0.0``; every other value is kept).
+        """
+        self.used = True
+        if self.unused_mark:
+            self.unused_mark = False
+            if self.buffers is not None and self.buffers.local is not None:
+                self.buffers.local.add_(0.0)
+
+    def mark_unused(self) -> None:
+        """This rank skipped the bucket's unit so far in this step: mark its zero grads.
+
+        [Note: grads no rank made] Torch leaves ``.grad`` None on a parameter no
+        backward reached, and its optimizers skip such a parameter (Adam moves it
+        otherwise, by its momentum). Which ranks ran a unit is known only to each
+        rank, and asking the others would cost a collective. Instead a rank that
+        skipped the unit fills its local grads (and a store that holds nothing yet)
+        with ``-0.0``, where a rank that ran it starts from ``+0.0``: IEEE sums keep
+        ``-0.0`` only when every term is ``-0.0``, and ``+0.0 + -0.0 == +0.0``, so after
+        the reduction (and any casts and scalings) the store is all ``-0.0`` exactly
+        when no rank ran the unit in the step. Only ranks that skipped it look
+        (``unused_everywhere``); ranks that ran it know the answer.
+        """
+        if not self.requires_grad or self.used or self.buffers is None:
+            return
+        buffers = self.buffers
+        if buffers.local is None:
+            return
+        buffers.local.fill_(-0.0)
+        if not buffers.aliases_local and self.grads.reduced is Reduced.NONE:
+            buffers.store(zeroed=False).fill_(-0.0)
+        self.unused_mark = True
+
+    def unused_everywhere(self) -> bool:
+        """True when no rank ran the bucket's unit in this step (see [Note: grads no rank made]).
+
+        Only meaningful once the step's grads are fully reduced; reads them (a
+        device sync) only on a rank that skipped the unit.
+        """
+        if not self.unused_mark or self.buffers is None:
+            return False
+        store = self.buffers.store()
+        return not bool(store.any()) and bool(torch.signbit(store).all())
+
     def start_reduce(self, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
         spec = self.reduce_spec
@@ -548,6 +600,7 @@ class ParamGroup:
         self._aside.clear()
         buffers.zero_local()
         self.grads_handed_out = False
+        self.used = self.unused_mark = False
         self.grads.reset()
 
     def scale_gradients(self, factor: float) -> None:

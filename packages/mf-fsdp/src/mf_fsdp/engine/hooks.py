@@ -16,6 +16,12 @@ Hooks (per unit, registered once):
   the root and any unit whose post-backward did not fire, then hands over to
   the engine's end-of-backward step (micro-batch count, auto-sync).
 
+Ranks may skip units (see [Note: ranks that skip units]): every rank walks the
+units in their registration order and issues a skipped unit's collectives in
+its place, in the forward (``_stand_in_forward``) and in the backward
+(``_finish_before``); an order it cannot fit stops every rank
+(``engine/rank_paths.py``).
+
 A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
 recompute and backward share one gather.
@@ -38,9 +44,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -49,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
+from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks", "eager"]
 
@@ -89,16 +97,22 @@ class Unit:
     forward of the iteration has run (``pending``), or until the backward's end
     when one of them had no input requiring grad. ``reshard_after_forward=False``
     keeps the unit gathered from its forward to its backward (FSDP2's option).
+
+    ``index`` is the unit's place in the units' order (registration order; -1 for
+    the root). Per forward: ``forwarded`` (its collectives were issued: it ran,
+    or it was skipped and stood in for) and ``ran`` (its module ran here).
     """
 
     __slots__ = (
         "_numel",
         "forwarded",
         "groups",
+        "index",
         "members",
         "module",
         "name",
         "pending",
+        "ran",
         "reshard_after_forward",
         "state",
     )
@@ -114,8 +128,10 @@ class Unit:
         self.name = name
         self.groups = groups
         self.members = members
+        self.index = -1  # set by UnitHooks
         self.state = TrainingState.IDLE
         self.forwarded = False
+        self.ran = False
         self.pending = 0
         self.reshard_after_forward = True
         self._numel: int | None = None
@@ -131,12 +147,17 @@ class Unit:
         return self._numel
 
 
+def _store(hooks: UnitHooks) -> dist.Store | None:
+    return hooks.store
+
+
 class UnitHooks:
     """The hooks of every unit and the root, and the state they share across one iteration.
 
     Args:
         root: the root unit (parameters outside every unit); driven by ``forward``.
-        units: the FSDP units; a forward pre-hook and post-hook is registered on each.
+        units: the FSDP units, in the units' order (see [Note: ranks that skip units]);
+            a forward pre-hook and post-hook is registered on each.
         groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
         strategy: the engine's ZeRO strategy.
         ddp_config: overlap options (read at each use, so later edits take effect).
@@ -148,6 +169,7 @@ class UnitHooks:
         on_idle: run after every forward and every backward: between passes the
             modules hold the sharded parameters (a released bucket's compute views
             have no storage).
+        step: the optimizer step the engine is in (for error messages).
     """
 
     def __init__(
@@ -161,9 +183,11 @@ class UnitHooks:
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[], None],
         on_idle: Callable[[], None],
+        step: Callable[[], int] = lambda: 0,
     ) -> None:
         self._root = root
         self._units = units
+        self._reversed = units[::-1]
         self._groups = groups
         self._strategy = strategy
         self._ddp_config = ddp_config
@@ -171,9 +195,14 @@ class UnitHooks:
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_idle = on_idle
+        self._step = step
+        self.store = default_store()  # see [Note: stopping every rank]
         self._callback_queued = False
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
+        self._next = 0  # the units' order: where the forward is (units before it are done)
+        self._in_forward = False  # between the root's pre- and post-forward
+        self._back = 0  # the reversed order: where the backward is (see _finish_before)
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
         self._queued: list[Unit] = []  # reductions waiting for the window to fill
@@ -181,8 +210,9 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         # Every bucket whole on every rank (a shard group of one): nothing to prefetch.
         self._all_whole = all(group.whole_on_every_rank for group in groups)
-        for unit in units:
+        for index, unit in enumerate(units):
             assert unit.module is not None  # internal invariant
+            unit.index = index
             for member in unit.members or (unit.module,):
                 self._handles.append(
                     member.register_forward_pre_hook(
@@ -207,7 +237,21 @@ class UnitHooks:
     def _window(self) -> int:
         return self._ddp_config.suggested_communication_unit_size
 
+    def _out_of_order(self, unit: Unit, what: str) -> NoReturn:
+        """Stop every rank: ``unit`` cannot be fitted into the units' order (see rank_paths)."""
+        order = ", ".join(repr(u.name) for u in self._units[:8])
+        more = ", ..." if len(self._units) > 8 else ""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        stop_every_rank(
+            self.store,
+            f"mf_fsdp: rank {rank}, step {self._step()}: unit {unit.name!r} {what}. Every rank "
+            f"runs the units in one order, the order the model registers them ({order}{more}), "
+            "each at most once per forward, and may skip any of them; the ranks stopped here "
+            "instead of exchanging mismatched collectives",
+        )
+
     # ------------------------------------------------------------------ forward
+    @translated(_store)
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
         # A forward whose backward never ran left the root (and the units kept for the
@@ -216,7 +260,10 @@ class UnitHooks:
             if unit.state is TrainingState.FORWARD:
                 for group in unit.groups:
                     group.reshard()
+            unit.forwarded = unit.ran = False
             unit.pending = 0
+        self._next = 0
+        self._in_forward = True
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
         self._kept = (
@@ -232,8 +279,14 @@ class UnitHooks:
         for group in self._root.groups:
             group.wait_unshard()
 
+    @translated(_store)
     def root_post_forward(self, out: Any) -> Any:
         """Hook the root's pre-backward on ``out`` (or release the root without grad)."""
+        self._stand_in_forward(len(self._units))  # the units this rank skipped at the end
+        self._in_forward = False
+        for unit in self._units:  # group units stay gathered until the forward's end
+            if unit.members and unit.state is TrainingState.FORWARD:
+                self._release_after_forward(unit)
         self._prev_order = self._fwd_order
         tensors = _grad_tensors(out)
         if torch.is_grad_enabled() and tensors:
@@ -246,20 +299,31 @@ class UnitHooks:
         self._on_idle()  # until a backward starts, the modules hold the sharded forms
         return out
 
+    @translated(_store)
     def _unit_pre_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
-        if not (unit.members and unit.state is TrainingState.FORWARD):  # a group's first
-            unit.state = TrainingState.FORWARD
-            unit.forwarded = True
-            self._fwd_order.append(unit)
-        if self._strategy.shards_params:
+        if unit.members and unit.state is TrainingState.FORWARD and unit.ran:
+            # A later member of a group unit: the unit stays gathered between its
+            # members (see _unit_post_forward), so this issues no collective.
             self._gather(unit, async_op=False)
-            if self._prefetching:
-                self._prefetch(unit, self._prev_order, +1)
+        else:
+            if unit.index != self._next and self._in_forward:  # a skip (or out of order)
+                if unit.index < self._next:
+                    self._out_of_order(
+                        unit,
+                        "ran twice in one forward"
+                        if unit.forwarded and unit.ran
+                        else f"ran after unit {self._units[self._next - 1].name!r}, which "
+                        "comes after it",
+                    )
+                self._stand_in_forward(unit.index)
+            self._next = unit.index + 1
+            unit.ran = True
+            self._forward_collectives(unit)
         if not torch.is_grad_enabled():
             return None
         if not unit.members:
@@ -267,21 +331,59 @@ class UnitHooks:
         unit.pending += 1  # undone by this member's backward, if its inputs thread one
         return _thread_inputs(functools.partial(self._member_post_backward, unit), args, kwargs)
 
+    def _forward_collectives(self, unit: Unit) -> None:
+        """What a unit's forward starts: the same whether it runs or is stood in for."""
+        unit.state = TrainingState.FORWARD
+        unit.forwarded = True
+        self._fwd_order.append(unit)
+        if self._strategy.shards_params:
+            self._gather(unit, async_op=False)
+            if self._prefetching:
+                self._prefetch(unit, self._prev_order, +1)
+
+    def _release_after_forward(self, unit: Unit) -> None:
+        """Release ``unit``'s bucket unless the backward starts with it (see ``_kept``).
+
+        The last units of the forward are the first of the backward: they stay
+        gathered when a backward may come (torchtitan leaves the last block
+        unresharded too). Decided from the grad mode alone, so a rank that skipped
+        the unit keeps it exactly when one that ran it does. A unit with
+        ``reshard_after_forward=False`` stays gathered for the backward too.
+        """
+        kept = not unit.reshard_after_forward or any(unit is k for k in self._kept)
+        if not (torch.is_grad_enabled() and kept):
+            for group in unit.groups:
+                group.reshard()
+
+    def _stand_in_forward(self, upto: int) -> None:
+        """Issue the forward collectives of the units this rank skipped before index ``upto``.
+
+        [Note: ranks that skip units] Every rank walks the units in one order (their
+        registration order) and issues each unit's collectives in it: a unit it
+        skips gets the gathers and releases (forward) and the gathers, zero-grad
+        reductions and releases (backward) a rank running it issues, in the same
+        place, without running the module. So every rank issues the same sequence of
+        collectives, prefetch windows and coalesced batches included, whichever
+        units it ran; when every rank runs every unit nothing of this runs.
+        """
+        while self._next < upto:
+            unit = self._units[self._next]
+            self._next += 1
+            self._forward_collectives(unit)
+            self._release_after_forward(unit)
+
+    @translated(_store)
     def _unit_post_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
-        tensors = _grad_tensors(output)
-        # The last units of the forward are the first of the backward: keep them
-        # gathered when a backward will come (torchtitan leaves the last block
-        # unresharded too). A forward that ends without one releases them.
-        kept = not unit.reshard_after_forward or any(unit is k for k in self._kept)
-        if not (kept and torch.is_grad_enabled() and tensors):
-            for group in unit.groups:
-                group.reshard()
-        if torch.is_grad_enabled() and tensors and self._strategy.shards_grads:
-            _on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
+        if not unit.members:  # a group unit is released at the forward's end
+            self._release_after_forward(unit)
+        if self._strategy.shards_grads and torch.is_grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                _on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
         for group in unit.groups:
@@ -335,9 +437,11 @@ class UnitHooks:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._root_post_backward)
 
+    @translated(_store)
     def _root_pre_backward(self, grad: torch.Tensor | None) -> None:
         self._on_backward_start()
         self._ensure_callback()
+        self._back = 0
         self._root.state = TrainingState.PRE_BACKWARD
         self._gather(self._root, async_op=False)
         accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
@@ -346,17 +450,33 @@ class UnitHooks:
         if self._prefetching:
             self._start_gathers(None, self._fwd_order, len(self._fwd_order) - 1, -1)
 
+    @translated(_store)
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         self._ensure_callback()
         if unit.members and unit.state is TrainingState.PRE_BACKWARD:
             return  # another member of the group started the unit's backward
+        place = len(self._units) - 1 - unit.index
+        if place != self._back:
+            if unit.state is TrainingState.POST_BACKWARD or place < self._back:
+                self._out_of_order(
+                    unit,
+                    "started its backward after the backward had passed it (its reduction "
+                    "was already issued)",
+                )
+            self._finish_before(place)
+        self._back = place
+        self._backward_collectives(unit)
+
+    def _backward_collectives(self, unit: Unit) -> None:
+        """What a unit's backward starts with: the same whether it runs or is stood in for."""
         unit.state = TrainingState.PRE_BACKWARD
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)
             if self._prefetching:
                 self._prefetch(unit, self._fwd_order, -1)
-        for group in unit.groups:
-            group.begin_accumulate()
+        if self._strategy.shards_grads:
+            for group in unit.groups:
+                group.begin_accumulate()
 
     def _member_post_backward(self, unit: Unit) -> None:
         """One member forward's backward of a group unit ran; the last one ends the unit's."""
@@ -364,10 +484,51 @@ class UnitHooks:
         if unit.pending == 0:
             self._unit_post_backward(unit)
 
+    def _finish_before(self, place: int) -> None:
+        """Finish every unit before ``place`` in the reversed order that is not finished yet.
+
+        A unit this rank skipped, or whose backward did not reach it (its output
+        was unused), is stood in for: gathered, given zero grads, reduced and
+        released where a rank that ran it does that (see [Note: ranks that skip
+        units]). A unit whose backward started and whose post-backward cannot
+        fire (no input requires grad) is finished here on every rank alike: its
+        grads are complete, since autograd runs a later unit's backward before
+        an earlier unit's.
+        """
+        while self._back < place:
+            unit = self._reversed[self._back]
+            self._back += 1
+            if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
+                continue  # done, or not part of this pass (a unit called by itself)
+            if unit.state is not TrainingState.PRE_BACKWARD:
+                self._backward_collectives(unit)
+                if not unit.ran:
+                    for group in unit.groups:
+                        group.mark_unused()
+            self._finish(unit)
+
+    @translated(_store)
     def _unit_post_backward(self, unit: Unit) -> None:
         if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
+            if unit.ran and unit.forwarded:
+                self._out_of_order(
+                    unit,
+                    "ended its backward after the backward had passed it (its reduction was "
+                    "already issued)",
+                )
             return
+        place = len(self._units) - 1 - unit.index
+        if place != self._back:
+            self._finish_before(place)
+        self._finish(unit)
+        self._back = place + 1
+
+    def _finish(self, unit: Unit) -> None:
+        """The end of a unit's backward: queue its reduction (per policy), release it."""
         unit.state = TrainingState.POST_BACKWARD
+        if unit.ran:
+            for group in unit.groups:
+                group.mark_used()
         if self._reduce_now():
             self._queue_reduction(unit)
         for group in unit.groups:
@@ -405,11 +566,12 @@ class UnitHooks:
                 for group in unit.groups:
                     group.finish_reduce()
 
+    @translated(_store)
     def _root_post_backward(self) -> None:
-        for unit in reversed(self._fwd_order):
-            self._unit_post_backward(unit)
+        self._finish_before(len(self._units))  # in the reversed order, as if they ran
         self._root.forwarded = True
-        self._unit_post_backward(self._root)
+        if self._root.state is not TrainingState.POST_BACKWARD:
+            self._finish(self._root)
         self._launch_reductions()
         for unit in self._units:  # prefetched for a backward that did not reach them
             if unit.state is not TrainingState.POST_BACKWARD:
@@ -419,6 +581,7 @@ class UnitHooks:
             unit.state = TrainingState.IDLE
             unit.forwarded = False
             unit.pending = 0
+        self._back = 0
         self._callback_queued = False
         self._reducing = []
         self._on_backward_end()

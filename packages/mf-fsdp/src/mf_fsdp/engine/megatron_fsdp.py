@@ -56,6 +56,7 @@ from mf_fsdp.engine.meta_init import (
     describe_meta_init,
     materialize_meta_params,
 )
+from mf_fsdp.engine.rank_paths import translated
 from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
@@ -258,6 +259,7 @@ class MegatronFSDP(nn.Module):
             on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
+            step=lambda: self.sync_policy.steps,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
@@ -505,6 +507,7 @@ class MegatronFSDP(nn.Module):
         for group in self.groups:
             group.reduce_outer()
 
+    @translated(lambda self: self._unit_hooks.store)
     def finish_grad_sync(self) -> None:
         """Reduce everything still local, wait, and attach grads for the optimizer.
 
@@ -528,6 +531,14 @@ class MegatronFSDP(nn.Module):
             if fp.grad is not None:
                 fp.sharded.grad = fp.grad
         for group in self.groups:
+            if group.unused_mark and group.unused_everywhere():
+                # No rank ran its unit in this step: no grads, as torch leaves them
+                # (see [Note: grads no rank made] in buckets/param_group.py).
+                for fp in group.fsdp_params:
+                    fp.sharded.grad = None
+                    fp.compute.grad = None
+                group.grads_handed_out = False
+                continue
             group.hold_grads()
             if group.replicated and not group.main_is_separate:
                 group.attach_local_grads()

@@ -46,6 +46,8 @@ class SyncPolicy:
         last_microbatch: the current backward is the step's last micro-batch.
         suppressed: inside ``no_sync()``.
         microbatch_count: backwards since the last ``step_finished``.
+        steps: steps finished (``step_finished`` after at least one backward); names
+            the step in error messages.
     """
 
     shards_grads: bool
@@ -53,6 +55,7 @@ class SyncPolicy:
     last_microbatch: bool = False
     suppressed: bool = False
     microbatch_count: int = 0
+    steps: int = 0
 
     def reduce_at_unit_end(self) -> bool:
         """Whether a unit's backward end launches its reduction (else grads stay local)."""
@@ -74,6 +77,8 @@ class SyncPolicy:
 
     def step_finished(self) -> None:
         """The grads were reduced for a step: the next backward starts a new one."""
+        if self.microbatch_count:
+            self.steps += 1
         self.last_microbatch = False
         self.microbatch_count = 0
 

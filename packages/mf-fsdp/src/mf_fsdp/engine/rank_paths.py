@@ -1,0 +1,123 @@
+"""Ranks that take different paths: the error when their unit orders cannot be reconciled.
+
+Any rank may skip any FSDP unit in a step (``engine/hooks.py`` issues the
+skipped unit's collectives in its place, so every rank issues the same
+sequence). What cannot be reconciled is detected on one rank only: a unit
+run out of the units' order, twice in one forward, or whose backward starts
+after the engine had to finish it. The other ranks are then waiting in a
+collective that will never be matched.
+
+[Note: stopping every rank] The detecting rank writes its message to the
+default process group's store (a reference taken when the engine is built,
+so it outlives the groups), then destroys its process groups: the peers'
+pending collectives fail at once (gloo: "connection closed by peer") instead
+of waiting for the group's timeout. Each engine entry point that runs
+collectives (``translated``) turns such a failure into the posted
+:class:`UnitOrderError` and destroys its own groups too, so ranks waiting
+only on it stop as well. Nothing of this runs while the ranks agree: no
+store access, no collective, only a ``try`` around the hooks.
+
+On NCCL a destroyed communicator does not wake a peer blocked in a kernel:
+there the peers stop at the process group's timeout (or its watchdog), with
+the posted message found by the same lookup.
+
+This module must not decide *which* orders are allowed: the hooks do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["UnitOrderError", "default_store", "stop_every_rank", "translated"]
+
+_KEY = "mf_fsdp/unit_order_error"
+_LOOKUP = timedelta(seconds=2)
+"""How long a rank whose collective failed waits for a posted message (it is normally
+there already: the detecting rank posts before it tears its groups down)."""
+
+_LOST_PEER = ("peer", "onnection", "gloo", "NCCL", "abort")
+"""Words of a collective's failure that a peer's teardown causes (other errors skip the wait)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UnitOrderError(RuntimeError):
+    """The ranks ran FSDP units in orders the engine cannot reconcile (raised on every rank).
+
+    The message names the rank that detected it, the unit and the step; it is
+    the same on every rank.
+    """
+
+
+def default_store() -> dist.Store | None:
+    """The default process group's store, or None without an initialised default group."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # a default group without a store
+        return None
+
+
+def _tear_down() -> None:
+    """Destroy this process's groups, so peers waiting on it fail now (see the Note)."""
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, ValueError):  # already (being) torn down
+            dist.destroy_process_group()
+
+
+def stop_every_rank(store: dist.Store | None, message: str) -> NoReturn:
+    """Post ``message`` for the other ranks, tear the groups down, raise it here."""
+    if store is not None:
+        with contextlib.suppress(RuntimeError, ValueError):  # gone: the peers time out instead
+            store.set(_KEY, message)
+    _tear_down()
+    raise UnitOrderError(message)
+
+
+def _posted(store: dist.Store | None, error: RuntimeError) -> str | None:
+    """The posted message, if any; waits briefly only when ``error`` came from a lost peer."""
+    if store is None:
+        return None
+    try:
+        if not store.check([_KEY]):
+            text = str(error)
+            if not any(word in text for word in _LOST_PEER):
+                return None
+            store.wait([_KEY], _LOOKUP)
+        return store.get(_KEY).decode()
+    except (RuntimeError, ValueError):  # nothing posted: another failure
+        return None
+
+
+def translated(store_of: Callable[[Any], dist.Store | None]) -> Callable[[F], F]:
+    """Decorate a method that runs collectives: a failed one raises a posted ``UnitOrderError``.
+
+    ``store_of(self)`` gives the store to look in. Only a ``RuntimeError`` (what
+    a torch.distributed collective raises when a peer went away) is looked up;
+    one with no posted message propagates unchanged.
+    """
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except UnitOrderError:
+                raise
+            except RuntimeError as error:
+                message = _posted(store_of(self), error)
+                if message is None:
+                    raise
+                _tear_down()
+                raise UnitOrderError(message) from error
+
+        return run  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,307 @@
+"""Ranks that take different paths (issue 31): a unit skipped on some ranks trains exactly.
+
+Each rank skips the blocks (FSDP units) and the root's position embedding its
+plan names for a step and micro-batch; one process trains the same plan on
+the global batch, where a skipped unit adds nothing from that rank and a
+parameter no rank used keeps ``grad=None`` (Adam then leaves it alone). Every
+ZeRO strategy and HSDP must match it at fp32 rounding, and every rank must
+issue the same collectives in the same order, sizes included, whatever it
+skipped. Ranks that run units in orders the engine cannot reconcile stop on
+every rank with one ``UnitOrderError`` naming the rank, the unit and the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
+
+import mf_fsdp
+from mf.models import GPT
+from mf_fsdp.buckets import collectives
+from tests._multiprocess import cpu_mesh, run_on_ranks
+from tests.fsdp._helpers import (
+    CONFIG,
+    assert_matches_reference,
+    batch,
+    full_params,
+    make_optimizer,
+    reference_run,
+    unit_classes,
+)
+
+RTOL, ATOL = 1e-7, 1e-9
+STEPS = 4
+BLOCKS = 3
+Plan = dict[tuple[int, int, int], frozenset]
+"""(step, rank, micro-batch) -> what that rank skips: block indices and "wpe" (a root
+parameter); absent keys skip nothing."""
+
+
+class SkippingGPT(GPT):
+    """The tiny GPT whose forward skips blocks (or the position embedding) on request."""
+
+    def forward(  # type: ignore[override]
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        skip: frozenset = frozenset(),
+        order: tuple[int, ...] | None = None,
+        recompute: bool = False,
+    ) -> torch.Tensor:
+        x = self.wte(tokens)
+        if "wpe" not in skip:
+            x = x + self.wpe(torch.arange(tokens.shape[1]))
+        for index in range(len(self.blocks)) if order is None else order:
+            if index in skip:
+                continue
+            if recompute:  # activation checkpointing: the block runs again in backward
+                x = checkpoint(self.blocks[index], x, use_reentrant=False)
+            else:
+                x = self.blocks[index](x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_skipping() -> SkippingGPT:
+    torch.manual_seed(0)
+    return SkippingGPT(dataclasses.replace(CONFIG, n_layers=BLOCKS))
+
+
+def reference(plan: Plan, opt: str, world: int, micro: int = 1):
+    """One process on the global batch, each rank's share skipping what ``plan`` says."""
+    return reference_run(
+        opt,
+        world,
+        STEPS,
+        micro=micro,
+        make=make_skipping,
+        call_kwargs=lambda step, rank, m: {"skip": plan.get((step, rank, m), frozenset())},
+    )
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[tuple[str, int, str]]]:
+    """Record every engine collective call on this rank: (name, elements, dtype)."""
+    calls: list[tuple[str, int, str]] = []
+    names = ("all_reduce", "reduce_scatter_into", "all_gather_into")
+    originals = {name: getattr(collectives, name) for name in names}
+
+    def wrap(name):
+        signature = inspect.signature(originals[name])
+
+        def recorded(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            tensor = next(v for v in bound.values() if isinstance(v, torch.Tensor))
+            calls.append((name, tensor.numel(), str(tensor.dtype)))
+            return originals[name](*args, **kwargs)
+
+        return recorded
+
+    for name in names:
+        setattr(collectives, name, wrap(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(collectives, name, fn)
+
+
+def _train(
+    model, opt, rank: int, world: int, plan: Plan, micro: int = 1, recompute: bool = False
+) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for m in range(micro):
+            tokens, targets = batch(step, rank, m)
+            quiet = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with quiet:
+                skip = plan.get((step, rank, m), frozenset())
+                loss = model(tokens, targets, skip=skip, recompute=recompute) / micro
+                loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total.item() / world)
+    return losses
+
+
+def _same_on_every_rank(calls: list[tuple[str, int, str]], label: str) -> None:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, calls)
+    for rank, theirs in enumerate(everyone):
+        assert theirs == everyone[0], f"{label}: rank {rank} issued other collectives than rank 0"
+
+
+def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, int]]) -> None:
+    """Train each run (label, fully_shard kwargs, optimizer, plan, micro) against one process.
+
+    A kwargs entry ``recompute=True`` runs the blocks under activation checkpointing.
+    """
+    # fp64: Adam divides by the grads' magnitude, so the rounding noise of a grad that is
+    # zero in exact arithmetic (the key bias's) would decide the result in fp32.
+    torch.set_default_dtype(torch.float64)
+    fp64 = mf_fsdp.MixedPrecisionPolicy(main_params_dtype=None)
+    refs: dict[str, tuple] = {}
+    for label, kwargs, opt_name, plan, micro in runs:
+        key = repr((sorted(plan.items(), key=repr), opt_name, micro))
+        if key not in refs:
+            refs[key] = reference(plan, opt_name, world, micro)
+        ref = refs[key]
+        kwargs = dict(kwargs)
+        recompute = kwargs.pop("recompute", False)
+        if "mesh" in kwargs:
+            kwargs["device_mesh"] = cpu_mesh(*kwargs.pop("mesh"))
+        module = make_skipping()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            make_optimizer(opt_name, module.parameters()),
+            fsdp_unit_modules=unit_classes(),
+            mixed_precision_policy=fp64,
+            **kwargs,
+        )
+        with record_collectives() as calls:
+            losses = _train(model, opt, rank, world, plan, micro, recompute)
+        _same_on_every_rank(calls, label)
+        assert_matches_reference(losses, full_params(model), *ref, label, RTOL, ATOL)
+
+
+ONE_SKIP: Plan = {(1, 1, 0): frozenset({1})}
+DIFFERENT: Plan = {
+    (1, 0, 0): frozenset({0}),
+    (1, 1, 0): frozenset({2}),
+    (2, 0, 0): frozenset({1, 2}),
+    (2, 1, 0): frozenset({0}),
+}
+ROOT_UNUSED: Plan = {(1, 1, 0): frozenset({"wpe"}), (2, 0, 0): frozenset({"wpe", 0})}
+EVERY_RANK: Plan = {  # block 1 in step 1 and block 2 in step 2 run nowhere: Adam skips them
+    (1, 0, 0): frozenset({1}),
+    (1, 1, 0): frozenset({1}),
+    (2, 0, 0): frozenset({0, 2}),
+    (2, 1, 0): frozenset({2}),
+    (3, 0, 0): frozenset({0, 1, 2}),
+    (3, 1, 0): frozenset({0, 1, 2}),
+}
+NO_SYNC: Plan = {  # micro-batch 0 runs under no_sync
+    (1, 1, 0): frozenset({1}),
+    (2, 0, 0): frozenset({0}),
+    (2, 1, 1): frozenset({2}),
+    (3, 0, 0): frozenset({1, 2}),  # block 1: skipped by all in micro-batch 0, used in 1
+    (3, 1, 0): frozenset({1, 2}),
+    (3, 0, 1): frozenset({2}),  # block 2: run nowhere in step 3
+    (3, 1, 1): frozenset({2}),
+}
+CASES = {"one": ONE_SKIP, "different": DIFFERENT, "root": ROOT_UNUSED, "every": EVERY_RANK}
+
+
+@pytest.mark.multiprocess
+def test_skipped_units_train_exactly_at_world_2() -> None:
+    runs = []
+    for name, plan in CASES.items():
+        for opt_name in ("sgd", "adam"):
+            for strategy in range(4):
+                kwargs = {"zero_dp_strategy": strategy}
+                runs.append((f"{name} {opt_name} z{strategy}", kwargs, opt_name, plan, 1))
+    for strategy in (0, 3):  # activation checkpointing: the recomputation reuses the gather
+        kwargs = {"zero_dp_strategy": strategy, "recompute": True}
+        runs.append((f"recompute z{strategy}", kwargs, "adam", DIFFERENT, 1))
+    run_on_ranks(_check_runs, 2, runs, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_skips_inside_no_sync_accumulation() -> None:
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {"zero_dp_strategy": strategy}
+            runs.append((f"no_sync {opt_name} z{strategy}", kwargs, opt_name, NO_SYNC, 2))
+    run_on_ranks(_check_runs, 2, runs, timeout=180)
+
+
+HSDP_PLAN: Plan = {  # one rank, different ranks, root, every rank, across both replicas
+    (1, 3, 0): frozenset({1}),
+    (2, 0, 0): frozenset({0, "wpe"}),
+    (2, 2, 0): frozenset({2}),
+    (3, 0, 0): frozenset({1}),
+    (3, 1, 0): frozenset({1}),
+    (3, 2, 0): frozenset({1, 0}),
+    (3, 3, 0): frozenset({1}),
+}
+
+
+@pytest.mark.multiprocess
+def test_skipped_units_under_hsdp_at_world_4() -> None:
+    mesh = ((2, 2), ("dp_outer", "dp_shard"))
+    hsdp = {"mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for inner, outer in ((0, 0), (1, 0), (2, 0), (3, 0), (3, 1)):
+            kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
+            label = f"hsdp {opt_name} z{inner}/{outer}"
+            runs.append((label, kwargs, opt_name, HSDP_PLAN, 1))
+    run_on_ranks(_check_runs, 4, runs, timeout=300)
+
+
+_BLOCKS = st.frozensets(st.integers(0, BLOCKS - 1))
+# The root's parameters always get a gradient (zero where no rank used them): "wpe"
+# is skipped by rank 1 only, so some rank always uses it.
+_PLANS = st.fixed_dictionaries(
+    {},
+    optional={
+        **{(step, 0, 0): _BLOCKS for step in range(STEPS)},
+        **{
+            (step, 1, 0): _BLOCKS | st.just(frozenset({"wpe"})) | _BLOCKS.map(lambda b: b | {"wpe"})
+            for step in range(STEPS)
+        },
+    },
+)
+
+
+@pytest.mark.multiprocess
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=_PLANS)
+def test_any_skips_train_exactly(plan: Plan) -> None:
+    runs = [(f"z{s}", {"zero_dp_strategy": s}, "adam", plan, 1) for s in (0, 3)]
+    run_on_ranks(_check_runs, 2, runs, timeout=120)
+
+
+def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, ...]) -> None:
+    module = make_skipping()
+    model, opt = mf_fsdp.fully_shard(
+        module,
+        make_optimizer("adam", module.parameters()),
+        fsdp_unit_modules=unit_classes(),
+        zero_dp_strategy=strategy,
+    )
+
+    def train() -> None:
+        for step in range(STEPS):
+            tokens, targets = batch(step, rank, 0)
+            path = order if (step, rank) == (1, 1) else None
+            model(tokens, targets, order=path).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with pytest.raises(mf_fsdp.UnitOrderError) as caught:
+        train()
+    message = str(caught.value)
+    assert "rank 1, step 1: unit 'blocks." in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", [0, 3])
+@pytest.mark.parametrize("order", [(2, 1, 0), (0, 0, 1, 2)], ids=["reversed", "twice"])
+def test_irreconcilable_orders_stop_every_rank(strategy: int, order: tuple[int, ...]) -> None:
+    run_on_ranks(_rank_out_of_order, 2, strategy, order, timeout=60)
