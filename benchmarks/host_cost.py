@@ -37,7 +37,7 @@ from mf.bench.engines import AUTOCAST, build_engine
 
 __all__ = ["ENGINES", "EngineCost", "main", "measure"]
 
-ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-zero0")
+ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
 PHASES = ("forward", "backward", "optimizer")
 
 

@@ -7,7 +7,9 @@ root; the optimizer is built afterwards on ``model.parameters()``. At world 2:
 
 - 5 steps of SGD and Adam in fp32 give the losses and final weights of one
   process on the global batch (1e-5: the ranks' halves are reduced in another
-  order than one process sums them);
+  order than one process sums them); the optimizer, built on
+  ``model.parameters()`` and never bound by ``fully_shard_optimizer``, takes mf's
+  step path (multi-tensor, on the local pieces) from its first step;
 - bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)
   gives torch's own FSDP2 losses under the same policy (same casts, same world)
   within 1e-2, and stays within ``BF16_LOSS_RTOL`` of the fp32 reference;
@@ -73,6 +75,10 @@ def _rank_parity(rank: int, world: int, opt_name: str) -> None:
     opt = make_optimizer(opt_name, model.parameters())
     assert all(isinstance(p, DTensor) for p in model.parameters())
     losses = _train(model, opt, rank)
+    # Bound at its first step (never passed to fully_shard_optimizer): mf's step path,
+    # multi-tensor kernels on the local pieces, and the sharded parameters given back.
+    assert all(group["foreach"] for group in opt.param_groups)
+    assert all(isinstance(p, DTensor) for group in opt.param_groups for p in group["params"])
     ref_losses, ref_params = reference_run(opt_name, world, STEPS)
     assert model.state_dict().keys() == make_model().state_dict().keys()
     assert_matches_reference(

@@ -9,8 +9,8 @@ from tests._multiprocess import run_on_ranks
 
 
 def _rank_report(rank: int, world: int) -> None:
-    costs = measure(["plain", "fsdp2", "mf-zero3"], steps=3, warmup=1, bf16=True)
-    assert [c.name for c in costs] == ["plain", "fsdp2", "mf-zero3"]
+    costs = measure(["plain", "fsdp2", "mf-fsdp2", "mf-zero3"], steps=3, warmup=1, bf16=True)
+    assert [c.name for c in costs] == ["plain", "fsdp2", "mf-fsdp2", "mf-zero3"]
     for cost in costs:
         assert all(len(cost.seconds[p]) == 3 for p in PHASES)
         assert cost.total > 0
@@ -18,7 +18,7 @@ def _rank_report(rank: int, world: int) -> None:
     lines = report(costs)
     assert lines[0].split()[:5] == ["engine", "fwd", "ms", "bwd", "ms"]
     assert lines[1].split()[5] == "1.00"  # plain against itself
-    assert len(lines) == 4
+    assert len(lines) == 5
 
 
 @pytest.mark.multiprocess

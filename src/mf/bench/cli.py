@@ -66,7 +66,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--presets", default="25m", help="comma-separated model presets")
     parser.add_argument(
         "--engines",
-        default="plain,ddp,fsdp2,mf-zero3,mf-zero0",
+        default="plain,ddp,fsdp2,mf-fsdp2,mf-zero3,mf-zero0",
         help=f"comma-separated engines; NAME+{COMPILED} compiles each block (fullgraph=True)",
     )
     parser.add_argument(

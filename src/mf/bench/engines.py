@@ -6,7 +6,10 @@ optimizers, ready for the plain loop ``loss = model(x, y); loss.backward()``,
 then ``step()`` and ``zero_grad()`` of each optimizer.
 
 ``plain`` is the model itself on every rank, no wrapper and no communication
-(each rank trains its own copy): the host-cost baseline. With ``bf16`` the
+(each rank trains its own copy): the host-cost baseline. ``fsdp2`` is PyTorch's
+FSDP2 and ``mf-fsdp2`` the same calls through ``mf_fsdp.fsdp2`` (FSDP2's
+interface on mf's engine); ``mf-zeroN`` is ``mf_fsdp.fully_shard`` with ZeRO
+strategy N. With ``bf16`` the
 FSDP engines compute in bf16 through their mixed-precision policies (fp32
 main weights and gradient reduction); engines without one (``AUTOCAST``)
 run their forward under ``torch.autocast``, as plain PyTorch users do.
@@ -59,18 +62,32 @@ def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> B
     return wrapped, optimizers(model)  # the module's names; the same parameters
 
 
-def _fsdp2(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fsdp2_api(front_end: str) -> Builder:
+    """FSDP2's calls (blocks, then the root) through ``front_end``'s ``fully_shard``.
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else MixedPrecisionPolicy()
-    )
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-    return model, optimizers(model)
+    ``"torch"``: PyTorch's FSDP2; ``"mf"``: ``mf_fsdp.fsdp2``, FSDP2's interface on
+    mf's engine, so the two differ only in what runs below the same calls.
+    """
+
+    def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if front_end == "mf":
+            from mf_fsdp.fsdp2 import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        return model, optimizers(model)
+
+    return build
 
 
 def _mf(strategy: int) -> Builder:
@@ -96,7 +113,8 @@ ENGINES: dict[str, Builder] = {
     "single": _single,
     "plain": _single,
     "ddp": _ddp,
-    "fsdp2": _fsdp2,
+    "fsdp2": _fsdp2_api("torch"),
+    "mf-fsdp2": _fsdp2_api("mf"),
     "mf-zero3": _mf(3),
     "mf-zero2": _mf(2),
     "mf-zero1": _mf(1),

@@ -49,6 +49,7 @@ from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.hooks import Unit
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
+from mf_fsdp.optim.optimizer import bind_optimizers_at_step
 from mf_utils import get_group_device
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -138,10 +139,13 @@ def fully_shard(
     record = _Record(modules, mesh, reshard_after_forward is not False, mp_policy)
     for item in modules:
         item.__dict__[_RECORD_ATTR] = record
-        record.hooks.append(
-            item.register_forward_pre_hook(_cast_inputs(mp_policy), with_kwargs=True)
-        )
-        record.hooks.append(item.register_forward_hook(_cast_output(mp_policy)))
+        # Only the casts the policy asks for: a hook that does nothing still costs a call.
+        if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
+            record.hooks.append(
+                item.register_forward_pre_hook(_cast_inputs(mp_policy), with_kwargs=True)
+            )
+        if mp_policy.output_dtype is not None:
+            record.hooks.append(item.register_forward_hook(_cast_output(mp_policy)))
         item.__class__ = _fsdp_class(type(item))
     _PENDING.add(modules[0])
     return module
@@ -284,6 +288,7 @@ def _build_engine(root: _Record) -> None:
         mixed_precision_policy=engine_policy,
         unit_modules=[u.modules for u in units],
     )
+    bind_optimizers_at_step(engine)  # the user's optimizer steps as mf_fsdp.fully_shard's
     by_module = {id(u.module): u for u in engine._units}
     root.is_root = True
     for record in (root, *units):

@@ -26,6 +26,7 @@ hints only.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +59,9 @@ _LOAD_HOOK_ATTR = "_mf_fsdp_load_hook"
 _CHECKED_ATTR = "_mf_fsdp_checked"
 _HIDDEN_ATTR = "_mf_fsdp_hidden_grads"
 _ENGINES_ATTR = "_mf_fsdp_engines"
+_BOUND_AT_STEP_ATTR = "_mf_fsdp_bound_at_step"
+_BIND_AT_STEP: weakref.WeakSet[MegatronFSDP] = weakref.WeakSet()
+"""Engines whose unbound optimizers are bound for the step at their first ``step()``."""
 
 
 def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
@@ -117,6 +121,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if not getattr(optimizer, _CHECKED_ATTR, False):  # built after wrapping: check it once
         check_supported(optimizer, _params(optimizer))
         setattr(optimizer, _CHECKED_ATTR, True)
+        if all(engine in _BIND_AT_STEP for engine in engines):
+            _bind_step(optimizer)
     _ensure_load_hooks(optimizer)
     for engine in engines:
         engine.finish_grad_sync()
@@ -127,7 +133,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     for param, _ in hidden:
         param.grad = None
     setattr(optimizer, _HIDDEN_ATTR, hidden)
-    if getattr(optimizer, "_mf_fsdp_model", None) is not None:  # its step() restores the swap
+    bound = getattr(optimizer, "_mf_fsdp_model", None) is not None
+    if bound or getattr(optimizer, _BOUND_AT_STEP_ATTR, False):  # its step() restores the swap
         enter_local_step(optimizer)
 
 
@@ -223,6 +230,39 @@ def fully_shard_optimizer(
     optimizer.step = step  # type: ignore[method-assign]
     init_optimizer_state(optimizer)
     return optimizer
+
+
+def bind_optimizers_at_step(engine: MegatronFSDP) -> None:
+    """Step the optimizers built on ``engine``'s parameters as bound ones, unbound.
+
+    For FSDP2's interface (``mf_fsdp.fsdp2``), where the optimizer is built on
+    ``model.parameters()`` and never passed to ``fully_shard_optimizer``: at its
+    first ``step()`` it gets the bound optimizers' step path (the local step on
+    plain tensors and the multi-tensor kernels, see ``_prefer_foreach`` and
+    [Note: local step]), the same arithmetic with the host cost of
+    ``mf_fsdp.fully_shard``'s. Its ``zero_grad`` and state stay torch's (no eager
+    state): only the step changes.
+    """
+    _BIND_AT_STEP.add(engine)
+
+
+def _bind_step(optimizer: torch.optim.Optimizer) -> None:
+    """From this step on: multi-tensor kernels and the local step, restored if a step raises.
+
+    The step running now (from whose pre-hook this is called) is not yet wrapped:
+    it swaps too, and its post-hook restores the swap unless it raises.
+    """
+    _prefer_foreach(optimizer)
+    setattr(optimizer, _BOUND_AT_STEP_ATTR, True)
+    plain_step = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return plain_step(*args, **kwargs)
+        finally:  # a step that raised still gives the sharded parameters back
+            exit_local_step(optimizer)
+
+    optimizer.step = step  # type: ignore[method-assign]
 
 
 def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
