@@ -28,7 +28,6 @@ and torchtitan's ``init_weights``. Checked at world 2 (fp32 also at 4):
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from unittest import mock
 
@@ -43,14 +42,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
+from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
 
 try:
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.parallelize import parallelize_llama
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
@@ -61,28 +59,6 @@ except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the fl
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete")
 
 VOCAB, SEQ, BATCH, STEPS = 2048, 32, 2, 5
-
-
-def _config():
-    """The debugmodel (dim 256, 6 layers, vocab 2048) with SDPA attention for the CPU."""
-    config = model_registry("debugmodel").model
-
-    def on_cpu(layer):
-        rope = dataclasses.replace(layer.attention.rope, max_seq_len=64)
-        attention = dataclasses.replace(
-            layer.attention, inner_attention=ScaledDotProductAttention.Config(), rope=rope
-        )
-        return dataclasses.replace(layer, attention=attention)
-
-    return dataclasses.replace(config, layers=[on_cpu(layer) for layer in config.layers])
-
-
-def _init(model, seed: int = 0):
-    """torchtitan's order: ``to_empty`` then its ``init_weights``."""
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights(buffer_device=torch.device("cpu"))
-    return model
 
 
 def _parallelized(shard, param_dtype: str, tmp: str, seed: int = 0, compile_blocks: bool = False):
@@ -124,13 +100,13 @@ def _parallelized(shard, param_dtype: str, tmp: str, seed: int = 0, compile_bloc
         for module in model.modules():
             if isinstance(module, TorchFSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    return _init(model, seed)
+    return _initialised(model, seed)
 
 
 def _plain():
     with torch.device("meta"):
         model = _config().build()
-    return _init(model)
+    return _initialised(model)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +165,7 @@ def test_torchtitan_parallelize_on_mf_trains_like_one_process(tmp_path, world: i
     run_on_ranks(_rank_fp32, world, str(tmp_path), timeout=280)
 
 
-def _copy_one_process_init(model) -> None:
+def _copy_one_process_initialised(model) -> None:
     """Give torch's FSDP2 model one process's initial weights.
 
     torchtitan's ``init_weights`` on FSDP2's sharded DTensors draws other values than
@@ -207,7 +183,7 @@ def _rank_bf16(rank: int, world: int, tmp: str) -> None:
     for name, shard in (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard)):
         model = _parallelized(shard, "bfloat16", tmp)
         if shard is torch_fully_shard:
-            _copy_one_process_init(model)
+            _copy_one_process_initialised(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         runs[name] = _train(model, opt, rank, world, range(STEPS))
     torch.testing.assert_close(

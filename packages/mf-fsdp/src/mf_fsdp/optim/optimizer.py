@@ -217,17 +217,9 @@ def fully_shard_optimizer(
         plain_zero_grad(set_to_none)
         model.request_zero_grad(optimizer, set_to_none)
 
-    plain_step = optimizer.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return plain_step(*args, **kwargs)
-        finally:  # a step that raised still gives the sharded parameters back
-            exit_local_step(optimizer)
-
     model.add_optimizer(optimizer)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-    optimizer.step = step  # type: ignore[method-assign]
+    _restore_after_step(optimizer)
     init_optimizer_state(optimizer)
     return optimizer
 
@@ -254,12 +246,17 @@ def _bind_step(optimizer: torch.optim.Optimizer) -> None:
     """
     _prefer_foreach(optimizer)
     setattr(optimizer, _BOUND_AT_STEP_ATTR, True)
+    _restore_after_step(optimizer)
+
+
+def _restore_after_step(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` so that a step that raised still gives the sharded params back."""
     plain_step = optimizer.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
         try:
             return plain_step(*args, **kwargs)
-        finally:  # a step that raised still gives the sharded parameters back
+        finally:
             exit_local_step(optimizer)
 
     optimizer.step = step  # type: ignore[method-assign]
