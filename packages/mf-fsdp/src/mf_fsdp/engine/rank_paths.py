@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
@@ -90,9 +91,15 @@ def _posted(store: dist.Store | None, error: RuntimeError) -> str | None:
             text = str(error)
             if not any(word in text for word in _LOST_PEER):
                 return None
-            store.wait([_KEY], _LOOKUP)
+            # Polled, not store.wait(): a wait that times out logs C++ warnings, and a
+            # peer that froze or died posts nothing.
+            deadline = time.monotonic() + _LOOKUP.total_seconds()
+            while not store.check([_KEY]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
         return store.get(_KEY).decode()
-    except (RuntimeError, ValueError):  # nothing posted: another failure
+    except (RuntimeError, ValueError):  # the store is gone too: another failure
         return None
 
 
