@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mf_fsdp
 from mf.models import GPT
+from mf.models.gpt import Block
 from mf_fsdp.buckets import collectives
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
@@ -43,12 +44,24 @@ RTOL, ATOL = 1e-7, 1e-9
 STEPS = 4
 BLOCKS = 3
 Plan = dict[tuple[int, int, int], frozenset]
-"""(step, rank, micro-batch) -> what that rank skips: block indices and "wpe" (a root
-parameter); absent keys skip nothing."""
+"""(step, rank, micro-batch) -> what that rank skips: block indices, ``("mlp", i)`` (block
+i's MLP) and "wpe" (a root parameter); absent keys skip nothing."""
+
+
+class SkippingBlock(Block):
+    """A block that can leave out its MLP (its parameters then get no gradient from it)."""
+
+    def forward(self, x: torch.Tensor, mlp: bool = True) -> torch.Tensor:  # type: ignore[override]
+        x = x + self.attn(self.ln_1(x))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x)))) if mlp else x
 
 
 class SkippingGPT(GPT):
-    """The tiny GPT whose forward skips blocks (or the position embedding) on request."""
+    """The tiny GPT whose forward skips blocks, a block's MLP (``("mlp", i)``) or the
+    position embedding on request."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, block=SkippingBlock)
 
     def forward(  # type: ignore[override]
         self,
@@ -66,6 +79,8 @@ class SkippingGPT(GPT):
                 continue
             if recompute:  # activation checkpointing: the block runs again in backward
                 x = checkpoint(self.blocks[index], x, use_reentrant=False)
+            elif ("mlp", index) in skip:
+                x = self.blocks[index](x, mlp=False)
             else:
                 x = self.blocks[index](x)
         logits = self.lm_head(self.ln_f(x))
@@ -229,6 +244,37 @@ def test_skips_inside_no_sync_accumulation() -> None:
     run_on_ranks(_check_runs, 2, runs, timeout=180)
 
 
+UNUSED_PARAMS: Plan = {  # parameters inside units that ran, and in the root, used nowhere
+    (1, 0, 0): frozenset({"wpe"}),
+    (1, 1, 0): frozenset({"wpe", ("mlp", 1)}),
+    (2, 0, 0): frozenset({("mlp", 1), ("mlp", 2)}),
+    (2, 1, 0): frozenset({0, ("mlp", 1)}),
+    (3, 1, 0): frozenset({("mlp", 0)}),  # used on rank 0: a gradient from there alone
+}
+UNUSED_IN_NO_SYNC: Plan = {  # micro-batch 0 runs under no_sync
+    (1, 0, 0): frozenset({("mlp", 1)}),
+    (1, 1, 0): frozenset({("mlp", 1)}),  # used in micro-batch 1 only
+    (2, 0, 0): frozenset({"wpe"}),
+    (2, 1, 0): frozenset({"wpe"}),
+    (2, 0, 1): frozenset({"wpe"}),
+    (2, 1, 1): frozenset({"wpe"}),  # used nowhere in step 2
+}
+
+
+@pytest.mark.multiprocess
+def test_parameters_no_rank_used_get_no_grad() -> None:
+    """``find_unused_parameters``: per parameter, as DDP's option and one process."""
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {"zero_dp_strategy": strategy, "find_unused_parameters": True}
+            runs.append((f"unused {opt_name} z{strategy}", kwargs, opt_name, UNUSED_PARAMS, 1))
+    for strategy in (0, 3):
+        kwargs = {"zero_dp_strategy": strategy, "find_unused_parameters": True}
+        runs.append((f"unused no_sync z{strategy}", kwargs, "adam", UNUSED_IN_NO_SYNC, 2))
+    run_on_ranks(_check_runs, 2, runs, timeout=240)
+
+
 HSDP_PLAN: Plan = {  # one rank, different ranks, root, every rank, across both replicas
     (1, 3, 0): frozenset({1}),
     (2, 0, 0): frozenset({0, "wpe"}),
@@ -237,6 +283,11 @@ HSDP_PLAN: Plan = {  # one rank, different ranks, root, every rank, across both 
     (3, 1, 0): frozenset({1}),
     (3, 2, 0): frozenset({1, 0}),
     (3, 3, 0): frozenset({1}),
+}
+
+HSDP_UNUSED: Plan = {
+    **{(1, rank, 0): frozenset({"wpe"}) for rank in range(4)},
+    **{(2, rank, 0): frozenset({("mlp", 1), rank % 3}) for rank in range(4)},
 }
 
 
@@ -250,6 +301,11 @@ def test_skipped_units_under_hsdp_at_world_4() -> None:
             kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
             label = f"hsdp {opt_name} z{inner}/{outer}"
             runs.append((label, kwargs, opt_name, HSDP_PLAN, 1))
+    for inner, outer in ((0, 0), (3, 1)):
+        kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
+        label = f"hsdp unused z{inner}/{outer}"
+        unused = {**kwargs, "find_unused_parameters": True}
+        runs.append((label, unused, "adam", HSDP_UNUSED, 1))
     run_on_ranks(_check_runs, 4, runs, timeout=300)
 
 

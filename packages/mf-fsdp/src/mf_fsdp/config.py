@@ -188,6 +188,11 @@ class DistributedDataParallelConfig:
             it (at least one), and reductions of consecutive units are held until
             the next would overflow it, then packed into one. 0 turns coalescing off
             (one unit prefetched, each unit reduced alone).
+        find_unused_parameters: give the optimizer no gradient (``.grad`` None, as
+            torch leaves it) for a parameter that no rank's backward reached in a
+            step, also inside a unit that ran or in the root (DDP's option of the
+            same name). It costs one device sync per step; without it, only the
+            parameters of units no rank ran are found, at no cost.
     """
 
     data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
@@ -197,6 +202,7 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = False
     grad_reduce_in_fp32: bool = False
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         """Normalise the strategies; outer sharding needs inner ZeRO-3 (as in the reference)."""
@@ -205,6 +211,10 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"suggested_communication_unit_size: expected an int >= 0 (elements), "
                 f"got {window!r}"
+            )
+        if not isinstance(self.find_unused_parameters, bool):
+            raise TypeError(
+                f"find_unused_parameters: expected a bool, got {self.find_unused_parameters!r}"
             )
         inner = normalize_strategy(
             self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy"

@@ -60,6 +60,7 @@ def fully_shard_model(
     alignment: int = DEFAULT_ALIGNMENT,
     expt_device_mesh: DeviceMesh | None = None,
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE,
+    find_unused_parameters: bool = False,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
@@ -95,6 +96,11 @@ def fully_shard_model(
         suggested_communication_unit_size: the communication window in elements
             (``DistributedDataParallelConfig``): consecutive units whose buckets fit
             in it together are gathered and reduced in one collective; 0 turns that off.
+        find_unused_parameters: a parameter no rank's backward reached in a step gets
+            no gradient (``.grad`` None, so torch's optimizers leave it alone), also
+            inside a unit that ran or in the root, as DDP's option does; one device
+            sync per step (``DistributedDataParallelConfig``). Without it, only the
+            parameters of units that no rank ran get none.
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.
@@ -114,6 +120,7 @@ def fully_shard_model(
         overlap_param_gather=overlap_param_gather,
         average_in_collective=average_in_collective,
         suggested_communication_unit_size=suggested_communication_unit_size,
+        find_unused_parameters=find_unused_parameters,
     )
     hybrid = config.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
     if hybrid and dp_outer_dim is None:

@@ -58,6 +58,9 @@ class GradBuffers:
         replicated: every rank owns the whole bucket (ZeRO-0).
         late: (ZeRO-2/3) take the local buffer only when the reduction starts.
         name: the bucket's name, for invariant errors.
+        mark_unused: empty grads are ``-0.0``, not ``0.0``, so that a parameter no
+            backward reached on any rank shows after the reduction (see [Note: grads
+            no rank made] in ``param_group.py``).
     """
 
     local: torch.Tensor | None = None
@@ -77,9 +80,11 @@ class GradBuffers:
         replicated: bool,
         late: bool,
         name: str,
+        mark_unused: bool = False,
     ) -> None:
         self.geometry = geometry
         self.name = name
+        self.marks_unused = mark_unused
         self._compute = compute
         self._device = device
         self._pool = pool
@@ -96,7 +101,11 @@ class GradBuffers:
     def _separate_store(self, grads: torch.dtype, replicated: bool) -> torch.Tensor:
         g = self.geometry
         numel = g.layout.padded_numel if replicated else g.main_layout.shard_size
-        return torch.zeros(numel, dtype=grads, device=self._device)
+        return self.clear(torch.empty(numel, dtype=grads, device=self._device))
+
+    def clear(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Fill ``tensor`` with the empty grad value (``zero_()`` unless marking); return it."""
+        return tensor.fill_(-0.0) if self.marks_unused else tensor.zero_()
 
     # ------------------------------------------------------------------ reduced grads
     @property
@@ -119,13 +128,13 @@ class GradBuffers:
             self._store.untyped_storage().resize_(self._store_nbytes)
             self._released = False
             if zeroed:
-                self._store.zero_()
+                self.clear(self._store)
         return self._store
 
     def zero_store(self, release: bool) -> None:
         """Zero the reduced grads; ``release``: free the store's bytes where it may."""
         if not self._released:
-            self._store.zero_()
+            self.clear(self._store)
 
     # ------------------------------------------------------------------ local grads
     def attach(self) -> None:
@@ -171,7 +180,9 @@ class PersistentGrads(GradBuffers):
 
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         g = self.geometry
-        self.local = torch.zeros(g.layout.padded_numel, dtype=self._compute, device=self._device)
+        self.local = self.clear(
+            torch.empty(g.layout.padded_numel, dtype=self._compute, device=self._device)
+        )
         self._local_nbytes = self.local.untyped_storage().nbytes()
         self.aliases_local = grads == self._compute
         self._own = (0, g.layout.padded_numel) if replicated else (g.lo, g.hi)
@@ -206,10 +217,10 @@ class PersistentGrads(GradBuffers):
         """Give the released buffers their bytes back, zeroed, and attach the grads."""
         local = self._local()
         local.untyped_storage().resize_(self._local_nbytes)
-        local.zero_()
+        self.clear(local)
         if not self.aliases_local:
             self._store.untyped_storage().resize_(self._store_nbytes)
-            self._store.zero_()
+            self.clear(self._store)
         self._released = False
         self.attach()
 
@@ -223,13 +234,13 @@ class PersistentGrads(GradBuffers):
     def after_reduction(self) -> None:
         """Zero the local buffer unless it also holds the reduced grads."""
         if not self.aliases_local:
-            self._local().zero_()
+            self.clear(self._local())
 
     def zero_local(self) -> None:
         """Zero the buffer and attach the parameters' grads to it (released: nothing held)."""
         if self._released:
             return
-        self._local().zero_()
+        self.clear(self._local())
         self.attach()
 
     def scale_local(self, factor: float) -> None:
@@ -295,15 +306,13 @@ class TransientGrads(GradBuffers):
     def prepare(self) -> None:
         """Take a zeroed buffer from the pool and attach the grads (not when late)."""
         if self.local is None and not self._late:
-            self.local = self._whole_bucket()
-            self.local.zero_()
+            self.local = self.clear(self._whole_bucket())
             self.attach()
 
     def local_for_reduction(self) -> torch.Tensor:
         """Late: copy the parameters' own grads into a pooled buffer and drop them."""
         if self._late and self.local is None:
-            local = self._whole_bucket()
-            local.zero_()
+            local = self.clear(self._whole_bucket())
             views = self._views(local, False, self._cache_views(local))
             for p, view in zip(self._params, views, strict=True):
                 if p.grad is not None:

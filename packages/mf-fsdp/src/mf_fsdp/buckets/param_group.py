@@ -65,6 +65,9 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 
 __all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
 
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype a float's bits are read as, by element size (``-0.0`` is its minimum)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ParamSource:
@@ -162,6 +165,8 @@ class ParamGroup:
             For the root bucket: its first gradient (a tied LM head's) arrives when
             the activations peak, and a whole-bucket buffer taken then would add to
             that peak; its reduction comes last, when the activations are freed.
+        mark_unused_params: find, per parameter, those no rank's backward reached
+            (``unused_params``; see [Note: grads no rank made]).
     """
 
     def __init__(
@@ -176,9 +181,11 @@ class ParamGroup:
         pool: BufferPool,
         reduce_spec: ReduceSpec,
         late_grads: bool = False,
+        mark_unused_params: bool = False,
     ) -> None:
         self.params = params
         self.late_grads = late_grads
+        self.mark_unused_params = mark_unused_params
         self.reduce_spec = reduce_spec
         self.strategy = strategy
         self.dtypes = dtypes
@@ -245,6 +252,13 @@ class ParamGroup:
         # empty store) hold negative zeros (``unused_mark``).
         self.used = False
         self.unused_mark = False
+        # mark_unused_params: each parameter's owned rows of the grad store, as two
+        # rows (starts, ends) of a device tensor; the parameter whose ``.grad`` tells
+        # whether the optimizer dropped the grads it was given (one it was given);
+        # grads were withheld, so the local grads must be attached again.
+        self._owned_spans: torch.Tensor | None = None
+        self._probe = self.fsdp_params[0]
+        self._reattach = False
         self._allocate()
 
     # ------------------------------------------------------------------ buffers
@@ -284,6 +298,7 @@ class ParamGroup:
                 self.replicated,
                 self.late_grads,
                 self.name,
+                self.mark_unused_params,
             )
 
     def _grad_buffers(self) -> GradBuffers:
@@ -374,7 +389,7 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
-        if self.grads_handed_out and self.fsdp_params[0].sharded.grad is None:
+        if self.grads_handed_out and self._probe.sharded.grad is None:
             # The optimizer dropped the grads it was given (``zero_grad()`` of an
             # optimizer built on the sharded parameters): start from zero, as torch does.
             self.zero_grad(release=True)
@@ -382,6 +397,9 @@ class ParamGroup:
         if buffers.aliases_local and self.grads.reduced is not Reduced.NONE:
             self._set_store_aside()
         buffers.prepare()
+        if self._reattach:
+            self._reattach = False
+            buffers.attach()
         self.grads.accumulate()
 
     def attach_local_grads(self) -> None:
@@ -397,7 +415,7 @@ class ParamGroup:
         """
         buffers = self._grad_buffers()
         self._put_aside(buffers.store(), self.grads.reduced)
-        buffers.local_for_reduction().zero_()
+        buffers.clear(buffers.local_for_reduction())
         self.grads.set_aside()
 
     def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
@@ -422,7 +440,7 @@ class ParamGroup:
         (``-0.0 + 0.0 == 0.0``; every other value is kept).
         """
         self.used = True
-        if self.unused_mark:
+        if self.unused_mark and not self.mark_unused_params:
             self.unused_mark = False
             if self.buffers is not None and self.buffers.local is not None:
                 self.buffers.local.add_(0.0)
@@ -440,6 +458,17 @@ class ParamGroup:
         the reduction (and any casts and scalings) the store is all ``-0.0`` exactly
         when no rank ran the unit in the step. Only ranks that skipped it look
         (``unused_everywhere``); ranks that ran it know the answer.
+
+        Per parameter (``find_unused_parameters``, as DDP's): a parameter inside a
+        unit that ran, or in the root, is reached or not by each backward on its
+        own, and no hook tells the engine which (one per parameter would cost
+        every step). With the option every empty grad buffer holds ``-0.0``:
+        autograd's accumulation ``-0.0 + g`` is ``g``, so after the reduction a
+        parameter's rows are all ``-0.0`` exactly when no rank's backward reached
+        it (``unused_params``), and its grad is withheld from the optimizer. That
+        check reads the store on every rank, one device sync per step: hence
+        opt-in, like DDP's graph walk. A gradient that is ``-0.0`` in every
+        element on every rank reads as unused too.
         """
         if not self.requires_grad or self.used or self.buffers is None:
             return
@@ -461,6 +490,42 @@ class ParamGroup:
             return False
         store = self.buffers.store()
         return not bool(store.any()) and bool(torch.signbit(store).all())
+
+    def unused_params(self) -> torch.Tensor:
+        """Per parameter, True where no rank's backward reached it in this step (on the device).
+
+        Needs ``mark_unused_params`` and the step's grads fully reduced: with every
+        empty grad ``-0.0``, a parameter's owned rows of the store are all ``-0.0``
+        exactly when no rank added a gradient to them (see [Note: grads no rank
+        made]). A parameter with no rows on this rank counts as used: it has
+        nothing to withhold. A few ops for the whole bucket, no sync.
+        """
+        store = self._grad_buffers().store()
+        if self._owned_spans is None:
+            spans = []
+            for fp in self.fsdp_params:
+                view = self.main_view(fp, store)
+                start = view.storage_offset() - store.storage_offset()
+                spans.append((start, start + view.numel()))
+            self._owned_spans = torch.tensor(spans, dtype=torch.long, device=self.device).T
+        bits = store.view(_SAME_WIDTH_INT[store.element_size()])
+        marked = bits == torch.iinfo(bits.dtype).min  # the bit pattern of -0.0
+        made = torch.nn.functional.pad(torch.cumsum(~marked, 0), (1, 0))
+        starts, ends = self._owned_spans
+        return (made[ends] == made[starts]) & (ends > starts)
+
+    def withhold_grads(self, unused: list[FSDPParam]) -> None:
+        """Give the optimizer no grad for ``unused`` parameters in this step, as torch does.
+
+        Their store rows stay (all ``-0.0``) for a later accumulation; the next
+        backward attaches the parameters' local grads again.
+        """
+        for fp in unused:
+            fp.sharded.grad = None
+        kept = [fp for fp in self.fsdp_params if fp.sharded.grad is not None]
+        self._probe = kept[0] if kept else self.fsdp_params[0]
+        self.grads_handed_out = bool(kept)
+        self._reattach = True
 
     def start_reduce(self, async_op: bool) -> None:
         """Launch the reduction of the accumulated local grads (one collective)."""
@@ -535,7 +600,7 @@ class ParamGroup:
             if self.grads.reduced is Reduced.FULL and self.outer is not None:
                 # Fully reduced grads must not go through the dp_outer stage again.
                 self._put_aside(store, Reduced.FULL)
-                store.zero_()
+                self._grad_buffers().clear(store)
             if out is not store:
                 store.add_(out)
         buffers.after_reduction()
@@ -600,6 +665,7 @@ class ParamGroup:
         self._aside.clear()
         buffers.zero_local()
         self.grads_handed_out = False
+        self._probe = self.fsdp_params[0]
         self.used = self.unused_mark = False
         self.grads.reset()
 

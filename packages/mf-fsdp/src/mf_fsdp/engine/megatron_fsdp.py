@@ -365,6 +365,7 @@ class MegatronFSDP(nn.Module):
             self._pool,
             reduce_spec,
             late_grads=spec.unit is None and self.strategy.shards_grads,
+            mark_unused_params=self.ddp_config.find_unused_parameters,
         )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
@@ -543,6 +544,19 @@ class MegatronFSDP(nn.Module):
             if group.replicated and not group.main_is_separate:
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
+        if self.ddp_config.find_unused_parameters:
+            self._withhold_unused_grads()
+
+    def _withhold_unused_grads(self) -> None:
+        """Take back the grads of parameters no rank's backward reached (one device sync)."""
+        groups = [group for group in self.groups if group.grads_handed_out]
+        if not groups:
+            return
+        unused = iter(torch.cat([group.unused_params() for group in groups]).tolist())
+        for group in groups:
+            withheld = [fp for fp in group.fsdp_params if next(unused)]
+            if withheld:
+                group.withhold_grads(withheld)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held by the engine by ``scaling_factor``."""
