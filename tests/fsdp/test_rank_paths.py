@@ -4,10 +4,13 @@ Each rank skips the blocks (FSDP units) and the root's position embedding its
 plan names for a step and micro-batch; one process trains the same plan on
 the global batch, where a skipped unit adds nothing from that rank and a
 parameter no rank used keeps ``grad=None`` (Adam then leaves it alone). Every
-ZeRO strategy and HSDP must match it at fp32 rounding, and every rank must
-issue the same collectives in the same order, sizes included, whatever it
-skipped. Ranks that run units in orders the engine cannot reconcile stop on
-every rank with one ``UnitOrderError`` naming the rank, the unit and the step.
+ZeRO strategy, HSDP and TP x FSDP (tp 2 x dp_shard 2: the plan is per dp rank,
+both TP ranks of a dp rank compute one batch) must match it at fp32 rounding,
+and every rank must issue the same engine collectives in the same order, sizes
+included, whatever it skipped (under TP the ranks of a TP group too: the tiny
+GPT splits evenly). Ranks that run units in orders the engine cannot
+reconcile stop on every rank with one ``UnitOrderError`` naming the rank, the
+unit and the step.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mf_fsdp
-from mf.models import GPT
+import mf_tp
+from mf.models import GPT, GPTTensorParallel, TensorParallelBlock
 from mf.models.gpt import Block
 from mf_fsdp.buckets import collectives
 from tests._multiprocess import cpu_mesh, run_on_ranks
@@ -45,7 +50,8 @@ STEPS = 4
 BLOCKS = 3
 Plan = dict[tuple[int, int, int], frozenset]
 """(step, rank, micro-batch) -> what that rank skips: block indices, ``("mlp", i)`` (block
-i's MLP) and "wpe" (a root parameter); absent keys skip nothing."""
+i's MLP; plain GPT only) and "wpe" (a root parameter); absent keys skip nothing. Under
+TP the rank is the dp rank."""
 
 
 class SkippingBlock(Block):
@@ -56,14 +62,14 @@ class SkippingBlock(Block):
         return x + self.out(F.gelu(self.fc(self.ln_2(x)))) if mlp else x
 
 
-class SkippingGPT(GPT):
-    """The tiny GPT whose forward skips blocks, a block's MLP (``("mlp", i)``) or the
-    position embedding on request."""
+class _Skipping:
+    """A GPT forward that skips blocks, a block's MLP or the position embedding on request.
 
-    def __init__(self, config) -> None:
-        super().__init__(config, block=SkippingBlock)
+    Mixed into the plain GPT and the tensor-parallel one, which differ only in
+    ``loss`` (their LM head and cross entropy).
+    """
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         tokens: torch.Tensor,
         targets: torch.Tensor,
@@ -83,13 +89,49 @@ class SkippingGPT(GPT):
                 x = self.blocks[index](x, mlp=False)
             else:
                 x = self.blocks[index](x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.loss(self.ln_f(x), targets)
 
 
-def make_skipping() -> SkippingGPT:
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class SkippingGPT(_Skipping, GPT):
+    """The tiny GPT whose forward skips blocks (or their MLPs, or the position embedding)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, block=SkippingBlock)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _cross_entropy(self.lm_head(x), targets)
+
+
+class SkippingGPTTensorParallel(_Skipping, GPTTensorParallel):
+    """``SkippingGPT`` split over a TP group.
+
+    The loss gathers the vocab-parallel logits into the plain cross entropy:
+    ``vocab_parallel_cross_entropy`` computes in fp32 (as Megatron's), which
+    rounds this file's fp64 runs off by more than its tolerance.
+    """
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        head_weight = self.wte.weight if self.config.tie_embeddings else None
+        logits, _ = self.lm_head(x, weight=head_weight)
+        return _cross_entropy(
+            mf_tp.gather_from_tensor_model_parallel_region(logits, self.tp_group), targets
+        )
+
+
+def make_skipping(tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """The skipping GPT; with ``tp_group`` split over it, holding the same weights."""
     torch.manual_seed(0)
-    return SkippingGPT(dataclasses.replace(CONFIG, n_layers=BLOCKS))
+    plain = SkippingGPT(dataclasses.replace(CONFIG, n_layers=BLOCKS))
+    if tp_group is None:
+        return plain
+    # mf-tp layers allocate fp32: follow the default dtype (fp64 here) before loading.
+    model = SkippingGPTTensorParallel(plain.config, tp_group).to(torch.get_default_dtype())
+    model.load_full_weights(plain.state_dict())
+    return model
 
 
 def reference(plan: Plan, opt: str, world: int, micro: int = 1):
@@ -132,16 +174,20 @@ def record_collectives() -> Iterator[list[tuple[str, int, str]]]:
 
 
 def _train(
-    model, opt, rank: int, world: int, plan: Plan, micro: int = 1, recompute: bool = False
+    model, opt, data_rank: int, world: int, plan: Plan, micro: int = 1, recompute: bool = False
 ) -> list[float]:
+    """Train on ``data_rank``'s batches and skips; return the losses averaged over ranks.
+
+    The average is over all ``world`` ranks: the TP ranks of a data rank hold its loss.
+    """
     losses = []
     for step in range(STEPS):
         total = torch.zeros(())
         for m in range(micro):
-            tokens, targets = batch(step, rank, m)
+            tokens, targets = batch(step, data_rank, m)
             quiet = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
             with quiet:
-                skip = plan.get((step, rank, m), frozenset())
+                skip = plan.get((step, data_rank, m), frozenset())
                 loss = model(tokens, targets, skip=skip, recompute=recompute) / micro
                 loss.backward()
             total += loss.detach()
@@ -162,7 +208,10 @@ def _same_on_every_rank(calls: list[tuple[str, int, str]], label: str) -> None:
 def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, int]]) -> None:
     """Train each run (label, fully_shard kwargs, optimizer, plan, micro) against one process.
 
-    A kwargs entry ``recompute=True`` runs the blocks under activation checkpointing.
+    A kwargs entry ``recompute=True`` runs the blocks under activation checkpointing;
+    ``mesh=(shape, names)`` builds the device mesh. With a ``tp_dim`` the model is the
+    tensor-parallel GPT on that dim, and the plan's ranks are the ``dp_shard_dim`` ranks
+    (both TP ranks of a dp rank compute one batch, so they take one path).
     """
     # fp64: Adam divides by the grads' magnitude, so the rounding noise of a grad that is
     # zero in exact arithmetic (the key bias's) would decide the result in fp32.
@@ -170,24 +219,29 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
     fp64 = mf_fsdp.MixedPrecisionPolicy(main_params_dtype=None)
     refs: dict[str, tuple] = {}
     for label, kwargs, opt_name, plan, micro in runs:
-        key = repr((sorted(plan.items(), key=repr), opt_name, micro))
-        if key not in refs:
-            refs[key] = reference(plan, opt_name, world, micro)
-        ref = refs[key]
         kwargs = dict(kwargs)
         recompute = kwargs.pop("recompute", False)
+        data_rank, data_world, tp_group, units = rank, world, None, unit_classes()
         if "mesh" in kwargs:
-            kwargs["device_mesh"] = cpu_mesh(*kwargs.pop("mesh"))
-        module = make_skipping()
+            mesh = kwargs["device_mesh"] = cpu_mesh(*kwargs.pop("mesh"))
+            if "tp_dim" in kwargs:
+                data_rank = mesh.get_local_rank(kwargs["dp_shard_dim"])
+                data_world = mesh.size(mesh.mesh_dim_names.index(kwargs["dp_shard_dim"]))
+                tp_group, units = mesh.get_group(kwargs["tp_dim"]), [TensorParallelBlock]
+        key = repr((sorted(plan.items(), key=repr), opt_name, data_world, micro))
+        if key not in refs:
+            refs[key] = reference(plan, opt_name, data_world, micro)
+        ref = refs[key]
+        module = make_skipping(tp_group)
         model, opt = mf_fsdp.fully_shard(
             module,
             make_optimizer(opt_name, module.parameters()),
-            fsdp_unit_modules=unit_classes(),
+            fsdp_unit_modules=units,
             mixed_precision_policy=fp64,
             **kwargs,
         )
         with record_collectives() as calls:
-            losses = _train(model, opt, rank, world, plan, micro, recompute)
+            losses = _train(model, opt, data_rank, world, plan, micro, recompute)
         _same_on_every_rank(calls, label)
         assert_matches_reference(losses, full_params(model), *ref, label, RTOL, ATOL)
 
@@ -307,6 +361,26 @@ def test_skipped_units_under_hsdp_at_world_4() -> None:
         unused = {**kwargs, "find_unused_parameters": True}
         runs.append((label, unused, "adam", HSDP_UNUSED, 1))
     run_on_ranks(_check_runs, 4, runs, timeout=300)
+
+
+TP_PLAN: Plan = {  # per dp rank: different blocks, the root's wpe, block 1 nowhere in step 2
+    (1, 0, 0): frozenset({0}),
+    (1, 1, 0): frozenset({2, "wpe"}),
+    (2, 0, 0): frozenset({1}),
+    (2, 1, 0): frozenset({0, 1}),
+    (3, 0, 0): frozenset({0, 1, 2}),
+}
+
+
+@pytest.mark.multiprocess
+def test_skipped_units_with_tensor_parallelism_at_world_4() -> None:
+    tp = {"mesh": ((2, 2), ("dp_shard", "tp")), "dp_shard_dim": "dp_shard", "tp_dim": "tp"}
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {**tp, "zero_dp_strategy": strategy}
+            runs.append((f"tp {opt_name} z{strategy}", kwargs, opt_name, TP_PLAN, 1))
+    run_on_ranks(_check_runs, 4, runs, timeout=180)
 
 
 _BLOCKS = st.frozensets(st.integers(0, BLOCKS - 1))
