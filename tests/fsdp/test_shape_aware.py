@@ -328,10 +328,45 @@ def _rank_partial_zero_grad(rank: int, world: int) -> None:
         model(*batch(1, rank)).backward()
 
 
+class _Container(torch.optim.Optimizer):
+    """An optimizer over the same parameters whose step steps inner ones (torchtitan's
+    ``OptimizersContainer`` is built so)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        super().__init__(params, {})
+
+    def step(self, closure=None) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _rank_container(rank: int, world: int) -> None:
+    """A container's step passes mf's hooks; its inner optimizers take them: as if alone."""
+    runs = []
+    for contained in (False, True):
+        model, _ = _wrap(make_model(), [])
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = _Container([adamw]) if contained else adamw
+        for step in range(2):
+            model(*batch(step, rank)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(full_params(model))
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.multiprocess
 def test_refusals_and_zero_grad_of_one_optimizer() -> None:
     run_on_ranks(_rank_refusals, 2, timeout=120)
     run_on_ranks(_rank_partial_zero_grad, 2, timeout=120)
+    run_on_ranks(_rank_container, 2, timeout=120)
 
 
 RECIPES = {"muon": muon_and_adamw, "adafactor": adafactor}

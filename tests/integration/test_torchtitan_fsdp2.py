@@ -47,6 +47,8 @@ from tests.integration.test_torchtitan_llama import _config, _initialised  # ski
 try:
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -226,6 +228,52 @@ def _rank_checkpoint(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.timeout(300)
 def test_mf_checkpoint_loads_into_torch_fsdp2_through_dcp(tmp_path) -> None:
     run_on_ranks(_rank_checkpoint, 2, str(tmp_path), timeout=280)
+
+
+def _titan_optimizers(model) -> OptimizersContainer:
+    """torchtitan's optimizer container (AdamW on every parameter, FQN-keyed state)."""
+    every = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})
+    config = OptimizersContainer.Config(param_groups=[every], implementation="foreach")
+    return OptimizersContainer(config, model_parts=[model])
+
+
+def _titan_states(model, optimizers: OptimizersContainer) -> tuple[ModelWrapper, dict]:
+    """What torchtitan's ``CheckpointManager`` gives DCP: the model's flat state dict
+    beside the optimizers' (``Stateful``) entry."""
+    wrapper = ModelWrapper(model)
+    return wrapper, {"optimizer": optimizers, **wrapper.state_dict()}
+
+
+def _rank_resume(rank: int, world: int, tmp: str) -> None:
+    """Saved through torchtitan's checkpoint wrappers by one engine, resumed by the other.
+
+    The resumed model starts from other weights and an empty optimizer: only what
+    was loaded makes its next AdamW steps equal to the run that went on.
+    """
+    engines = {"mf": fsdp2.fully_shard, "torch": torch_fully_shard}
+    for saver, loader in (("mf", "mf"), ("mf", "torch"), ("torch", "mf")):
+        path = str(Path(tmp) / f"{saver}-to-{loader}")
+        model = _parallelized(engines[saver], "float32", tmp)
+        optimizers = _titan_optimizers(model)
+        _train(model, optimizers, rank, world, range(2))
+        dcp.save(_titan_states(model, optimizers)[1], checkpoint_id=path)
+        went_on = _train(model, optimizers, rank, world, range(2, 4))
+
+        resumed = _parallelized(engines[loader], "float32", tmp, seed=1)
+        resumed_optimizers = _titan_optimizers(resumed)
+        wrapper, states = _titan_states(resumed, resumed_optimizers)
+        dcp.load(states, checkpoint_id=path)
+        wrapper.load_state_dict(states)
+        resumed_losses = _train(resumed, resumed_optimizers, rank, world, range(2, 4))
+        torch.testing.assert_close(
+            resumed_losses, went_on, rtol=1e-5, atol=1e-6, msg=f"{saver} -> {loader}"
+        )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torchtitan_checkpoints_resume_across_mf_and_torch_fsdp2(tmp_path) -> None:
+    run_on_ranks(_rank_resume, 2, str(tmp_path), timeout=380)
 
 
 def _rank_compiled(rank: int, world: int, tmp: str) -> None:

@@ -114,7 +114,23 @@ def _find_engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
     return list(engines.values())
 
 
+def _delegates(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a container whose ``step()`` steps inner torch optimizers.
+
+    torchtitan's ``OptimizersContainer`` (``optimizers``) and wrappers such as
+    Accelerate's (``optimizer``) are ``Optimizer`` subclasses over the same
+    parameters; the inner optimizers' own steps take the hooks below, so the
+    container's must pass.
+    """
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, list | tuple) and inner:
+        return all(isinstance(o, torch.optim.Optimizer) for o in inner)
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _delegates(optimizer):
+        return
     engines = _engines(optimizer)
     if not engines or initializing(optimizer):
         return
@@ -139,6 +155,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _delegates(optimizer):
+        return
     exit_local_step(optimizer)
     if initializing(optimizer):
         return
