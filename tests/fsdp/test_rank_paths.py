@@ -50,8 +50,9 @@ STEPS = 4
 BLOCKS = 3
 Plan = dict[tuple[int, int, int], frozenset]
 """(step, rank, micro-batch) -> what that rank skips: block indices, ``("mlp", i)`` (block
-i's MLP; plain GPT only) and "wpe" (a root parameter); absent keys skip nothing. Under
-TP the rank is the dp rank."""
+i's MLP; plain GPT only) and "wpe" (a root parameter); or runs more often: ``("twice", i)``
+(block i twice in a row), ``("again", i)`` (block i once more after the last block).
+Absent keys change nothing. Under TP the rank is the dp rank."""
 
 
 class SkippingBlock(Block):
@@ -89,6 +90,12 @@ class _Skipping:
                 x = self.blocks[index](x, mlp=False)
             else:
                 x = self.blocks[index](x)
+            if ("twice", index) in skip:  # applied twice in a row (shared weights)
+                x = self.blocks[index](x)
+        for index in sorted(
+            i for kind, i in (e for e in skip if isinstance(e, tuple)) if kind == "again"
+        ):
+            x = self.blocks[index](x)  # once more after the others (ZeRO-0/1 only)
         return self.loss(self.ln_f(x), targets)
 
 
@@ -431,7 +438,37 @@ def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, .
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", [0, 3])
-@pytest.mark.parametrize("order", [(2, 1, 0), (0, 0, 1, 2)], ids=["reversed", "twice"])
+@pytest.mark.parametrize(
+    ("strategy", "order"),
+    [(0, (2, 1, 0)), (3, (2, 1, 0)), (2, (0, 1, 0, 2)), (3, (0, 1, 0, 2))],
+    ids=["reversed-z0", "reversed-z3", "again-z2", "again-z3"],
+)
 def test_irreconcilable_orders_stop_every_rank(strategy: int, order: tuple[int, ...]) -> None:
     run_on_ranks(_rank_out_of_order, 2, strategy, order, timeout=60)
+
+
+REPEATS: Plan = {  # ranks run a unit more often than others, with no collective of its own
+    (1, 1, 0): frozenset({("twice", 1)}),
+    (2, 0, 0): frozenset({("twice", 0), 2}),
+    (3, 0, 0): frozenset({("twice", 2)}),
+    (3, 1, 0): frozenset({("twice", 2), ("twice", 0)}),
+}
+AGAIN: Plan = {  # a unit run again after others: only where grads reduce at the end (ZeRO-0/1)
+    (1, 1, 0): frozenset({("again", 0)}),
+    (2, 0, 0): frozenset({("again", 1), 2}),
+}
+
+
+@pytest.mark.multiprocess
+def test_units_run_again_while_gathered_train_exactly() -> None:
+    """A unit may run again while it is gathered: at once (ZeRO 0-3), or after other units
+    under ZeRO-0/1; the ranks may differ in how often."""
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {"zero_dp_strategy": strategy}
+            runs.append((f"twice {opt_name} z{strategy}", kwargs, opt_name, REPEATS, 1))
+    for strategy in (0, 1):
+        kwargs = {"zero_dp_strategy": strategy}
+        runs.append((f"again z{strategy}", kwargs, "adam", AGAIN, 1))
+    run_on_ranks(_check_runs, 2, runs, timeout=180)

@@ -93,10 +93,12 @@ class Unit:
     """One FSDP unit (or the root) and its per-iteration state.
 
     A unit of several modules (``members``, FSDP2's ``fully_shard([norm, output])``)
-    has hooks on each; its post-backward waits until the backward of every member
-    forward of the iteration has run (``pending``), or until the backward's end
-    when one of them had no input requiring grad. ``reshard_after_forward=False``
-    keeps the unit gathered from its forward to its backward (FSDP2's option).
+    has hooks on each. A unit may run more than once per forward while it is still
+    gathered (a group's members, a layer applied twice in a row); its post-backward
+    waits until the backward of every forward call of the iteration has run
+    (``pending``), or until the backward's end when one of them had no input
+    requiring grad. ``reshard_after_forward=False`` keeps the unit gathered from
+    its forward to its backward (FSDP2's option).
 
     ``index`` is the unit's place in the units' order (registration order; -1 for
     the root). Per forward: ``forwarded`` (its collectives were issued: it ran,
@@ -204,6 +206,7 @@ class UnitHooks:
         self._in_forward = False  # between the root's pre- and post-forward
         self._back = 0  # the reversed order: where the backward is (see _finish_before)
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
+        self._last: Unit | None = None  # the last unit that ran, gathered until the next
         self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
         self._queued: list[Unit] = []  # reductions waiting for the window to fill
         self._queued_numel = 0
@@ -246,7 +249,8 @@ class UnitHooks:
             self.store,
             f"mf_fsdp: rank {rank}, step {self._step()}: unit {unit.name!r} {what}. Every rank "
             f"runs the units in one order, the order the model registers them ({order}{more}), "
-            "each at most once per forward, and may skip any of them; the ranks stopped here "
+            "each once per forward (again only right after itself), and may skip any of them; "
+            "the ranks stopped here "
             "instead of exchanging mismatched collectives",
         )
 
@@ -263,6 +267,7 @@ class UnitHooks:
             unit.forwarded = unit.ran = False
             unit.pending = 0
         self._next = 0
+        self._last = None
         self._in_forward = True
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
@@ -282,6 +287,7 @@ class UnitHooks:
     @translated(_store)
     def root_post_forward(self, out: Any) -> Any:
         """Hook the root's pre-backward on ``out`` (or release the root without grad)."""
+        self._release_last()
         self._stand_in_forward(len(self._units))  # the units this rank skipped at the end
         self._in_forward = False
         for unit in self._units:  # group units stay gathered until the forward's end
@@ -306,16 +312,18 @@ class UnitHooks:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
-        if unit.members and unit.state is TrainingState.FORWARD and unit.ran:
-            # A later member of a group unit: the unit stays gathered between its
-            # members (see _unit_post_forward), so this issues no collective.
-            self._gather(unit, async_op=False)
+        if unit.ran and unit.state is TrainingState.FORWARD and self._may_run_again(unit):
+            # Run again while gathered (a layer applied twice in a row, a later member
+            # of a group unit): no collective, so the ranks may differ in how often.
+            self._gather(unit, async_op=False)  # waits for a prefetch still in flight
         else:
+            self._release_last()
             if unit.index != self._next and self._in_forward:  # a skip (or out of order)
                 if unit.index < self._next:
                     self._out_of_order(
                         unit,
-                        "ran twice in one forward"
+                        "ran again after another unit had run (ZeRO-3 had released it; "
+                        "under ZeRO-2/3 its backward would come before that unit's)"
                         if unit.forwarded and unit.ran
                         else f"ran after unit {self._units[self._next - 1].name!r}, which "
                         "comes after it",
@@ -324,12 +332,34 @@ class UnitHooks:
             self._next = unit.index + 1
             unit.ran = True
             self._forward_collectives(unit)
+        if not unit.members:
+            self._last = unit
         if not torch.is_grad_enabled():
             return None
-        if not unit.members:
-            return _thread_inputs(functools.partial(self._unit_post_backward, unit), args, kwargs)
-        unit.pending += 1  # undone by this member's backward, if its inputs thread one
-        return _thread_inputs(functools.partial(self._member_post_backward, unit), args, kwargs)
+        unit.pending += 1  # undone by this call's backward, if its inputs thread one
+        return _thread_inputs(functools.partial(self._call_post_backward, unit), args, kwargs)
+
+    def _may_run_again(self, unit: Unit) -> bool:
+        """Whether ``unit``, run already in this forward, may run again with no collective.
+
+        Its buckets must still be gathered. Under ZeRO-2/3 its backward must also
+        stay in its place of the reversed order: a group's member, or a run right
+        after its previous one (another unit in between would start the backward
+        with this unit before that one's).
+        """
+        if not (self._all_whole or not any(group.released for group in unit.groups)):
+            return False
+        return not self._strategy.shards_grads or bool(unit.members) or unit is self._last
+
+    def _release_last(self) -> None:
+        """Release the last unit that ran (if not kept): another unit runs, or the forward ends.
+
+        A unit stays gathered from its forward until then, so running it again at
+        once costs no collective.
+        """
+        last, self._last = self._last, None
+        if last is not None and last.state is TrainingState.FORWARD:
+            self._release_after_forward(last)
 
     def _forward_collectives(self, unit: Unit) -> None:
         """What a unit's forward starts: the same whether it runs or is stood in for."""
@@ -364,7 +394,9 @@ class UnitHooks:
         reductions and releases (backward) a rank running it issues, in the same
         place, without running the module. So every rank issues the same sequence of
         collectives, prefetch windows and coalesced batches included, whichever
-        units it ran; when every rank runs every unit nothing of this runs.
+        units it ran; when every rank runs every unit nothing of this runs. A unit
+        run again while still gathered (``_may_run_again``) issues nothing, so
+        ranks may run it unequally often.
         """
         while self._next < upto:
             unit = self._units[self._next]
@@ -378,8 +410,7 @@ class UnitHooks:
     ) -> None:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
-        if not unit.members:  # a group unit is released at the forward's end
-            self._release_after_forward(unit)
+        # Released when another unit runs (a group unit: at the forward's end).
         if self._strategy.shards_grads and torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
@@ -453,8 +484,8 @@ class UnitHooks:
     @translated(_store)
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         self._ensure_callback()
-        if unit.members and unit.state is TrainingState.PRE_BACKWARD:
-            return  # another member of the group started the unit's backward
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return  # another call of the unit (or member of the group) started its backward
         place = len(self._units) - 1 - unit.index
         if place != self._back:
             if unit.state is TrainingState.POST_BACKWARD or place < self._back:
@@ -478,8 +509,8 @@ class UnitHooks:
             for group in unit.groups:
                 group.begin_accumulate()
 
-    def _member_post_backward(self, unit: Unit) -> None:
-        """One member forward's backward of a group unit ran; the last one ends the unit's."""
+    def _call_post_backward(self, unit: Unit) -> None:
+        """The backward of one forward call of ``unit`` ran; the last one ends the unit's."""
         unit.pending -= 1
         if unit.pending == 0:
             self._unit_post_backward(unit)
