@@ -5,9 +5,11 @@ dispatch, kernel launches), not by the kernels. With the tiny preset on the
 CPU the compute is nearly nothing, so a step's CPU time is that host cost.
 
 Every engine is built in one process per rank (gloo, one intra-op thread) on
-the same model, and the engines take turns step by step, so the machine's
-drift (frequency, caches, neighbours) falls on all of them alike: separate
-processes per engine (``mf-bench``) differ by 10-20% on a shared machine.
+the same model, and the engines take turns step by step, in an order that
+turns every step, so the machine's drift (frequency, caches, neighbours) and
+what one engine leaves in the caches for the next fall on all of them alike:
+separate processes per engine (``mf-bench``) differ by 10-20% on a shared
+machine.
 Printed per engine (rank 0's): the median CPU ms of the main thread in the
 forward, the backward and the optimizer's ``step()`` + ``zero_grad()``, their
 total against plain PyTorch's, and the aten ops one step dispatches (torch's
@@ -68,7 +70,13 @@ def _build(name: str, preset: str, bf16: bool) -> tuple[nn.Module, torch.optim.O
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     model, optimizers = build_engine(name, GPT(PRESETS[preset]), mesh, 1e-3, "adam", bf16)
-    return model, optimizers[0]
+    optimizer = optimizers[0]
+    # What torch picks on a GPU (and mf everywhere): the multi-tensor kernels. On the
+    # CPU torch's default is the per-parameter loop, which would charge the baselines
+    # a GPU user never pays.
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    return model, optimizer
 
 
 def _step(
@@ -112,14 +120,31 @@ def measure(
     batch = (tokens[:, :-1], tokens[:, 1:])
     costs = {name: EngineCost(name) for name in engines}
     autocast = {name: bf16 and name in AUTOCAST for name in engines}
-    for step in range(warmup + steps):
-        for name, (model, opt) in built.items():
-            _step(model, opt, batch, autocast[name], costs[name] if step >= warmup else None)
+    _interleave(built, batch, autocast, costs, warmup, steps)
     for name, (model, opt) in built.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _step(model, opt, batch, autocast[name], None)
         costs[name].ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     return list(costs.values())
+
+
+def _interleave(
+    built: dict[str, tuple[nn.Module, torch.optim.Optimizer]],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    autocast: dict[str, bool],
+    costs: dict[str, EngineCost],
+    warmup: int,
+    steps: int,
+) -> None:
+    """Train every engine ``warmup + steps`` steps, taking turns; record after warm-up."""
+    for step in range(warmup + steps):
+        # The order turns every step, so each engine follows each other one equally
+        # often (a step pays for what the step before it left in the caches).
+        names = list(built)
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:
+            model, opt = built[name]
+            _step(model, opt, batch, autocast[name], costs[name] if step >= warmup else None)
 
 
 def report(costs: list[EngineCost]) -> list[str]:
