@@ -51,8 +51,9 @@ BLOCKS = 3
 Plan = dict[tuple[int, int, int], frozenset]
 """(step, rank, micro-batch) -> what that rank skips: block indices, ``("mlp", i)`` (block
 i's MLP; plain GPT only) and "wpe" (a root parameter); or runs more often: ``("twice", i)``
-(block i twice in a row), ``("again", i)`` (block i once more after the last block).
-Absent keys change nothing. Under TP the rank is the dp rank."""
+(block i twice in a row), ``("again", i)`` (block i once more after the last block); or
+calls the blocks in another order: ``("order", (2, 0, 1))``. Absent keys change nothing.
+Under TP the rank is the dp rank."""
 
 
 class SkippingBlock(Block):
@@ -79,6 +80,8 @@ class _Skipping:
         recompute: bool = False,
     ) -> torch.Tensor:
         x = self.wte(tokens)
+        if order is None:
+            order = next((e[1] for e in skip if isinstance(e, tuple) and e[0] == "order"), None)
         if "wpe" not in skip:
             x = x + self.wpe(torch.arange(tokens.shape[1]))
         for index in range(len(self.blocks)) if order is None else order:
@@ -472,3 +475,58 @@ def test_units_run_again_while_gathered_train_exactly() -> None:
         kwargs = {"zero_dp_strategy": strategy}
         runs.append((f"again z{strategy}", kwargs, "adam", AGAIN, 1))
     run_on_ranks(_check_runs, 2, runs, timeout=180)
+
+
+def _ordered(order: tuple[int, ...], *skips) -> frozenset:
+    return frozenset({("order", order), *skips})
+
+
+REORDERED: Plan = {  # one order on every rank, not the registration order, changing
+    **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(2)},  # learnt at the first step
+    (1, 0, 0): _ordered((2, 0, 1), 2),  # skips in the learnt order
+    (1, 1, 0): _ordered((2, 0, 1), 0, 1),
+    **{(2, rank, 0): _ordered((1, 2, 0)) for rank in range(2)},  # changed on every rank
+    (3, 0, 0): _ordered((0, 1, 2), 2),  # changed again, a rank skipping
+    (3, 1, 0): _ordered((0, 1, 2)),
+}
+REORDERED_APART: Plan = {  # a change met at different units: rank 0 skips block 2
+    **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(2)},
+    (1, 0, 0): _ordered((1, 2, 0), 2),  # 1, then 0 (behind the walk): chain (1, 0)
+    (1, 1, 0): _ordered((1, 2, 0)),  # 1, then 2 (behind the walk): chain (1, 2)
+    (2, 0, 0): _ordered((1, 2, 0), 1),
+    (2, 1, 0): _ordered((1, 2, 0)),
+    **{(3, rank, 0): _ordered((1, 2, 0)) for rank in range(2)},
+}
+
+
+@pytest.mark.multiprocess
+def test_one_order_on_every_rank_trains_exactly() -> None:
+    """Units called in another order than registered, the same on every rank (also when it
+    changes, and with ranks skipping different units of it): the ranks agree on it."""
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {"zero_dp_strategy": strategy}
+            runs.append((f"reordered {opt_name} z{strategy}", kwargs, opt_name, REORDERED, 1))
+    for strategy in (2, 3):
+        kwargs = {"zero_dp_strategy": strategy}
+        runs.append((f"apart z{strategy}", kwargs, "adam", REORDERED_APART, 1))
+    kwargs = {"zero_dp_strategy": 3, "recompute": True}
+    runs.append(("reordered recompute z3", kwargs, "adam", REORDERED, 1))
+    run_on_ranks(_check_runs, 2, runs, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_one_order_on_every_rank_under_hsdp_at_world_4() -> None:
+    mesh = ((2, 2), ("dp_outer", "dp_shard"))
+    hsdp = {"mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
+    plan: Plan = {
+        **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(4)},
+        **{(1, rank, 0): _ordered((2, 0, 1), rank % 3) for rank in range(4)},
+        **{(2, rank, 0): _ordered((1, 2, 0)) for rank in range(4)},
+    }
+    runs = []
+    for inner, outer in ((2, 0), (3, 1)):
+        kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
+        runs.append((f"hsdp reordered z{inner}/{outer}", kwargs, "adam", plan, 1))
+    run_on_ranks(_check_runs, 4, runs, timeout=240)
