@@ -34,6 +34,7 @@ import mf_tp
 from mf.models import GPT, GPTTensorParallel, TensorParallelBlock
 from mf.models.gpt import Block
 from mf_fsdp.buckets import collectives
+from mf_fsdp.engine.unit_order import merge_chains
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,
@@ -416,7 +417,15 @@ def test_any_skips_train_exactly(plan: Plan) -> None:
     run_on_ranks(_check_runs, 2, runs, timeout=120)
 
 
-def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, ...]) -> None:
+def _rank_out_of_order(
+    rank: int,
+    world: int,
+    strategy: int,
+    order: tuple[int, ...],
+    order0: tuple[int, ...] | None = None,
+    expected: str = "rank 1, step 1: unit 'blocks.",
+) -> None:
+    """Rank 1 (and rank 0, given ``order0``) calls the blocks in ``order`` in step 1."""
     module = make_skipping()
     model, opt = mf_fsdp.fully_shard(
         module,
@@ -428,7 +437,7 @@ def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, .
     def train() -> None:
         for step in range(STEPS):
             tokens, targets = batch(step, rank, 0)
-            path = order if (step, rank) == (1, 1) else None
+            path = {(1, 1): order, (1, 0): order0}.get((step, rank))
             model(tokens, targets, order=path).backward()
             opt.step()
             opt.zero_grad()
@@ -436,7 +445,7 @@ def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, .
     with pytest.raises(mf_fsdp.UnitOrderError) as caught:
         train()
     message = str(caught.value)
-    assert "rank 1, step 1: unit 'blocks." in message, message
+    assert expected in message, message
     assert "\n" not in message
 
 
@@ -530,3 +539,30 @@ def test_one_order_on_every_rank_under_hsdp_at_world_4() -> None:
         kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
         runs.append((f"hsdp reordered z{inner}/{outer}", kwargs, "adam", plan, 1))
     run_on_ranks(_check_runs, 4, runs, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_contradicting_changes_stop_every_rank() -> None:
+    """Both ranks change the order, in ways that contradict: they stop at the agreement."""
+    run_on_ranks(
+        _rank_out_of_order,
+        2,
+        3,
+        (0, 2, 1),
+        (2, 0, 1),
+        "had already run on another rank",
+        timeout=60,
+    )
+
+
+def test_merge_chains() -> None:
+    old = ["a", "b", "c", "d"]
+    assert merge_chains(old, {0: (3, ("c", "a")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)
+    # Different units met early (rank 0 skipped "a"): both chains hold.
+    assert merge_chains(old, {0: (3, ("c", "b")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)
+    assert merge_chains(old, {0: (2, ("b", "a"))}) == (["b", "a", "c", "d"], 1)
+    # Opposite orders: "b" came early on rank 0 after rank 1 ran it before "d".
+    opposite = merge_chains(old, {0: (3, ("c", "d", "b")), 1: (3, ("c", "b", "d"))})
+    assert "'b', early on rank 0, had already run" in opposite
+    assert "different units" in merge_chains(old, {0: (3, ("c", "a")), 1: (4, ("d", "a"))})
+    assert "already run" in merge_chains(old, {0: (3, ("c", "a")), 1: (3, ("a", "c", "b"))})

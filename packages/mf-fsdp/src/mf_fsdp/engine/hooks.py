@@ -104,8 +104,9 @@ class Unit:
     its forward to its backward (FSDP2's option).
 
     ``index`` is the unit's place in the units' order (the walk order, see
-    ``UnitHooks._reorder``; -1 for the root). Per forward: ``forwarded`` (its collectives were issued: it ran,
-    or it was skipped and stood in for) and ``ran`` (its module ran here).
+    ``UnitHooks._reorder``; -1 for the root). Per forward: ``forwarded`` (its
+    collectives were issued: it ran, or it was skipped and stood in for) and
+    ``ran`` (its module ran here).
     """
 
     __slots__ = (

@@ -16,12 +16,13 @@ result from the same posts (:func:`merge_chains`): the new order runs first
 the units any rank ran, then the others, keeping every chain's order and
 otherwise the old order. Ranks that skipped different units agree as well, as
 long as each met the change. They cannot agree, and every rank stops with
-``UnitOrderError``, when their chains contradict each other (two ranks ran two
-units in opposite orders), when their walks stand at different places, when
-one rank's new unit already ran on another, or when a rank does not post
-within ``WAIT``: it kept the old order (it ran the units in the old order, or
-skipped the units that changed). No collective runs here, and nothing runs on
-a rank that never meets a unit behind its walk.
+``UnitOrderError``, when their walks stand at different places, when one
+rank's early unit already ran on another (two ranks ran two units in opposite
+orders), or when a rank does not post
+within a quarter of the process group's timeout: it kept the old order (it ran
+the units in the old order, or skipped the units that changed). Units whose
+order no chain shows keep their old order. No collective runs here, and
+nothing runs on a rank that never meets a unit behind its walk.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["WAIT", "Chain", "OrderAgreement", "merge_chains"]
+__all__ = ["Chain", "OrderAgreement", "merge_chains"]
 
-WAIT = 15.0
-"""Seconds a rank waits for the other ranks' posts before it concludes that they kept the
-old order. The ranks that changed order arrive together (their last collective synchronised
-them), so this bounds only how late an irreconcilable order is reported."""
+_WAIT_SHARE = 4
+"""A rank waits for the other ranks' posts a quarter of the process group's timeout (the
+store's, which ``init_process_group`` sets to it) before it concludes that they kept the old
+order: long enough for ranks that meet one change apart in time (a late batch, a first
+step's compilation), short enough that the peers, stuck in a collective, get its message
+before their collective times out."""
 
 _POLL = 0.01
 _SERIAL = itertools.count()
@@ -72,9 +75,9 @@ def merge_chains(old: Sequence[str], chains: Mapping[int, Chain]) -> tuple[list[
     placed: set[str] = set()
     while len(order) < len(old):
         ready = [u for u in old if u not in placed and before[u] <= placed]
-        if not ready:
-            runs = {rank: list(chain) for rank, (_, chain) in chains.items()}
-            return f"ranks ran units in opposite orders (rank: units run, {runs})"
+        # Never empty: each chain ran in the old order up to its last unit, which no
+        # chain ran before it (checked above), so the chains cannot form a cycle.
+        assert ready  # internal invariant
         unit = min(ready, key=lambda u: (u not in ran, place_of[u]))
         order.append(unit)
         placed.add(unit)
@@ -95,9 +98,10 @@ class OrderAgreement:
         self._rank = dist.get_rank() if dist.is_initialized() else self._peers[0]
         self._prefix = f"mf_fsdp/unit_order/{next(_SERIAL)}/{'-'.join(map(str, self._peers))}"
         self._round = itertools.count()
+        self._wait = 0.0 if store is None else store.timeout.total_seconds() / _WAIT_SHARE
 
     def exchange(self, post: Chain) -> dict[int, Chain | None]:
-        """Every peer's post, by rank; None for a peer that posted nothing within ``WAIT``."""
+        """Every peer's post, by rank; None for a peer that posted nothing in time."""
         if len(self._peers) == 1:
             return {self._rank: post}
         if self._store is None:
@@ -105,7 +109,7 @@ class OrderAgreement:
         prefix = f"{self._prefix}/{next(self._round)}"
         self._store.set(f"{prefix}/{self._rank}", json.dumps(post))
         keys = {peer: f"{prefix}/{peer}" for peer in self._peers}
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + self._wait
         # Polled, not store.wait(): a wait that times out logs C++ warnings.
         while not self._store.check(list(keys.values())) and time.monotonic() < deadline:
             time.sleep(_POLL)
