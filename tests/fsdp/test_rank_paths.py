@@ -526,7 +526,8 @@ def test_one_order_on_every_rank_trains_exactly() -> None:
 
 
 @pytest.mark.multiprocess
-def test_one_order_on_every_rank_under_hsdp_at_world_4() -> None:
+def test_one_order_on_every_rank_at_world_4() -> None:
+    """HSDP (one agreement of 4 ranks) and TP x FSDP (one per TP rank, of its dp group)."""
     mesh = ((2, 2), ("dp_outer", "dp_shard"))
     hsdp = {"mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
     plan: Plan = {
@@ -538,6 +539,8 @@ def test_one_order_on_every_rank_under_hsdp_at_world_4() -> None:
     for inner, outer in ((2, 0), (3, 1)):
         kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
         runs.append((f"hsdp reordered z{inner}/{outer}", kwargs, "adam", plan, 1))
+    tp = {"mesh": ((2, 2), ("dp_shard", "tp")), "dp_shard_dim": "dp_shard", "tp_dim": "tp"}
+    runs.append(("tp reordered z3", {**tp, "zero_dp_strategy": 3}, "adam", REORDERED, 1))
     run_on_ranks(_check_runs, 4, runs, timeout=240)
 
 
