@@ -399,13 +399,15 @@ class UnitHooks:
     def _stand_in_forward(self, upto: int) -> None:
         """Issue the forward collectives of the units this rank skipped before index ``upto``.
 
-        [Note: ranks that skip units] Every rank walks the units in one order (their
-        registration order) and issues each unit's collectives in it: a unit it
+        [Note: ranks that skip units] Every rank walks the units in one order (first
+        their registration order, then as agreed, see ``_reorder``) and issues each
+        unit's collectives in it: a unit it
         skips gets the gathers and releases (forward) and the gathers, zero-grad
         reductions and releases (backward) a rank running it issues, in the same
         place, without running the module. So every rank issues the same sequence of
         collectives, prefetch windows and coalesced batches included, whichever
-        units it ran; when every rank runs every unit nothing of this runs. A unit
+        units it ran; when every rank runs every unit in that order nothing of this
+        runs. A unit
         run again while still gathered (``_may_run_again``) issues nothing, so
         ranks may run it unequally often.
         """
