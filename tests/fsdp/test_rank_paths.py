@@ -564,6 +564,8 @@ def test_merge_chains() -> None:
     # Different units met early (rank 0 skipped "a"): both chains hold.
     assert merge_chains(old, {0: (3, ("c", "b")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)
     assert merge_chains(old, {0: (2, ("b", "a"))}) == (["b", "a", "c", "d"], 1)
+    # The unit that came early goes right after the units run: "a" may still come later.
+    assert merge_chains(old, {0: (3, ("c", "b"))}) == (["c", "b", "a", "d"], 1)
     # Opposite orders: "b" came early on rank 0 after rank 1 ran it before "d".
     opposite = merge_chains(old, {0: (3, ("c", "d", "b")), 1: (3, ("c", "b", "d"))})
     assert "'b', early on rank 0, had already run" in opposite

@@ -13,16 +13,17 @@ default process group's store, where its walk is and the units it ran in this
 forward followed by that unit (its *chain*), and waits for the other ranks of
 its data-parallel group to post theirs. When all have, each computes the same
 result from the same posts (:func:`merge_chains`): the new order runs first
-the units any rank ran, then the others, keeping every chain's order and
-otherwise the old order. Ranks that skipped different units agree as well, as
-long as each met the change. They cannot agree, and every rank stops with
-``UnitOrderError``, when their walks stand at different places, when one
-rank's early unit already ran on another (two ranks ran two units in opposite
-orders), or when a rank does not post
-within a quarter of the process group's timeout: it kept the old order (it ran
-the units in the old order, or skipped the units that changed). Units whose
-order no chain shows keep their old order. No collective runs here, and
-nothing runs on a rank that never meets a unit behind its walk.
+the units any rank ran, then the units that came early, then the others,
+keeping every chain's order and otherwise the old order. Ranks that skipped
+different units agree as well, as long as each met the change at the same
+place of its walk: a rank further on has issued a gather the others have not,
+and waits in it. They cannot agree, and every rank stops with
+``UnitOrderError``, when their walks stand at different places, when their
+chains contradict each other (two ranks ran two units in opposite orders), or
+when a rank does not post within a quarter of the process group's timeout: it
+kept the old order (it ran the units in the old order, or skipped the units
+that changed). No collective runs here, and nothing runs on a rank that never
+meets a unit behind its walk.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def merge_chains(old: Sequence[str], chains: Mapping[int, Chain]) -> tuple[list[
     if len(set(places.values())) > 1:
         return f"the ranks' walks stood at different units (rank: units walked, {places})"
     ran = {unit for _, chain in chains.values() for unit in chain[:-1]}
+    early = {chain[-1] for _, chain in chains.values()}
     for rank, (_, chain) in chains.items():
         if chain[-1] in ran:
             return f"unit {chain[-1]!r}, early on rank {rank}, had already run on another rank"
@@ -78,7 +80,7 @@ def merge_chains(old: Sequence[str], chains: Mapping[int, Chain]) -> tuple[list[
         # Never empty: each chain ran in the old order up to its last unit, which no
         # chain ran before it (checked above), so the chains cannot form a cycle.
         assert ready  # internal invariant
-        unit = min(ready, key=lambda u: (u not in ran, place_of[u]))
+        unit = min(ready, key=lambda u: (u not in ran, u not in early, place_of[u]))
         order.append(unit)
         placed.add(unit)
     return order, len(ran)
