@@ -34,6 +34,7 @@ import mf_tp
 from mf.models import GPT, GPTTensorParallel, TensorParallelBlock
 from mf.models.gpt import Block
 from mf_fsdp.buckets import collectives
+from mf_fsdp.engine.unit_order import merge_chains
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,
@@ -51,8 +52,9 @@ BLOCKS = 3
 Plan = dict[tuple[int, int, int], frozenset]
 """(step, rank, micro-batch) -> what that rank skips: block indices, ``("mlp", i)`` (block
 i's MLP; plain GPT only) and "wpe" (a root parameter); or runs more often: ``("twice", i)``
-(block i twice in a row), ``("again", i)`` (block i once more after the last block).
-Absent keys change nothing. Under TP the rank is the dp rank."""
+(block i twice in a row), ``("again", i)`` (block i once more after the last block); or
+calls the blocks in another order: ``("order", (2, 0, 1))``. Absent keys change nothing.
+Under TP the rank is the dp rank."""
 
 
 class SkippingBlock(Block):
@@ -79,6 +81,8 @@ class _Skipping:
         recompute: bool = False,
     ) -> torch.Tensor:
         x = self.wte(tokens)
+        if order is None:
+            order = next((e[1] for e in skip if isinstance(e, tuple) and e[0] == "order"), None)
         if "wpe" not in skip:
             x = x + self.wpe(torch.arange(tokens.shape[1]))
         for index in range(len(self.blocks)) if order is None else order:
@@ -413,7 +417,15 @@ def test_any_skips_train_exactly(plan: Plan) -> None:
     run_on_ranks(_check_runs, 2, runs, timeout=120)
 
 
-def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, ...]) -> None:
+def _rank_out_of_order(
+    rank: int,
+    world: int,
+    strategy: int,
+    order: tuple[int, ...],
+    order0: tuple[int, ...] | None = None,
+    expected: str = "rank 1, step 1: unit 'blocks.",
+) -> None:
+    """Rank 1 (and rank 0, given ``order0``) calls the blocks in ``order`` in step 1."""
     module = make_skipping()
     model, opt = mf_fsdp.fully_shard(
         module,
@@ -425,7 +437,7 @@ def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, .
     def train() -> None:
         for step in range(STEPS):
             tokens, targets = batch(step, rank, 0)
-            path = order if (step, rank) == (1, 1) else None
+            path = {(1, 1): order, (1, 0): order0}.get((step, rank))
             model(tokens, targets, order=path).backward()
             opt.step()
             opt.zero_grad()
@@ -433,7 +445,7 @@ def _rank_out_of_order(rank: int, world: int, strategy: int, order: tuple[int, .
     with pytest.raises(mf_fsdp.UnitOrderError) as caught:
         train()
     message = str(caught.value)
-    assert "rank 1, step 1: unit 'blocks." in message, message
+    assert expected in message, message
     assert "\n" not in message
 
 
@@ -472,3 +484,90 @@ def test_units_run_again_while_gathered_train_exactly() -> None:
         kwargs = {"zero_dp_strategy": strategy}
         runs.append((f"again z{strategy}", kwargs, "adam", AGAIN, 1))
     run_on_ranks(_check_runs, 2, runs, timeout=180)
+
+
+def _ordered(order: tuple[int, ...], *skips) -> frozenset:
+    return frozenset({("order", order), *skips})
+
+
+REORDERED: Plan = {  # one order on every rank, not the registration order, changing
+    **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(2)},  # learnt at the first step
+    (1, 0, 0): _ordered((2, 0, 1), 2),  # skips in the learnt order
+    (1, 1, 0): _ordered((2, 0, 1), 0, 1),
+    **{(2, rank, 0): _ordered((1, 2, 0)) for rank in range(2)},  # changed on every rank
+    (3, 0, 0): _ordered((0, 1, 2), 2),  # changed again, a rank skipping
+    (3, 1, 0): _ordered((0, 1, 2)),
+}
+REORDERED_APART: Plan = {  # a change met at different units: rank 0 skips block 2
+    **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(2)},
+    (1, 0, 0): _ordered((1, 2, 0), 2),  # 1, then 0 (behind the walk): chain (1, 0)
+    (1, 1, 0): _ordered((1, 2, 0)),  # 1, then 2 (behind the walk): chain (1, 2)
+    (2, 0, 0): _ordered((1, 2, 0), 1),
+    (2, 1, 0): _ordered((1, 2, 0)),
+    **{(3, rank, 0): _ordered((1, 2, 0)) for rank in range(2)},
+}
+
+
+@pytest.mark.multiprocess
+def test_one_order_on_every_rank_trains_exactly() -> None:
+    """Units called in another order than registered, the same on every rank (also when it
+    changes, and with ranks skipping different units of it): the ranks agree on it."""
+    runs = []
+    for opt_name in ("sgd", "adam"):
+        for strategy in range(4):
+            kwargs = {"zero_dp_strategy": strategy}
+            runs.append((f"reordered {opt_name} z{strategy}", kwargs, opt_name, REORDERED, 1))
+    for strategy in (2, 3):
+        kwargs = {"zero_dp_strategy": strategy}
+        runs.append((f"apart z{strategy}", kwargs, "adam", REORDERED_APART, 1))
+    kwargs = {"zero_dp_strategy": 3, "recompute": True}
+    runs.append(("reordered recompute z3", kwargs, "adam", REORDERED, 1))
+    run_on_ranks(_check_runs, 2, runs, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_one_order_on_every_rank_at_world_4() -> None:
+    """HSDP (one agreement of 4 ranks) and TP x FSDP (one per TP rank, of its dp group)."""
+    mesh = ((2, 2), ("dp_outer", "dp_shard"))
+    hsdp = {"mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
+    plan: Plan = {
+        **{(0, rank, 0): _ordered((2, 0, 1)) for rank in range(4)},
+        **{(1, rank, 0): _ordered((2, 0, 1), rank % 3) for rank in range(4)},
+        **{(2, rank, 0): _ordered((1, 2, 0)) for rank in range(4)},
+    }
+    runs = []
+    for inner, outer in ((2, 0), (3, 1)):
+        kwargs = {**hsdp, "zero_dp_strategy": inner, "outer_dp_sharding_strategy": outer}
+        runs.append((f"hsdp reordered z{inner}/{outer}", kwargs, "adam", plan, 1))
+    tp = {"mesh": ((2, 2), ("dp_shard", "tp")), "dp_shard_dim": "dp_shard", "tp_dim": "tp"}
+    runs.append(("tp reordered z3", {**tp, "zero_dp_strategy": 3}, "adam", REORDERED, 1))
+    run_on_ranks(_check_runs, 4, runs, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_contradicting_changes_stop_every_rank() -> None:
+    """Both ranks change the order, in ways that contradict: they stop at the agreement."""
+    run_on_ranks(
+        _rank_out_of_order,
+        2,
+        3,
+        (0, 2, 1),
+        (2, 0, 1),
+        "had already run on another rank",
+        timeout=60,
+    )
+
+
+def test_merge_chains() -> None:
+    old = ["a", "b", "c", "d"]
+    assert merge_chains(old, {0: (3, ("c", "a")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)
+    # Different units met early (rank 0 skipped "a"): both chains hold.
+    assert merge_chains(old, {0: (3, ("c", "b")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)
+    assert merge_chains(old, {0: (2, ("b", "a"))}) == (["b", "a", "c", "d"], 1)
+    # The unit that came early goes right after the units run: "a" may still come later.
+    assert merge_chains(old, {0: (3, ("c", "b"))}) == (["c", "b", "a", "d"], 1)
+    # Opposite orders: "b" came early on rank 0 after rank 1 ran it before "d".
+    opposite = merge_chains(old, {0: (3, ("c", "d", "b")), 1: (3, ("c", "b", "d"))})
+    assert "'b', early on rank 0, had already run" in opposite
+    assert "different units" in merge_chains(old, {0: (3, ("c", "a")), 1: (4, ("d", "a"))})
+    assert "already run" in merge_chains(old, {0: (3, ("c", "a")), 1: (3, ("a", "c", "b"))})

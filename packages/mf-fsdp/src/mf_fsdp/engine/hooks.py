@@ -17,9 +17,11 @@ Hooks (per unit, registered once):
   the engine's end-of-backward step (micro-batch count, auto-sync).
 
 Ranks may skip units (see [Note: ranks that skip units]): every rank walks the
-units in their registration order and issues a skipped unit's collectives in
-its place, in the forward (``_stand_in_forward``) and in the backward
-(``_finish_before``); an order it cannot fit stops every rank
+units in one order and issues a skipped unit's collectives in its place, in the
+forward (``_stand_in_forward``) and in the backward (``_finish_before``). The
+order starts as the registration order; a unit called before units the walk
+has passed makes the ranks agree on a new one (``_reorder``,
+``engine/unit_order.py``); an order they cannot agree on stops every rank
 (``engine/rank_paths.py``).
 
 A forward seen while a unit is already in backward is activation
@@ -43,7 +45,7 @@ or touch the optimizer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -57,6 +59,7 @@ from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
+from mf_fsdp.engine.unit_order import OrderAgreement, merge_chains
 
 __all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks", "eager"]
 
@@ -100,9 +103,10 @@ class Unit:
     requiring grad. ``reshard_after_forward=False`` keeps the unit gathered from
     its forward to its backward (FSDP2's option).
 
-    ``index`` is the unit's place in the units' order (registration order; -1 for
-    the root). Per forward: ``forwarded`` (its collectives were issued: it ran,
-    or it was skipped and stood in for) and ``ran`` (its module ran here).
+    ``index`` is the unit's place in the units' order (the walk order, see
+    ``UnitHooks._reorder``; -1 for the root). Per forward: ``forwarded`` (its
+    collectives were issued: it ran, or it was skipped and stood in for) and
+    ``ran`` (its module ran here).
     """
 
     __slots__ = (
@@ -158,8 +162,9 @@ class UnitHooks:
 
     Args:
         root: the root unit (parameters outside every unit); driven by ``forward``.
-        units: the FSDP units, in the units' order (see [Note: ranks that skip units]);
-            a forward pre-hook and post-hook is registered on each.
+        units: the FSDP units, in registration order (the walk's first order, see
+            [Note: ranks that skip units]); a forward pre-hook and post-hook is
+            registered on each.
         groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
         strategy: the engine's ZeRO strategy.
         ddp_config: overlap options (read at each use, so later edits take effect).
@@ -172,6 +177,8 @@ class UnitHooks:
             modules hold the sharded parameters (a released bucket's compute views
             have no storage).
         step: the optimizer step the engine is in (for error messages).
+        peers: the global ranks of the data-parallel group, which agree on a new
+            order (default: every rank of the default group).
     """
 
     def __init__(
@@ -186,9 +193,11 @@ class UnitHooks:
         on_backward_end: Callable[[], None],
         on_idle: Callable[[], None],
         step: Callable[[], int] = lambda: 0,
+        peers: Sequence[int] | None = None,
     ) -> None:
         self._root = root
         self._units = units
+        self._order = list(units)  # the walk order
         self._reversed = units[::-1]
         self._groups = groups
         self._strategy = strategy
@@ -199,6 +208,9 @@ class UnitHooks:
         self._on_idle = on_idle
         self._step = step
         self.store = default_store()  # see [Note: stopping every rank]
+        if peers is None:
+            peers = range(dist.get_world_size()) if dist.is_initialized() else [0]
+        self._agreement = OrderAgreement(self.store, peers)
         self._callback_queued = False
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
@@ -242,15 +254,15 @@ class UnitHooks:
 
     def _out_of_order(self, unit: Unit, what: str) -> NoReturn:
         """Stop every rank: ``unit`` cannot be fitted into the units' order (see rank_paths)."""
-        order = ", ".join(repr(u.name) for u in self._units[:8])
-        more = ", ..." if len(self._units) > 8 else ""
+        order = ", ".join(repr(u.name) for u in self._order[:8])
+        more = ", ..." if len(self._order) > 8 else ""
         rank = dist.get_rank() if dist.is_initialized() else 0
         stop_every_rank(
             self.store,
             f"mf_fsdp: rank {rank}, step {self._step()}: unit {unit.name!r} {what}. Every rank "
-            f"runs the units in one order, the order the model registers them ({order}{more}), "
-            "each once per forward (again only right after itself), and may skip any of them; "
-            "the ranks stopped here "
+            f"walks the units in one order (here {order}{more}; first the registration order, "
+            "changed where every rank meets the change), each once per forward (again only "
+            "right after itself), and may skip any of them; the ranks stopped here "
             "instead of exchanging mismatched collectives",
         )
 
@@ -318,16 +330,15 @@ class UnitHooks:
             self._gather(unit, async_op=False)  # waits for a prefetch still in flight
         else:
             self._release_last()
-            if unit.index != self._next and self._in_forward:  # a skip (or out of order)
+            if unit.index != self._next and self._in_forward:  # a skip (or a new order)
                 if unit.index < self._next:
-                    self._out_of_order(
-                        unit,
-                        "ran again after another unit had run (ZeRO-3 had released it; "
-                        "under ZeRO-2/3 its backward would come before that unit's)"
-                        if unit.forwarded and unit.ran
-                        else f"ran after unit {self._units[self._next - 1].name!r}, which "
-                        "comes after it",
-                    )
+                    if unit.forwarded and unit.ran:
+                        self._out_of_order(
+                            unit,
+                            "ran again after another unit had run (ZeRO-3 had released it; "
+                            "under ZeRO-2/3 its backward would come before that unit's)",
+                        )
+                    self._reorder(unit)
                 self._stand_in_forward(unit.index)
             self._next = unit.index + 1
             unit.ran = True
@@ -388,21 +399,55 @@ class UnitHooks:
     def _stand_in_forward(self, upto: int) -> None:
         """Issue the forward collectives of the units this rank skipped before index ``upto``.
 
-        [Note: ranks that skip units] Every rank walks the units in one order (their
-        registration order) and issues each unit's collectives in it: a unit it
+        [Note: ranks that skip units] Every rank walks the units in one order (first
+        their registration order, then as agreed, see ``_reorder``) and issues each
+        unit's collectives in it: a unit it
         skips gets the gathers and releases (forward) and the gathers, zero-grad
         reductions and releases (backward) a rank running it issues, in the same
         place, without running the module. So every rank issues the same sequence of
         collectives, prefetch windows and coalesced batches included, whichever
-        units it ran; when every rank runs every unit nothing of this runs. A unit
+        units it ran; when every rank runs every unit in that order nothing of this
+        runs. A unit
         run again while still gathered (``_may_run_again``) issues nothing, so
         ranks may run it unequally often.
         """
         while self._next < upto:
-            unit = self._units[self._next]
+            unit = self._order[self._next]
             self._next += 1
             self._forward_collectives(unit)
             self._release_after_forward(unit)
+
+    def _reorder(self, unit: Unit) -> None:
+        """``unit`` is called after the walk passed it: agree on a new order, or stop every rank.
+
+        Every rank that meets such a unit posts its chain (the units it ran in
+        this forward, then ``unit``) and takes the order all chains merge into
+        (see [Note: agreeing on an order]); the walk goes on in it from the end
+        of the units any rank ran, so a unit the walk passes again is gathered
+        again, by every rank alike. Costs nothing until a unit comes early.
+        """
+        passed = self._order[self._next - 1].name
+        chain = (*(u.name for u in self._fwd_order if u.ran), unit.name)
+        posts = self._agreement.exchange((self._next, chain))
+        chains = {rank: post for rank, post in posts.items() if post is not None}
+        missing = sorted(set(posts) - set(chains))
+        if missing:
+            self._out_of_order(
+                unit,
+                f"ran after unit {passed!r}, which comes after it, and rank(s) {missing} kept "
+                "that order (ran those units in it, or skipped the ones that changed)",
+            )
+        merged = merge_chains([u.name for u in self._order], chains)
+        if isinstance(merged, str):
+            self._out_of_order(unit, f"ran after unit {passed!r}, which comes after it: {merged}")
+        names, done = merged
+        by_name = {u.name: u for u in self._units}
+        self._order = [by_name[name] for name in names]
+        self._reversed = self._order[::-1]
+        for index, walked in enumerate(self._order):
+            walked.index = index
+        self._next = done
+        self._fwd_order = self._order[:done]
 
     @translated(_store)
     def _unit_post_forward(

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
@@ -260,6 +261,9 @@ class MegatronFSDP(nn.Module):
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
             step=lambda: self.sync_policy.steps,
+            peers=dist.get_process_group_ranks(dist_index.get_dp_group())
+            if dist.is_initialized()
+            else None,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).

@@ -74,10 +74,14 @@ def _tear_down() -> None:
 
 
 def stop_every_rank(store: dist.Store | None, message: str) -> NoReturn:
-    """Post ``message`` for the other ranks, tear the groups down, raise it here."""
+    """Post ``message`` for the other ranks, tear the groups down, raise it here.
+
+    The first message posted wins: where several ranks stop at once (ranks that
+    could not agree on an order, ``engine/unit_order.py``), each raises that one.
+    """
     if store is not None:
         with contextlib.suppress(RuntimeError, ValueError):  # gone: the peers time out instead
-            store.set(_KEY, message)
+            message = store.compare_set(_KEY, "", message).decode()
     _tear_down()
     raise UnitOrderError(message)
 
