@@ -20,7 +20,8 @@ place of its walk: a rank further on has issued a gather the others have not,
 and waits in it. They cannot agree, and every rank stops with
 ``UnitOrderError``, when their walks stand at different places, when their
 chains contradict each other (two ranks ran two units in opposite orders), or
-when a rank does not post within a quarter of the process group's timeout: it
+when a rank does not post within a quarter of the process group's timeout (30 s
+at most): it
 kept the old order (it ran the units in the old order, or skipped the units
 that changed). No collective runs here, and nothing runs on a rank that never
 meets a unit behind its walk.
@@ -38,11 +39,14 @@ import torch.distributed as dist
 __all__ = ["Chain", "OrderAgreement", "merge_chains"]
 
 _WAIT_SHARE = 4
+_WAIT_MAX = 30.0
 """A rank waits for the other ranks' posts a quarter of the process group's timeout (the
-store's, which ``init_process_group`` sets to it) before it concludes that they kept the old
-order: long enough for ranks that meet one change apart in time (a late batch, a first
-step's compilation), short enough that the peers, stuck in a collective, get its message
-before their collective times out."""
+store's, which ``init_process_group`` sets to it), at most ``_WAIT_MAX`` seconds, before it
+concludes that they kept the old order: long enough for ranks that meet one change apart in
+time (a late batch, a first step's compilation), short enough that the peers, stuck in a
+collective, get its message before their collective times out, and that a program whose
+ranks run units in contradicting orders stops in seconds, not in minutes (gloo's default
+timeout is 30 minutes)."""
 
 _POLL = 0.01
 _SERIAL = itertools.count()
@@ -100,7 +104,9 @@ class OrderAgreement:
         self._rank = dist.get_rank() if dist.is_initialized() else self._peers[0]
         self._prefix = f"mf_fsdp/unit_order/{next(_SERIAL)}/{'-'.join(map(str, self._peers))}"
         self._round = itertools.count()
-        self._wait = 0.0 if store is None else store.timeout.total_seconds() / _WAIT_SHARE
+        self._wait = (
+            0.0 if store is None else min(store.timeout.total_seconds() / _WAIT_SHARE, _WAIT_MAX)
+        )
 
     def exchange(self, post: Chain) -> dict[int, Chain | None]:
         """Every peer's post, by rank; None for a peer that posted nothing in time."""
