@@ -737,3 +737,112 @@ def test_nontensor_activations() -> None:
     Kept: every container type (list, namedtuple, tuple, dict).
     """
     run_on_ranks(_rank_nontensor_activations, WORLD)
+
+
+# ------------------------------------------------------- more of test_fully_shard_training.py
+def _rank_root_no_forward_inputs(rank: int, world: int) -> None:
+    case = torch_case()
+
+    class ParameterOnlyModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self) -> torch.Tensor:
+            return self.weight @ self.weight
+
+    model = ParameterOnlyModule()
+    fully_shard(model)
+    out = model()
+    case.assertEqual(out.shape, (4, 4))
+    out.sum().backward()
+
+
+@pytest.mark.multiprocess
+def test_root_no_forward_inputs() -> None:
+    """``test_fully_shard_training.py::TestFullyShardForwardInputs::test_root_no_forward_inputs``."""
+    run_on_ranks(_rank_root_no_forward_inputs, WORLD)
+
+
+def _rank_layer_by_layer(rank: int, world: int) -> None:
+    import gc
+
+    dim, n_blocks = 16, 8
+
+    class SimpleBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.linear = nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(self.norm(x))
+
+    class LayerByLayerModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = LayerByLayerModel()
+    for _ in range(n_blocks):
+        block = SimpleBlock()
+        model.blocks.append(block)
+        fully_shard(block)
+        gc.collect()
+    fully_shard(model)
+    model(torch.randn(2, 4, dim)).sum().backward()
+
+
+@pytest.mark.multiprocess
+def test_layer_by_layer_shard_no_false_positive() -> None:
+    """``...::TestFullyShardSharedParams::test_layer_by_layer_shard_no_false_positive``."""
+    run_on_ranks(_rank_layer_by_layer, WORLD)
+
+
+def _rank_double_forward(rank: int, world: int) -> None:
+    from torch.distributed._composable import checkpoint
+
+    case = torch_case()
+    for reshard_after_forward, checkpoint_impl in itertools.product(
+        [True, False], ["composable", "utils"]
+    ):  # torch's subtests
+        torch.manual_seed(42)
+        vocab_size = 1024
+        args = ModelArgs(
+            n_layers=3,
+            n_heads=4,
+            vocab_size=vocab_size,
+            max_seq_len=64,
+            dropout_p=0,
+            checkpoint_activations=(checkpoint_impl == "utils"),
+        )
+        model = Transformer(args)
+        if checkpoint_impl == "composable":
+            for module in model.modules():
+                if isinstance(module, TransformerBlock):
+                    checkpoint(module)
+        for layer in model.layers:
+            fully_shard(layer.attention, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer.feed_forward, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        torch.manual_seed(42 + rank)
+        inp1 = torch.randint(0, vocab_size, (2, 32))
+        inp2 = torch.randint(0, vocab_size, (2, 32))
+        out1, out2 = model(inp1), model(inp2)  # the DPO pattern
+        ((out1.sum() - out2.sum()).pow(2)).backward()
+        for param in model.parameters():
+            if param.requires_grad:
+                case.assertIsNotNone(param.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xfail(strict=True, reason="units nested below other units are refused")
+def test_double_forward_with_nested_fsdp_and_checkpoint() -> None:
+    """``...::TestFullyShard1DTrainingCompose::test_double_forward_with_nested_fsdp_and_checkpoint``."""
+    run_on_ranks(_rank_double_forward, WORLD)
