@@ -9,14 +9,14 @@ assertions (torch's ``assertEqual`` tolerances); only the harness differs
 torch runs most of them at 4 or 8 ranks; here 2 (4 where HSDP needs it).
 
 Scenarios mf cannot run yet are ``xfail(strict=True)`` with the reason, so they
-flip when the feature lands; mixed-precision ones are in
-``test_fsdp2_conformance_state`` with the state-dict ones. The README's
-"torch's FSDP2 tests on mf" lists all of them.
+flip when the feature lands. This module holds torch's training tests;
+``test_fsdp2_conformance_autograd`` the autograd and ignored-parameter ones,
+``test_fsdp2_conformance_state`` the mixed-precision and state-dict ones. The
+README's "torch's FSDP2 tests on mf" lists all of them.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import itertools
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.common_fsdp import MLP, DoubleLinear
+from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     ModelArgs,
     Transformer,
@@ -567,176 +567,6 @@ def _rank_grouped_cast(rank: int, world: int) -> None:
 def test_grouped_module_cast_forward_inputs() -> None:
     """``...::TestFullyShard1DTrainingCompose::test_grouped_module_cast_forward_inputs``."""
     run_on_ranks(_rank_grouped_cast, WORLD)
-
-
-# ---------------------------------------------------------------- test_fully_shard_autograd.py
-def _global_batch_step(case, rank, world, model, ref_model, loss_fn, optims, iter_idx) -> None:
-    """One step of torch's autograd tests: the reference on the global batch, mf on this rank's.
-
-    The reference's gradients are its global-batch sums divided by the world size (torch's
-    ``_reduce_1d_partial_grads``); mf's loss is all-reduced (partial -> replicated).
-    """
-    local_batch_size, dim = 2, 24
-    global_inp = torch.rand((world * local_batch_size, dim))
-    local_inp = global_inp[rank * local_batch_size : (rank + 1) * local_batch_size].detach()
-    losses = []
-    for each, inp in ((ref_model, global_inp), (model, local_inp)):
-        losses.append(loss_fn(each(inp)))
-        losses[-1].backward()
-    for param in ref_model.parameters():
-        if param.grad is not None:
-            param.grad.div_(world)
-    dist.all_reduce(losses[1])
-    case.assertEqual(losses[0], losses[1])
-    check_sharded_parity(case, ref_model, model)
-    for each in optims:
-        each.step()
-        each.zero_grad(set_to_none=bool(iter_idx % 2))
-
-
-def _rank_unused_output(rank: int, world: int) -> None:
-    case = torch_case()
-    local_batch_size, dim = 2, 24
-    for reshard_after_forward in (True, False):  # torch's subtests
-        torch.manual_seed(42)
-        model = DoubleLinear(dim=dim, use_second_linear=True)
-        ref_model = copy.deepcopy(model)
-        fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)  # same on all ranks
-        for iter_idx in range(10):
-            # both outputs in the loss for 3 steps, then the first alone
-            global_inp = torch.rand((world * local_batch_size, dim))
-            local_inp = global_inp[rank * local_batch_size : (rank + 1) * local_batch_size]
-            out1, out2 = model(local_inp.detach())
-            loss = (out1 * out2).sum() if iter_idx < 3 else out1.sum()
-            loss.backward()
-            optim.step()
-            ref_out1, ref_out2 = ref_model(global_inp)
-            ref_loss = (ref_out1 * ref_out2).sum() if iter_idx < 3 else ref_out1.sum()
-            ref_loss.backward()
-            for param in ref_model.parameters():
-                if param.grad is not None:  # torch's _reduce_1d_partial_grads
-                    param.grad.div_(world)
-            ref_optim.step()
-            dist.all_reduce(loss)  # partial -> replicated
-            case.assertEqual(loss, ref_loss)
-            optim.zero_grad(set_to_none=bool(iter_idx % 2))
-            ref_optim.zero_grad(set_to_none=bool(iter_idx % 2))
-            check_sharded_parity(case, ref_model, model)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parameter no rank used keeps a zero gradient where FSDP2 leaves None, so "
-    "Adam moves it by its momentum",
-)
-def test_unused_forward_output() -> None:
-    """``test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_output``.
-
-    Kept: ``reshard_after_forward`` True and False (2: see ``test_train_parity_multi_group``).
-    """
-    run_on_ranks(_rank_unused_output, WORLD)
-
-
-def _train_global_batch(case, rank, world, model, ref_model) -> None:
-    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    torch.manual_seed(1)  # same on all ranks
-    for iter_idx in range(10):
-        _global_batch_step(
-            case, rank, world, model, ref_model, torch.sum, (optim, ref_optim), iter_idx
-        )
-
-
-def _rank_unused_module(rank: int, world: int) -> None:
-    case = torch_case()
-    for reshard_after_forward in (True, False):  # torch's subtests
-        torch.manual_seed(42)
-        model = DoubleLinear(dim=24, use_second_linear=False)
-        ref_model = copy.deepcopy(model)
-        fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
-        fully_shard(model.lin2, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        _train_global_batch(case, rank, world, model, ref_model)
-
-
-@pytest.mark.multiprocess
-def test_unused_forward_module() -> None:
-    """``test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_module``.
-
-    Kept: ``reshard_after_forward`` True and False (2: see ``test_train_parity_multi_group``).
-    """
-    run_on_ranks(_rank_unused_module, WORLD)
-
-
-class _ContainerModule(nn.Module):
-    """torch's scenario: two linears on the first item of a container, packed back alike."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(dim, dim)
-        self.lin2 = nn.Linear(dim, dim)
-        self.relu = nn.ReLU()
-
-    def forward(self, inp: Any) -> Any:
-        compute = lambda x: self.relu(self.lin2(self.relu(self.lin1(x))))  # noqa: E731
-        if isinstance(inp, list):
-            return [compute(inp[0])]
-        if isinstance(inp, tuple) and hasattr(inp, "_fields"):
-            return type(inp)(compute(inp[0]), *inp[1:])
-        if isinstance(inp, tuple):
-            return (compute(inp[0]),)
-        return {"x": compute(inp["x"])}
-
-
-_NT = collections.namedtuple("_NT", "x y")
-
-
-class _ToContainer(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def forward(self, x: torch.Tensor) -> Any:
-        return {"list": [x], "namedtuple": _NT(x, torch.ones_like(x)), "tuple": (x,)}.get(
-            self.kind, {"x": x}
-        )
-
-
-class _FromContainer(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def forward(self, x: Any) -> torch.Tensor:
-        return x["x"] if self.kind == "dict" else x[0]
-
-
-def _rank_nontensor_activations(rank: int, world: int) -> None:
-    case = torch_case()
-    for kind in ("list", "namedtuple", "tuple", "dict"):  # torch's subtests
-        torch.manual_seed(42)
-        model = nn.Sequential(
-            _ToContainer(kind), *(_ContainerModule(24) for _ in range(3)), _FromContainer(kind)
-        )
-        ref_model = copy.deepcopy(model)
-        for module in model:
-            fully_shard(module)
-        fully_shard(model)
-        _train_global_batch(case, rank, world, model, ref_model)
-
-
-@pytest.mark.multiprocess
-def test_nontensor_activations() -> None:
-    """``test_fully_shard_autograd.py::TestFullyShardAutograd::test_nontensor_activations``.
-
-    Kept: every container type (list, namedtuple, tuple, dict).
-    """
-    run_on_ranks(_rank_nontensor_activations, WORLD)
 
 
 # ------------------------------------------------------- more of test_fully_shard_training.py

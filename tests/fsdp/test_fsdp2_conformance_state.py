@@ -1,4 +1,4 @@
-"""torch's FSDP2 mixed-precision, state-dict and ignored-parameter tests, on mf's ``fully_shard``.
+"""torch's FSDP2 mixed-precision and state-dict tests, against ``mf_fsdp.fsdp2.fully_shard``.
 
 The companion of ``test_fsdp2_conformance`` (same harness, same rules: torch's
 scenario and assertions, gloo ranks, the reference cut in mf's layout). A torch
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import SaveForwardInputsModel
@@ -578,112 +578,3 @@ def _rank_full_state_dict(rank: int, world: int) -> None:
 def test_rank0_offload_full_state_dict() -> None:
     """``...::TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict``."""
     run_on_ranks(_rank_full_state_dict, WORLD)
-
-
-# ---------------------------------------------------------- test_fully_shard_ignore_params.py
-class _C(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.lin_c = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin_c(x)
-
-
-class _B(nn.Module):
-    def __init__(self, dim: int, subtrahend: torch.Tensor) -> None:
-        super().__init__()
-        self.lin_b = nn.Linear(dim, dim)
-        self.module_c = _C(dim)
-        self.subtrahend = nn.Parameter(subtrahend)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin_b(self.module_c(x)) - self.subtrahend
-
-
-class _A(nn.Module):
-    def __init__(self, dim: int, addend: torch.Tensor, subtrahend: torch.Tensor) -> None:
-        super().__init__()
-        self.module_b = _B(dim, subtrahend)
-        self.addend = nn.Parameter(addend)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.module_b(x) + self.addend).sum()
-
-
-def _model_and_input() -> tuple[nn.Module, torch.Tensor]:
-    """torch's ``_generate_model_and_input`` (its seeds), on the CPU."""
-    dim = 8
-    torch.manual_seed(42)
-    addend = torch.randn((dim, dim))
-    torch.manual_seed(70)
-    subtrahend = torch.randn((dim, dim))
-    model = _A(dim, addend, subtrahend)
-    torch.manual_seed(84)
-    return model, torch.randn((dim, dim))
-
-
-def _rank_ddp_fsdp_ddp(rank: int, world: int) -> None:
-    from torch.distributed.tensor.experimental import implicit_replication
-    from torch.nn.parallel import DistributedDataParallel
-
-    case = torch_case()
-    mesh = init_device_mesh("cpu", (world,))
-    ref_model, ref_inp = _model_and_input()
-    ref_model = DistributedDataParallel(ref_model)
-    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-    test_model, test_inp = _model_and_input()
-    fsdp_ignored = set(test_model.module_b.module_c.parameters())
-    # torch's post-order wrap of module_b, skipping the ignored module_c
-    fully_shard(test_model.module_b.lin_b, mesh=mesh, ignored_params=fsdp_ignored)
-    fully_shard(test_model.module_b, mesh=mesh, ignored_params=fsdp_ignored)
-    fsdped = {name for name, m in test_model.named_modules() if isinstance(m, FSDPModule)}
-    case.assertEqual(fsdped, {"module_b", "module_b.lin_b"})
-    ddp_ignored = {f"module_b.{n}" for n, _ in test_model.module_b.named_parameters()}
-    case.assertEqual(
-        ddp_ignored,
-        {
-            "module_b.subtrahend",
-            "module_b.lin_b.weight",
-            "module_b.lin_b.bias",
-            "module_b.module_c.lin_c.weight",
-            "module_b.module_c.lin_c.bias",
-        },
-    )
-    named = dict(test_model.named_parameters())
-    ddp_ignored = {n for n in ddp_ignored if named[n] not in fsdp_ignored}
-    case.assertEqual(
-        ddp_ignored, {"module_b.subtrahend", "module_b.lin_b.weight", "module_b.lin_b.bias"}
-    )
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        test_model, list(ddp_ignored)
-    )
-    test_model = DistributedDataParallel(test_model, broadcast_buffers=False)
-    test_optim = torch.optim.Adam(test_model.parameters(), lr=1e-2)
-
-    def compare() -> None:
-        ref = dict(ref_model.named_parameters())
-        test = dict(test_model.named_parameters())
-        case.assertEqual(set(ref), set(test))
-        for name, ref_param in ref.items():
-            full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
-            torch.testing.assert_close(full(ref_param), full(test[name]))
-
-    compare()
-    for _ in range(3):
-        ref_loss, test_loss = ref_model(ref_inp), test_model(test_inp)
-        torch.testing.assert_close(ref_loss, test_loss)
-        ref_loss.backward()
-        test_loss.backward()
-        with implicit_replication():
-            for optim in (ref_optim, test_optim):
-                optim.step()
-                optim.zero_grad()
-            compare()
-
-
-@pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="ignored_params not supported yet")
-def test_ddp_A_fsdp_B_ddp_C() -> None:  # noqa: N802 (torch's name)
-    """``test_fully_shard_ignore_params.py::TestFullyShardIgnoreParams::test_ddp_A_fsdp_B_ddp_C``."""
-    run_on_ranks(_rank_ddp_fsdp_ddp, WORLD)
