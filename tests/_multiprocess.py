@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "cpu_mesh", "run_on_ranks", "run_simulated_rank"]
+__all__ = ["DEFAULT_TIMEOUT", "cpu_mesh", "preload_in_ranks", "run_on_ranks", "run_simulated_rank"]
 
 DEFAULT_TIMEOUT = 120.0
 # A collective that cannot complete (a peer died) fails after this long in the
@@ -76,6 +76,18 @@ def _context() -> ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     return context
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, so each rank does not.
+
+    For a test module whose ranks need a slow import (``torch.testing._internal``
+    costs seconds per rank); call it at the test module's import, i.e. at
+    collection, before any rank starts. Once the forkserver runs it is too late:
+    the ranks then import the modules themselves, slower but alike.
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _context().set_forkserver_preload(_PRELOAD)
 
 
 def _child(

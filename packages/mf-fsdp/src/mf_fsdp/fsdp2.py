@@ -42,11 +42,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.utils._pytree import tree_map
 
 from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine._tensor_tree import flatten
 from mf_fsdp.engine.hooks import Unit
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
@@ -199,7 +199,10 @@ def _check_options(
 
 
 def _cast_to(dtype: torch.dtype | None, tree: Any) -> Any:
-    """``tree`` with its floating-point tensors cast to ``dtype`` (unchanged when None)."""
+    """``tree`` with its floating-point tensors cast to ``dtype`` (unchanged when None).
+
+    Dataclass instances are looked into, as FSDP2 does (``engine._tensor_tree``).
+    """
     if dtype is None:
         return tree
 
@@ -208,7 +211,8 @@ def _cast_to(dtype: torch.dtype | None, tree: Any) -> Any:
             return x.to(dtype)
         return x
 
-    return tree_map(cast, tree)
+    leaves, rebuild = flatten(tree)
+    return rebuild([cast(leaf) for leaf in leaves])
 
 
 def _cast_inputs(policy: MixedPrecisionPolicy) -> Callable[..., Any]:

@@ -52,12 +52,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
+from mf_fsdp.engine._tensor_tree import flatten
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
 from mf_fsdp.engine.unit_order import OrderAgreement, merge_chains
 
@@ -678,10 +678,10 @@ def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors in ``out`` (any pytree) that require grad."""
+    """The tensors in ``out`` (any pytree, dataclasses included) that require grad."""
     if isinstance(out, torch.Tensor):  # the common case, without flattening
         return [out] if out.requires_grad else []
-    flat, _ = tree_flatten(out)
+    flat, _ = flatten(out)
     return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
@@ -699,16 +699,16 @@ def _thread_inputs(
     """
     flat: list[Any]
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        flat, spec = list(args), None
+        flat, rebuild = list(args), None
     else:
-        flat, spec = tree_flatten((args, kwargs))
+        flat, rebuild = flatten((args, kwargs))
     slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
         return None
     wrapped = RegisterFSDPBackwardFunction.apply(post_backward, *(flat[i] for i in slots))
     for i, t in zip(slots, wrapped, strict=True):
         flat[i] = t
-    return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+    return (tuple(flat), kwargs) if rebuild is None else rebuild(flat)
 
 
 def _on_first_grad(
