@@ -107,8 +107,8 @@ def _rank_compute_dtype(rank: int, world: int) -> None:
                 elif predivide is None:
                     param.grad.div_(world)
                 output = torch.zeros_like(torch.chunk(param.grad, world)[0])
-                dist.reduce_scatter_single(output, param.grad)
-                dist.all_gather_single(param.grad, output)
+                dist.reduce_scatter_tensor(output, param.grad)
+                dist.all_gather_into_tensor(param.grad, output)
                 if postdivide is not None and postdivide > 1:
                     param.grad.div_(postdivide)
             for param_fp32, param_low in zip(
@@ -192,8 +192,8 @@ def _rank_reduce_dtype_bf16(rank: int, world: int) -> None:
                 # AVG, so the bf16 halves are divided by the world size (exact at 2) first
                 grad = param.grad.to(reduce_dtype).div_(world)
                 shard = torch.empty_like(torch.chunk(grad, world)[0])
-                dist.reduce_scatter_single(shard, grad)
-                dist.all_gather_single(grad, shard)
+                dist.reduce_scatter_tensor(shard, grad)
+                dist.all_gather_into_tensor(grad, shard)
                 param.grad = grad.to(param.dtype)
             ref_optim.step()
             case.assertEqual(fsdp_loss, ref_loss)
