@@ -182,10 +182,10 @@ def _rank_unsupported(rank: int, world: int) -> None:
     for name in fsdp2._UNSUPPORTED:
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name}"):
             getattr(model, name)()
-    with pytest.raises(NotImplementedError, match=r"set_reshard_after_backward\(False\)"):
-        model.set_reshard_after_backward(False)
-    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync on a module other"):
-        model.blocks[0].set_requires_gradient_sync(False)
+    model.set_requires_gradient_sync(False)  # the whole model: one unit cannot sync alone
+    with pytest.raises(NotImplementedError, match=r"set_requires_gradient_sync\(True\) on one"):
+        model.blocks[0].set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync(True)
     with pytest.raises(NotImplementedError, match="to\\(\\)"):
         model.to(torch.float64)
     # Every public method of torch's FSDPModule is mf's own (honoured or raising).

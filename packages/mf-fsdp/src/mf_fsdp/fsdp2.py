@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.utils._pytree import tree_map
 
 from mf_fsdp.config import DistributedDataParallelConfig
@@ -462,29 +462,46 @@ class FSDPModule(TorchFSDPModule):
                 found.setdefault(id(record), record)
         return list(found.values())
 
+    def _units(self, recurse: bool) -> list[Unit]:
+        """The engine's units of this call and, with ``recurse``, of those inside it.
+
+        The root's own unit holds the parameters outside every other unit.
+        """
+        engine, _ = self._engine_and_record()
+        units = [
+            engine._root if record.is_root else record.unit
+            for record in self._records_below(recurse)
+        ]
+        return [unit for unit in units if unit is not None]
+
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False).
 
-        mf decides this for the whole model: on the root it applies to every unit; on
-        another module it must match the model's current setting.
+        On the root with ``recurse`` (the default) it applies to the whole model, as
+        mf's ``no_sync``: every unit's own setting returns to True. Otherwise it
+        applies to this module's unit (and, with ``recurse``, the units inside it):
+        a unit whose sync is off keeps its grads local across backwards and reduces
+        them with its first backward whose sync is on (or before the optimizer step).
         """
         engine, record = self._engine_and_record()
         policy = engine.sync_policy
-        if not record.is_root:
-            if bool(requires_gradient_sync) != (not policy.suppressed):
-                raise NotImplementedError(
-                    "set_requires_gradient_sync on a module other than the root: mf syncs "
-                    "gradients for the whole model; call it on the root"
-                )
+        flag = bool(requires_gradient_sync)
+        if record.is_root and recurse:
+            for unit in (engine._root, *engine._units):
+                unit.requires_gradient_sync = True
+            policy.suppressed = not flag
+            policy.last_microbatch = flag
             return
-        if requires_gradient_sync:
-            policy.suppressed = False
-            policy.last_microbatch = True
-        else:
-            policy.suppressed = True
-            policy.last_microbatch = False
+        if flag and policy.suppressed:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_requires_gradient_sync(True) on one module while "
+                "the root turned sync off for the whole model: mf cannot sync one unit then; "
+                "turn it on at the root (recurse=True) first"
+            )
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = flag
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) each unit's gathered weights after its forward."""
@@ -501,13 +518,34 @@ class FSDPModule(TorchFSDPModule):
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """True (what mf does: free gathered weights after each unit's backward) only."""
-        self._engine_and_record()
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False) is not supported by mf_fsdp.fsdp2: each "
-                "unit's gathered weights are freed after its backward"
+        """Free (True) or keep (False) the unit's gathered weights after its backward.
+
+        A kept unit is reused by its next forward or backward, until ``reshard()``
+        or the optimizer step (which changes its shards) releases it.
+        """
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(
+                "set_reshard_after_backward: reshard_after_backward must be a bool, got "
+                f"{reshard_after_backward!r}"
             )
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's unit now (not recursive), as FSDP2's ``unshard``.
+
+        With ``async_op`` the gather is started and a handle returned whose
+        ``wait()`` finishes it (the unit's next use waits too); else None once done.
+        """
+        wait = _no_wait
+        for unit in self._units(recurse=False):
+            wait = self.__dict__[_RECORD_ATTR].engine._unit_hooks.unshard(unit, bool(async_op))
+        return _Unshard(wait) if async_op else None
+
+    def reshard(self) -> None:
+        """Release this module's gathered weights now (not recursive), as FSDP2's ``reshard``."""
+        for unit in self._units(recurse=False):
+            self.__dict__[_RECORD_ATTR].engine._unit_hooks.reshard(unit)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
@@ -522,6 +560,23 @@ class FSDPModule(TorchFSDPModule):
                 "set_gradient_divide_factor on a module other than the root: mf uses one "
                 "factor per model; call it on the root"
             )
+
+
+def _no_wait() -> None:
+    """Nothing to wait for: the module's unit holds no weights."""
+
+
+class _Unshard(UnshardHandle):
+    """FSDP2's ``UnshardHandle`` for mf: ``wait()`` finishes the unit's gather."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait: Callable[[], None] | None = wait
+
+    def wait(self) -> None:
+        """Finish the gather (once); the unit's parameters hold the whole weights."""
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
 
 
 _HONOURED = {

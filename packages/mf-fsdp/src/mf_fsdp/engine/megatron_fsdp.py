@@ -260,6 +260,7 @@ class MegatronFSDP(nn.Module):
             on_backward_end=self._on_backward_end,
             on_idle=self._register_sharded,
             step=lambda: self.sync_policy.steps,
+            on_compute=self._register_compute,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
@@ -513,8 +514,11 @@ class MegatronFSDP(nn.Module):
         """Reduce everything still local, wait, and attach grads for the optimizer.
 
         Safe to call any number of times; the wrapped optimizer's ``step`` calls it,
-        so no strategy ever steps on unreduced gradients.
+        so no strategy ever steps on unreduced gradients. Units left gathered
+        (FSDP2's ``reshard_after_backward=False``, ``unshard``) are released: the
+        step changes their shards.
         """
+        self._unit_hooks.release_held()
         self.start_grad_sync()
         self.synchronize_gradient_reduce()
         self.attach_grad_to_optimizer_state()
