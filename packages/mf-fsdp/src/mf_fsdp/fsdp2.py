@@ -22,8 +22,9 @@ the module's own.
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``_UNSUPPORTED``); nothing silently does nothing. Options FSDP2 has
 and mf cannot honour yet (``shard_placement_fn``, ``ignored_params``, an int
-``reshard_after_forward``, CPU offload, a mesh over part of the ranks, units
-nested below others) raise naming the option.
+``reshard_after_forward`` other than 1 or the shard group's size, CPU offload,
+a mesh over part of the ranks, units nested below others) raise naming the
+option.
 
 This module builds no buckets and runs no collective itself; it must not
 keep a second engine's state: everything lives in the ``MegatronFSDP``.
@@ -99,6 +100,8 @@ def fully_shard(
         reshard_after_forward: True frees the unit's gathered weights after its
             forward (gathered again in backward); False keeps them until the
             backward. None means True. The root always keeps its own (as FSDP2's).
+            An int is the group size to reshard to, as FSDP2's: the shard group's
+            size means True, 1 means False; other sizes are not supported.
         shard_placement_fn: must be None (mf shards flat buckets by rows).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
             ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
@@ -130,13 +133,14 @@ def fully_shard(
                 "expected each module once"
             )
         check_module_to_wrap(item)
-    _check_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    _check_options(mesh, shard_placement_fn, mp_policy, offload_policy)
+    reshard = _reshard_flag(reshard_after_forward, mesh)
     if ignored_params:
         raise NotImplementedError(
             f"fully_shard: ignored_params ({len(ignored_params)} parameters) is not supported "
             "by mf_fsdp.fsdp2 yet; expected None"
         )
-    record = _Record(modules, mesh, reshard_after_forward is not False, mp_policy)
+    record = _Record(modules, mesh, reshard, mp_policy)
     for item in modules:
         item.__dict__[_RECORD_ATTR] = record
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
@@ -153,7 +157,6 @@ def fully_shard(
 
 def _check_options(
     mesh: object,
-    reshard_after_forward: object,
     shard_placement_fn: object,
     mp_policy: object,
     offload_policy: object,
@@ -165,16 +168,6 @@ def _check_options(
         raise NotImplementedError(
             f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
             "(shard) or a 2-D one (replicate, shard)"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        if isinstance(reshard_after_forward, int):
-            raise NotImplementedError(
-                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int: reshard "
-                "to a smaller group) is not supported by mf_fsdp.fsdp2 yet; expected True or "
-                "False"
-            )
-        raise TypeError(
-            f"fully_shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
         )
     if shard_placement_fn is not None:
         raise NotImplementedError(
@@ -196,6 +189,44 @@ def _check_options(
             f"fully_shard: offload_policy={type(offload_policy).__name__} is not supported by "
             "mf_fsdp.fsdp2 yet; expected OffloadPolicy() (no offload)"
         )
+
+
+def _reshard_flag(reshard_after_forward: object, mesh: DeviceMesh | None) -> bool:
+    """FSDP2's ``reshard_after_forward`` as a bool: None and True free, False keeps.
+
+    An int is the size of the group the weights are resharded to after forward:
+    the shard group's own size is True, 1 (no resharding) is False, as FSDP2
+    reads them; another factor of the shard group's size would need a second,
+    smaller gather group, which mf does not have.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be a bool, an int or None, got "
+            f"{reshard_after_forward!r}"
+        )
+    if mesh is not None:
+        size = mesh.size(mesh.ndim - 1)
+    elif dist.is_initialized():
+        size = dist.get_world_size()
+    else:
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    if reshard_after_forward < 1 or size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward}: an int must divide "
+            f"the shard group's size {size}"
+        )
+    if reshard_after_forward in (1, size):
+        return reshard_after_forward == size
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={reshard_after_forward} (reshard to a group of "
+        f"{reshard_after_forward} of the {size} shard ranks) is not supported by mf_fsdp.fsdp2; "
+        f"expected True, False, {size} or 1"
+    )
 
 
 def _cast_to(dtype: torch.dtype | None, tree: Any) -> Any:
