@@ -193,6 +193,10 @@ def _rank_unsupported(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match=r"set_requires_gradient_sync\(True\) on one"):
         model.blocks[0].set_requires_gradient_sync(True)
     model.set_requires_gradient_sync(True)
+    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch on the root"):
+        model.set_modules_to_forward_prefetch([model.blocks[0]])
+    with pytest.raises(ValueError, match="set_modules_to_backward_prefetch: Linear"):
+        model.blocks[1].set_modules_to_backward_prefetch([torch.nn.Linear(1, 1)])
     with pytest.raises(NotImplementedError, match="to\\(\\)"):
         model.to(torch.float64)
     # Every public method of torch's FSDPModule is mf's own (honoured or raising).

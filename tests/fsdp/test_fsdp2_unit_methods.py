@@ -18,7 +18,10 @@ counts the engine's collectives, so a method that did nothing would fail:
 - ``unshard()`` (None) and ``unshard(async_op=True)`` (an ``UnshardHandle``) before
   the forward, ``reshard()`` after it;
 - a block called by itself, three times with a backward each after the model's
-  backward, its sync off but for the last call.
+  backward, its sync off but for the last call;
+- ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch`` skipping a block:
+  with a window of one unit, the listed block is gathered while the block the
+  default would have prefetched is not.
 """
 
 from __future__ import annotations
@@ -183,12 +186,41 @@ def _solo(model: Net, rank: int, step: int, mf: bool) -> float:
     return total
 
 
+def _prefetch(model: Net, rank: int, step: int, mf: bool) -> float:
+    """Explicit prefetch lists that skip the next block, observed from inside the blocks."""
+    blocks = model.blocks
+    if step == 0:
+        blocks[0].set_modules_to_forward_prefetch([blocks[2]])
+        blocks[2].set_modules_to_backward_prefetch([blocks[0]])
+    if mf and step == 0:  # a window of one unit: the default prefetches the next one only
+        fsdp2._record(model).engine.ddp_config.suggested_communication_unit_size = 1
+
+        def released(block) -> bool:
+            return all(group.released for group in _groups(block))
+
+        model.seen = []
+        blocks[0][0].register_forward_pre_hook(
+            lambda *_: model.seen.append(("forward", released(blocks[1]), released(blocks[2])))
+        )
+        blocks[2][0].register_full_backward_hook(
+            lambda *_: model.seen.append(("backward", released(blocks[1]), released(blocks[0])))
+        )
+    x, y = _batch(step, rank)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if mf:  # the listed block is gathered, the skipped one is not
+        assert model.seen == [("forward", True, False), ("backward", True, False)], model.seen
+        model.seen.clear()
+    return loss.item()
+
+
 SCRIPTS = {
     "chunked": _chunked,
     "unit_sync": _unit_sync,
     "reshard_after_backward": _reshard_after_backward,
     "unshard": _unshard,
     "solo": _solo,
+    "prefetch": _prefetch,
 }
 
 
@@ -251,6 +283,8 @@ def test_chunked_loss_on_the_head_unit_matches_torch_fsdp2_and_one_process(opt_n
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["unit_sync", "reshard_after_backward", "unshard", "solo"])
+@pytest.mark.parametrize(
+    "name", ["unit_sync", "reshard_after_backward", "unshard", "solo", "prefetch"]
+)
 def test_unit_method_matches_torch_fsdp2(name: str) -> None:
     run_on_ranks(_rank_script, WORLD, name, "adam", timeout=180)

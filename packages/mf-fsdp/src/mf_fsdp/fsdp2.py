@@ -578,6 +578,26 @@ class FSDPModule(TorchFSDPModule):
         for unit in self._units(recurse=False):
             self.__dict__[_RECORD_ATTR].engine._unit_hooks.reshard(unit)
 
+    def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
+        """Gather exactly ``modules``' units, coalesced, when this unit's forward gathers it.
+
+        Replaces the default (the next units of the last forward's order that fit
+        in the communication window); as FSDP2's, not on the root.
+        """
+        units = _prefetched_units(self, modules, "set_modules_to_forward_prefetch")
+        for unit in self._units(recurse=False):
+            unit.prefetch_forward = units
+
+    def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
+        """Gather exactly ``modules``' units, coalesced, when this unit's backward gathers it.
+
+        Replaces the default (the previous units of the forward's order that fit in
+        the communication window); as FSDP2's, not on the root.
+        """
+        units = _prefetched_units(self, modules, "set_modules_to_backward_prefetch")
+        for unit in self._units(recurse=False):
+            unit.prefetch_backward = units
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
 
@@ -591,6 +611,29 @@ class FSDPModule(TorchFSDPModule):
                 "set_gradient_divide_factor on a module other than the root: mf uses one "
                 "factor per model; call it on the root"
             )
+
+
+def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[Unit]:
+    """The engine's units of ``modules`` (FSDP modules of ``owner``'s model, not the root)."""
+    engine, record = owner._engine_and_record()
+    if record.is_root:
+        raise NotImplementedError(
+            f"{method} on the root: mf prefetches the root's window itself; set the list on "
+            "the blocks"
+        )
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"{method}: modules must be a list of FSDP modules, got {modules!r}")
+    units = []
+    for module in modules:
+        other = module.__dict__.get(_RECORD_ATTR) if isinstance(module, nn.Module) else None
+        if other is None or _ensure_built(module) is not engine or other.is_root:
+            raise ValueError(
+                f"{method}: {module!r} is not a non-root module sharded by "
+                "mf_fsdp.fsdp2.fully_shard in this model"
+            )
+        if other.unit is not None:
+            units.append(other.unit)
+    return units
 
 
 def _no_wait() -> None:

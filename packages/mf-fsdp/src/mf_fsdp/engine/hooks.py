@@ -114,7 +114,9 @@ class Unit:
     backward, and ``requires_gradient_sync=False`` keeps its grads local
     (unreduced, accumulating) across backwards (FSDP2's per-module options).
     ``solo_pending`` counts its calls by itself whose backward has not run (see
-    [Note: a unit called by itself]).
+    [Note: a unit called by itself]). ``prefetch_forward`` / ``prefetch_backward``,
+    when set, are the units its forward / backward prefetches instead of the
+    recorded order's window.
 
     ``index`` is the unit's place in the units' order (registration order; -1 for
     the root). Per forward: ``forwarded`` (its collectives were issued: it ran,
@@ -130,6 +132,8 @@ class Unit:
         "module",
         "name",
         "pending",
+        "prefetch_backward",
+        "prefetch_forward",
         "ran",
         "requires_gradient_sync",
         "reshard_after_backward",
@@ -158,6 +162,8 @@ class Unit:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.solo_pending = 0
+        self.prefetch_forward: list[Unit] | None = None  # None: the recorded order's window
+        self.prefetch_backward: list[Unit] | None = None
         self._numel: int | None = None
 
     @property
@@ -577,7 +583,16 @@ class UnitHooks:
             group.wait_unshard()
 
     def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
-        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction)."""
+        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction).
+
+        A unit given its own list for that direction (FSDP2's
+        ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) prefetches
+        exactly those units instead.
+        """
+        listed = unit.prefetch_forward if step > 0 else unit.prefetch_backward
+        if listed is not None:
+            self._unshard_async(listed)
+            return
         try:
             position = order.index(unit) + step
         except ValueError:
@@ -609,7 +624,11 @@ class UnitHooks:
         chosen = [] if first is None else [first]
         room = self._window - sum(unit.numel for unit in chosen)
         chosen += self._window_of(order, position, step, room)
-        released = [group for unit in chosen for group in unit.groups if group.released]
+        self._unshard_async(chosen)
+
+    def _unshard_async(self, units: list[Unit]) -> None:
+        """Start the gathers of ``units`` not gathered yet, coalesced."""
+        released = [group for unit in units for group in unit.groups if group.released]
         if not released:  # the usual case inside a window: all of it is gathered already
             return
         with collectives.coalescing(self._window):
