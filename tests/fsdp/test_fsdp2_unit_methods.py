@@ -9,9 +9,10 @@ counts the engine's collectives, so a method that did nothing would fail:
   outside the root's forward, a backward per chunk): no gather and no reduction
   until the last chunk, whose backward reduces the head's grads of every chunk
   once; also equal to one process (SGD and Adam);
-- ``set_requires_gradient_sync(False)`` on one block (``recurse=False``) and on the
-  head unit (``recurse=True``) for the first micro-batch: their grads stay local and
-  are reduced with the second micro-batch's;
+- ``set_requires_gradient_sync(False)`` on one block (``recurse=False``), on the
+  head unit (``recurse=True``) and on the root's own parameters (``recurse=False``)
+  for the first micro-batch: their grads stay local and are reduced with the
+  second micro-batch's;
 - ``set_reshard_after_backward(False)`` on a block: it stays gathered after its
   backward (the next forward gathers it no more), until ``reshard()``; a unit left
   gathered at the optimizer step is released by mf's step (FSDP2 asks the user to);
@@ -116,11 +117,12 @@ def _chunked(model: Net, rank: int, step: int, mf: bool) -> float:
 
 
 def _unit_sync(model: Net, rank: int, step: int, mf: bool) -> float:
-    """Two micro-batches; a block's and the head unit's sync off in the first."""
+    """Two micro-batches; a block's, the head unit's and the root's sync off in the first."""
     total, reductions = 0.0, []
     for micro in range(2):
         model.blocks[1].set_requires_gradient_sync(micro == 1, recurse=False)
         model.head.set_requires_gradient_sync(micro == 1)
+        model.set_requires_gradient_sync(micro == 1, recurse=False)
         x, y = _batch(step, rank, micro)
         loss = F.cross_entropy(model(x), y)
         with count_collectives() as counts:
@@ -128,7 +130,8 @@ def _unit_sync(model: Net, rank: int, step: int, mf: bool) -> float:
         reductions.append(counts["reduce_scatter_into"])
         total += loss.item() / 2
     if mf:
-        kept = len(_groups(model.blocks[1])) + len(_groups(model.head))
+        root = fsdp2._record(model).engine._root
+        kept = len(_groups(model.blocks[1])) + len(_groups(model.head)) + len(root.groups)
         assert reductions[0] == reductions[1] - kept, reductions
     return total
 

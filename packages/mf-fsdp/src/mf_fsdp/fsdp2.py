@@ -568,15 +568,15 @@ class FSDPModule(TorchFSDPModule):
         With ``async_op`` the gather is started and a handle returned whose
         ``wait()`` finishes it (the unit's next use waits too); else None once done.
         """
-        wait = _no_wait
-        for unit in self._units(recurse=False):
-            wait = self.__dict__[_RECORD_ATTR].engine._unit_hooks.unshard(unit, bool(async_op))
-        return _Unshard(wait) if async_op else None
+        hooks = self._engine_and_record()[0]._unit_hooks
+        waits = [hooks.unshard(unit, bool(async_op)) for unit in self._units(recurse=False)]
+        return _Unshard(waits) if async_op else None
 
     def reshard(self) -> None:
         """Release this module's gathered weights now (not recursive), as FSDP2's ``reshard``."""
+        hooks = self._engine_and_record()[0]._unit_hooks
         for unit in self._units(recurse=False):
-            self.__dict__[_RECORD_ATTR].engine._unit_hooks.reshard(unit)
+            hooks.reshard(unit)
 
     def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """Gather exactly ``modules``' units, coalesced, when this unit's forward gathers it.
@@ -636,21 +636,17 @@ def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[U
     return units
 
 
-def _no_wait() -> None:
-    """Nothing to wait for: the module's unit holds no weights."""
-
-
 class _Unshard(UnshardHandle):
     """FSDP2's ``UnshardHandle`` for mf: ``wait()`` finishes the unit's gather."""
 
-    def __init__(self, wait: Callable[[], None]) -> None:
-        self._wait: Callable[[], None] | None = wait
+    def __init__(self, waits: list[Callable[[], None]]) -> None:
+        self._waits = waits
 
     def wait(self) -> None:
         """Finish the gather (once); the unit's parameters hold the whole weights."""
-        if self._wait is not None:
-            self._wait()
-            self._wait = None
+        waits, self._waits = self._waits, []
+        for wait in waits:
+            wait()
 
 
 _HONOURED = {
