@@ -55,6 +55,7 @@ or touch the optimizer.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -591,7 +592,7 @@ class UnitHooks:
         """
         listed = unit.prefetch_forward if step > 0 else unit.prefetch_backward
         if listed is not None:
-            self._unshard_async(listed)
+            self._start_gathers(None, listed, 0, +1, room=math.inf)
             return
         try:
             position = order.index(unit) + step
@@ -600,7 +601,7 @@ class UnitHooks:
         self._start_gathers(None, order, position, step)
 
     @staticmethod
-    def _window_of(order: list[Unit], position: int, step: int, room: int) -> list[Unit]:
+    def _window_of(order: list[Unit], position: int, step: int, room: float) -> list[Unit]:
         """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1."""
         chosen: list[Unit] = []
         while 0 <= position < len(order):
@@ -613,22 +614,25 @@ class UnitHooks:
         return chosen
 
     def _start_gathers(
-        self, first: Unit | None, order: list[Unit], position: int, step: int
+        self,
+        first: Unit | None,
+        order: list[Unit],
+        position: int,
+        step: int,
+        room: float | None = None,
     ) -> None:
         """Start gathering ``first`` and the units of ``order`` from ``position`` on.
 
         Walks ``order`` by ``step`` while the units fit in the window together
-        (those already gathered count too), taking at least one; all their
-        gathers go out coalesced (see [Note: communication window]).
+        (those already gathered count too), or in ``room`` elements when given
+        (``math.inf``: all of ``order``), taking at least one; all their gathers
+        go out coalesced (see [Note: communication window]).
         """
         chosen = [] if first is None else [first]
-        room = self._window - sum(unit.numel for unit in chosen)
+        if room is None:
+            room = self._window - sum(unit.numel for unit in chosen)
         chosen += self._window_of(order, position, step, room)
-        self._unshard_async(chosen)
-
-    def _unshard_async(self, units: list[Unit]) -> None:
-        """Start the gathers of ``units`` not gathered yet, coalesced."""
-        released = [group for unit in units for group in unit.groups if group.released]
+        released = [group for unit in chosen for group in unit.groups if group.released]
         if not released:  # the usual case inside a window: all of it is gathered already
             return
         with collectives.coalescing(self._window):
