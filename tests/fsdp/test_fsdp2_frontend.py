@@ -163,13 +163,20 @@ def test_dsd_state_dict_round_trip() -> None:
 
 def _rank_unsupported(rank: int, world: int) -> None:
     options = [
-        ({"reshard_after_forward": 2}, "reshard_after_forward=2"),
         ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
         ({"offload_policy": CPUOffloadPolicy()}, "offload_policy=CPUOffloadPolicy"),
     ]
     for kwargs, match in options:
         with pytest.raises(NotImplementedError, match=match):
             fsdp2.fully_shard(make_model(), **kwargs)
+    # An int reshard_after_forward is a group size, as FSDP2's: the shard group's
+    # size is True, 1 is False; it must divide the shard group's size.
+    for size, flag in ((world, True), (1, False)):
+        model = make_model()
+        fsdp2.fully_shard(model, reshard_after_forward=size)
+        assert fsdp2._record(model).reshard_after_forward is flag
+    with pytest.raises(ValueError, match="reshard_after_forward=3: an int must divide"):
+        fsdp2.fully_shard(make_model(), reshard_after_forward=3)
     model = make_model()
     with pytest.raises(NotImplementedError, match="ignored_params"):
         fsdp2.fully_shard(model, ignored_params={model.wte.weight})
@@ -182,10 +189,14 @@ def _rank_unsupported(rank: int, world: int) -> None:
     for name in fsdp2._UNSUPPORTED:
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name}"):
             getattr(model, name)()
-    with pytest.raises(NotImplementedError, match=r"set_reshard_after_backward\(False\)"):
-        model.set_reshard_after_backward(False)
-    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync on a module other"):
-        model.blocks[0].set_requires_gradient_sync(False)
+    model.set_requires_gradient_sync(False)  # the whole model: one unit cannot sync alone
+    with pytest.raises(NotImplementedError, match=r"set_requires_gradient_sync\(True\) on one"):
+        model.blocks[0].set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch on the root"):
+        model.set_modules_to_forward_prefetch([model.blocks[0]])
+    with pytest.raises(ValueError, match="set_modules_to_backward_prefetch: Linear"):
+        model.blocks[1].set_modules_to_backward_prefetch([torch.nn.Linear(1, 1)])
     with pytest.raises(NotImplementedError, match="to\\(\\)"):
         model.to(torch.float64)
     # Every public method of torch's FSDPModule is mf's own (honoured or raising).
@@ -196,3 +207,22 @@ def _rank_unsupported(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_unsupported_options_and_methods_raise_naming_themselves() -> None:
     run_on_ranks(_rank_unsupported, WORLD, timeout=120)
+
+
+class _ShardMesh:
+    """What ``_reshard_flag`` reads of a (replicate 2, shard 4) mesh: dims and sizes."""
+
+    ndim = 2
+
+    def size(self, dim: int) -> int:
+        return {0: 2, 1: 4}[dim]
+
+
+def test_int_reshard_after_forward_to_a_smaller_group_raises_naming_it() -> None:
+    """FSDP2 reshards to a group of 2 of 4 shard ranks; mf has no such group."""
+    assert fsdp2._reshard_flag(4, _ShardMesh()) is True
+    assert fsdp2._reshard_flag(1, _ShardMesh()) is False
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2 .* 2 of the 4 shard"):
+        fsdp2._reshard_flag(2, _ShardMesh())
+    with pytest.raises(TypeError, match="reshard_after_forward must be"):
+        fsdp2._reshard_flag(2.0, _ShardMesh())

@@ -15,6 +15,12 @@ attention for the CPU), built on the meta device, parallelized, then ``to_empty`
 and torchtitan's ``init_weights``. Checked at world 2 (fp32 also at 4):
 
 - fp32: 5 AdamW steps give the losses of one process on the global batch;
+- torchtitan's chunked loss (``ChunkedLossWrapper``: the model stops before
+  ``lm_head``, which the loss calls once per chunk with a backward each, its
+  gradient sync off until the last chunk, gathered throughout by ``unshard``
+  and ``set_reshard_after_*(False)``, then ``reshard``; the decoder's backward
+  after): 4 AdamW steps give one process's losses, and torch's FSDP2 on the same
+  path gives the same losses;
 - bf16 compute (``mixed_precision_param="bfloat16"``): the losses of torch's own
   ``fully_shard`` through the same torchtitan function from the same initial
   weights, within 1e-2;
@@ -48,6 +54,7 @@ try:
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -165,6 +172,45 @@ def _rank_fp32(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchtitan_parallelize_on_mf_trains_like_one_process(tmp_path, world: int) -> None:
     run_on_ranks(_rank_fp32, world, str(tmp_path), timeout=280)
+
+
+def _train_chunked(model, rank: int, world: int, steps: range) -> list[float]:
+    """torchtitan's chunked loss: the trainer's ``_skip_lm_head`` and the loss's chunks."""
+    loss_fn = ChunkedLossWrapper.Config(num_chunks=4).build()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    global_tokens = torch.tensor(float(BATCH * SEQ * world))
+    losses = []
+    for step in steps:
+        tokens, targets = _batch(step, rank)
+        loss, _ = loss_fn(model(tokens), targets, global_tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return losses
+
+
+def _rank_chunked(rank: int, world: int, tmp: str) -> None:
+    runs = {}
+    for name, shard in (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = _parallelized(shard, "float32", tmp)
+        if shard is torch_fully_shard:
+            _copy_one_process_initialised(model)
+        assert isinstance(model.lm_head, TorchFSDPModule)  # the loss takes its FSDP path
+        runs[name] = _train_chunked(model, rank, world, range(4))
+    reference = _reference(world, range(4))
+    torch.testing.assert_close(runs["mf"], reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs["mf"], runs["torch"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torchtitan_chunked_loss_on_mf_trains_like_one_process(tmp_path) -> None:
+    run_on_ranks(_rank_chunked, 2, str(tmp_path), timeout=280)
 
 
 def _copy_one_process_initialised(model) -> None:

@@ -22,8 +22,9 @@ the module's own.
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``_UNSUPPORTED``); nothing silently does nothing. Options FSDP2 has
 and mf cannot honour yet (``shard_placement_fn``, ``ignored_params``, an int
-``reshard_after_forward``, CPU offload, a mesh over part of the ranks, units
-nested below others) raise naming the option.
+``reshard_after_forward`` other than 1 or the shard group's size, CPU offload,
+a mesh over part of the ranks, units nested below others) raise naming the
+option.
 
 This module builds no buckets and runs no collective itself; it must not
 keep a second engine's state: everything lives in the ``MegatronFSDP``.
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
 from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
@@ -99,6 +100,8 @@ def fully_shard(
         reshard_after_forward: True frees the unit's gathered weights after its
             forward (gathered again in backward); False keeps them until the
             backward. None means True. The root always keeps its own (as FSDP2's).
+            An int is the group size to reshard to, as FSDP2's: the shard group's
+            size means True, 1 means False; other sizes are not supported.
         shard_placement_fn: must be None (mf shards flat buckets by rows).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
             ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
@@ -130,13 +133,14 @@ def fully_shard(
                 "expected each module once"
             )
         check_module_to_wrap(item)
-    _check_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    _check_options(mesh, shard_placement_fn, mp_policy, offload_policy)
+    reshard = _reshard_flag(reshard_after_forward, mesh)
     if ignored_params:
         raise NotImplementedError(
             f"fully_shard: ignored_params ({len(ignored_params)} parameters) is not supported "
             "by mf_fsdp.fsdp2 yet; expected None"
         )
-    record = _Record(modules, mesh, reshard_after_forward is not False, mp_policy)
+    record = _Record(modules, mesh, reshard, mp_policy)
     for item in modules:
         item.__dict__[_RECORD_ATTR] = record
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
@@ -153,7 +157,6 @@ def fully_shard(
 
 def _check_options(
     mesh: object,
-    reshard_after_forward: object,
     shard_placement_fn: object,
     mp_policy: object,
     offload_policy: object,
@@ -165,16 +168,6 @@ def _check_options(
         raise NotImplementedError(
             f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
             "(shard) or a 2-D one (replicate, shard)"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        if isinstance(reshard_after_forward, int):
-            raise NotImplementedError(
-                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int: reshard "
-                "to a smaller group) is not supported by mf_fsdp.fsdp2 yet; expected True or "
-                "False"
-            )
-        raise TypeError(
-            f"fully_shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
         )
     if shard_placement_fn is not None:
         raise NotImplementedError(
@@ -196,6 +189,44 @@ def _check_options(
             f"fully_shard: offload_policy={type(offload_policy).__name__} is not supported by "
             "mf_fsdp.fsdp2 yet; expected OffloadPolicy() (no offload)"
         )
+
+
+def _reshard_flag(reshard_after_forward: object, mesh: DeviceMesh | None) -> bool:
+    """FSDP2's ``reshard_after_forward`` as a bool: None and True free, False keeps.
+
+    An int is the size of the group the weights are resharded to after forward:
+    the shard group's own size is True, 1 (no resharding) is False, as FSDP2
+    reads them; another factor of the shard group's size would need a second,
+    smaller gather group, which mf does not have.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be a bool, an int or None, got "
+            f"{reshard_after_forward!r}"
+        )
+    if mesh is not None:
+        size = mesh.size(mesh.ndim - 1)
+    elif dist.is_initialized():
+        size = dist.get_world_size()
+    else:
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    if reshard_after_forward < 1 or size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward}: an int must divide "
+            f"the shard group's size {size}"
+        )
+    if reshard_after_forward in (1, size):
+        return reshard_after_forward == size
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={reshard_after_forward} (reshard to a group of "
+        f"{reshard_after_forward} of the {size} shard ranks) is not supported by mf_fsdp.fsdp2; "
+        f"expected True, False, {size} or 1"
+    )
 
 
 def _cast_to(dtype: torch.dtype | None, tree: Any) -> Any:
@@ -466,29 +497,46 @@ class FSDPModule(TorchFSDPModule):
                 found.setdefault(id(record), record)
         return list(found.values())
 
+    def _units(self, recurse: bool) -> list[Unit]:
+        """The engine's units of this call and, with ``recurse``, of those inside it.
+
+        The root's own unit holds the parameters outside every other unit.
+        """
+        engine, _ = self._engine_and_record()
+        units = [
+            engine._root if record.is_root else record.unit
+            for record in self._records_below(recurse)
+        ]
+        return [unit for unit in units if unit is not None]
+
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False).
 
-        mf decides this for the whole model: on the root it applies to every unit; on
-        another module it must match the model's current setting.
+        On the root with ``recurse`` (the default) it applies to the whole model, as
+        mf's ``no_sync``: every unit's own setting returns to True. Otherwise it
+        applies to this module's unit (and, with ``recurse``, the units inside it):
+        a unit whose sync is off keeps its grads local across backwards and reduces
+        them with its first backward whose sync is on (or before the optimizer step).
         """
         engine, record = self._engine_and_record()
         policy = engine.sync_policy
-        if not record.is_root:
-            if bool(requires_gradient_sync) != (not policy.suppressed):
-                raise NotImplementedError(
-                    "set_requires_gradient_sync on a module other than the root: mf syncs "
-                    "gradients for the whole model; call it on the root"
-                )
+        flag = bool(requires_gradient_sync)
+        if record.is_root and recurse:
+            for unit in (engine._root, *engine._units):
+                unit.requires_gradient_sync = True
+            policy.suppressed = not flag
+            policy.last_microbatch = flag
             return
-        if requires_gradient_sync:
-            policy.suppressed = False
-            policy.last_microbatch = True
-        else:
-            policy.suppressed = True
-            policy.last_microbatch = False
+        if flag and policy.suppressed:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_requires_gradient_sync(True) on one module while "
+                "the root turned sync off for the whole model: mf cannot sync one unit then; "
+                "turn it on at the root (recurse=True) first"
+            )
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = flag
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) each unit's gathered weights after its forward."""
@@ -505,13 +553,54 @@ class FSDPModule(TorchFSDPModule):
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """True (what mf does: free gathered weights after each unit's backward) only."""
-        self._engine_and_record()
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False) is not supported by mf_fsdp.fsdp2: each "
-                "unit's gathered weights are freed after its backward"
+        """Free (True) or keep (False) the unit's gathered weights after its backward.
+
+        A kept unit is reused by its next forward or backward, until ``reshard()``
+        or the optimizer step (which changes its shards) releases it.
+        """
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(
+                "set_reshard_after_backward: reshard_after_backward must be a bool, got "
+                f"{reshard_after_backward!r}"
             )
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's unit now (not recursive), as FSDP2's ``unshard``.
+
+        With ``async_op`` the gather is started and a handle returned whose
+        ``wait()`` finishes it (the unit's next use waits too); else None once done.
+        """
+        hooks = self._engine_and_record()[0]._unit_hooks
+        waits = [hooks.unshard(unit, bool(async_op)) for unit in self._units(recurse=False)]
+        return _Unshard(waits) if async_op else None
+
+    def reshard(self) -> None:
+        """Release this module's gathered weights now (not recursive), as FSDP2's ``reshard``."""
+        hooks = self._engine_and_record()[0]._unit_hooks
+        for unit in self._units(recurse=False):
+            hooks.reshard(unit)
+
+    def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
+        """Gather exactly ``modules``' units, coalesced, when this unit's forward gathers it.
+
+        Replaces the default (the next units of the last forward's order that fit
+        in the communication window); as FSDP2's, not on the root.
+        """
+        units = _prefetched_units(self, modules, "set_modules_to_forward_prefetch")
+        for unit in self._units(recurse=False):
+            unit.prefetch_forward = units
+
+    def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
+        """Gather exactly ``modules``' units, coalesced, when this unit's backward gathers it.
+
+        Replaces the default (the previous units of the forward's order that fit in
+        the communication window); as FSDP2's, not on the root.
+        """
+        units = _prefetched_units(self, modules, "set_modules_to_backward_prefetch")
+        for unit in self._units(recurse=False):
+            unit.prefetch_backward = units
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
@@ -526,6 +615,42 @@ class FSDPModule(TorchFSDPModule):
                 "set_gradient_divide_factor on a module other than the root: mf uses one "
                 "factor per model; call it on the root"
             )
+
+
+def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[Unit]:
+    """The engine's units of ``modules`` (FSDP modules of ``owner``'s model, not the root)."""
+    engine, record = owner._engine_and_record()
+    if record.is_root:
+        raise NotImplementedError(
+            f"{method} on the root: mf prefetches the root's window itself; set the list on "
+            "the blocks"
+        )
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"{method}: modules must be a list of FSDP modules, got {modules!r}")
+    units = []
+    for module in modules:
+        other = module.__dict__.get(_RECORD_ATTR) if isinstance(module, nn.Module) else None
+        if other is None or _ensure_built(module) is not engine or other.is_root:
+            raise ValueError(
+                f"{method}: {module!r} is not a non-root module sharded by "
+                "mf_fsdp.fsdp2.fully_shard in this model"
+            )
+        if other.unit is not None:
+            units.append(other.unit)
+    return units
+
+
+class _Unshard(UnshardHandle):
+    """FSDP2's ``UnshardHandle`` for mf: ``wait()`` finishes the unit's gather."""
+
+    def __init__(self, waits: list[Callable[[], None]]) -> None:
+        self._waits = waits
+
+    def wait(self) -> None:
+        """Finish the gather (once); the unit's parameters hold the whole weights."""
+        waits, self._waits = self._waits, []
+        for wait in waits:
+            wait()
 
 
 _HONOURED = {

@@ -28,6 +28,18 @@ A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
 recompute and backward share one gather.
 
+[Note: a unit called by itself] A unit called outside the root's forward and
+outside any backward (torchtitan's chunked loss calls the LM head once per
+chunk, each with its own backward, between the root's forward and backward)
+is a solo call: it gathers the unit, runs it, and releases it per its
+``reshard_after_forward``; the backward of its output gathers it again,
+accumulates its grads, reduces them (per the policy and the unit's
+``requires_gradient_sync``) and releases it per ``reshard_after_backward``.
+None of it touches the pass: a root forward waiting for its backward keeps
+its order and states, the unit's included. Units left gathered by
+``reshard_after_backward=False`` or an explicit ``unshard`` are released
+before the optimizer step (``release_held``): the step changes their shards.
+
 [Note: communication window] Prefetching walks ahead in the recorded order
 (forward order, or its reverse in backward) while the buckets ahead fit in
 ``suggested_communication_unit_size`` elements, at least one unit, and starts
@@ -45,6 +57,7 @@ or touch the optimizer.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -101,7 +114,13 @@ class Unit:
     waits until the backward of every forward call of the iteration has run
     (``pending``), or until the backward's end when one of them had no input
     requiring grad. ``reshard_after_forward=False`` keeps the unit gathered from
-    its forward to its backward (FSDP2's option).
+    its forward to its backward, ``reshard_after_backward=False`` after its
+    backward, and ``requires_gradient_sync=False`` keeps its grads local
+    (unreduced, accumulating) across backwards (FSDP2's per-module options).
+    ``solo_pending`` counts its calls by itself whose backward has not run (see
+    [Note: a unit called by itself]). ``prefetch_forward`` / ``prefetch_backward``,
+    when set, are the units its forward / backward prefetches instead of the
+    recorded order's window.
 
     ``index`` is the unit's place in the units' order (the walk order, see
     ``UnitHooks._reorder``; -1 for the root). Per forward: ``forwarded`` (its
@@ -118,8 +137,13 @@ class Unit:
         "module",
         "name",
         "pending",
+        "prefetch_backward",
+        "prefetch_forward",
         "ran",
+        "requires_gradient_sync",
+        "reshard_after_backward",
         "reshard_after_forward",
+        "solo_pending",
         "state",
     )
 
@@ -140,6 +164,11 @@ class Unit:
         self.ran = False
         self.pending = 0
         self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.solo_pending = 0
+        self.prefetch_forward: list[Unit] | None = None  # None: the recorded order's window
+        self.prefetch_backward: list[Unit] | None = None
         self._numel: int | None = None
 
     @property
@@ -179,6 +208,8 @@ class UnitHooks:
         step: the optimizer step the engine is in (for error messages).
         peers: the global ranks of the data-parallel group, which agree on a new
             order (default: every rank of the default group).
+        on_compute: run before a unit called by itself: the modules must hold the
+            compute parameters.
     """
 
     def __init__(
@@ -194,6 +225,7 @@ class UnitHooks:
         on_idle: Callable[[], None],
         step: Callable[[], int] = lambda: 0,
         peers: Sequence[int] | None = None,
+        on_compute: Callable[[], None] = lambda: None,
     ) -> None:
         self._root = root
         self._units = units
@@ -206,12 +238,16 @@ class UnitHooks:
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_idle = on_idle
+        self._on_compute = on_compute
         self._step = step
         self.store = default_store()  # see [Note: stopping every rank]
         if peers is None:
             peers = range(dist.get_world_size()) if dist.is_initialized() else [0]
         self._agreement = OrderAgreement(self.store, peers)
         self._callback_queued = False
+        self._pass_backward = False  # the root's pass takes part in the running backward
+        self._solo: list[Unit] = []  # units called by themselves, in the running backward
+        self._held: list[Unit] = []  # left gathered after a pass (see release_held)
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
         self._next = 0  # the units' order: where the forward is (units before it are done)
@@ -324,6 +360,8 @@ class UnitHooks:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
+        if not self._in_forward and not self._callback_queued:
+            return self._solo_pre_forward(unit, args, kwargs)
         if unit.ran and unit.state is TrainingState.FORWARD and self._may_run_again(unit):
             # Run again while gathered (a layer applied twice in a row, a later member
             # of a group unit): no collective, so the ranks may differ in how often.
@@ -455,11 +493,134 @@ class UnitHooks:
     ) -> None:
         if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
+        if not self._in_forward and not self._callback_queued:
+            self._solo_post_forward(unit, output)
+            return
         # Released when another unit runs (a group unit: at the forward's end).
         if self._strategy.shards_grads and torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
                 _on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
+
+    # ------------------------------------------------------------------ a unit by itself
+    def _solo_pre_forward(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A call of ``unit`` by itself (see [Note: a unit called by itself]): gather it."""
+        self._on_compute()
+        self._gather(unit, async_op=False)
+        if not torch.is_grad_enabled():
+            return None
+        threaded = _thread_inputs(functools.partial(self._solo_post_backward, unit), args, kwargs)
+        if threaded is not None:
+            unit.solo_pending += 1
+        return threaded
+
+    def _solo_post_forward(self, unit: Unit, output: Any) -> None:
+        """Hook the call's backward; release ``unit`` per its ``reshard_after_forward``."""
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                _on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
+        if unit.reshard_after_forward:
+            for group in unit.groups:
+                group.reshard()
+        elif unit.state is TrainingState.IDLE:
+            self._hold(unit)
+        self._on_idle()
+
+    @translated(_store)
+    def _solo_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
+        self._ensure_callback()
+        if any(u is unit for u in self._solo):
+            return  # another call's backward started it
+        self._solo.append(unit)
+        self._on_backward_start()
+        self._gather(unit, async_op=False)
+        for group in unit.groups:
+            group.begin_accumulate()
+
+    @translated(_store)
+    def _solo_post_backward(self, unit: Unit) -> None:
+        unit.solo_pending -= 1
+        if unit.solo_pending <= 0 and any(u is unit for u in self._solo):
+            self._finish_solo(unit)
+
+    def _finish_solo(self, unit: Unit) -> None:
+        """The backward of ``unit``'s solo calls ran: reduce (per policy), release."""
+        self._solo = [u for u in self._solo if u is not unit]
+        unit.solo_pending = 0
+        for group in unit.groups:
+            group.mark_used()
+        if unit.requires_gradient_sync and self._reduce_now():
+            self._queue_reduction(unit)
+        self._release_after_backward(unit)
+
+    def _solo_backward_end(self) -> None:
+        """The end of a backward only solo calls took part in: the pass stays as it was."""
+        self._launch_reductions()
+        for launched in self._reducing:
+            for unit in launched:
+                for group in unit.groups:
+                    group.finish_reduce()
+        self._reducing = []
+        self._callback_queued = False
+        if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
+            self._on_backward_end()
+        self._on_idle()
+
+    # ------------------------------------------------------------------ explicit gathers
+    def unshard(self, unit: Unit, async_op: bool) -> Callable[[], None]:
+        """Gather ``unit`` now (FSDP2's ``unshard``); returns what waits for the gather.
+
+        It stays gathered until its next release (its forward or backward per its
+        options, ``reshard``, or the optimizer step).
+        """
+        for group in unit.groups:
+            group.unshard(async_op=async_op)
+        if unit.state is TrainingState.IDLE:
+            self._hold(unit)
+
+        def wait() -> None:
+            for group in unit.groups:
+                group.wait_unshard()
+
+        if not async_op:
+            wait()
+        return wait
+
+    def reshard(self, unit: Unit) -> None:
+        """Release ``unit``'s gathered weights now (FSDP2's ``reshard``)."""
+        if unit.state is TrainingState.PRE_BACKWARD:
+            raise RuntimeError(
+                f"reshard of unit {unit.name!r} during its backward: its gathered weights "
+                "are in use; call it after the backward"
+            )
+        for group in unit.groups:
+            group.reshard()
+        self._held = [u for u in self._held if u is not unit]
+
+    def _hold(self, unit: Unit) -> None:
+        if not any(u is unit for u in self._held):
+            self._held.append(unit)
+
+    def release_held(self) -> None:
+        """Release the idle units left gathered: the optimizer step is about to change them."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for unit in held:
+            if unit.state is TrainingState.IDLE:
+                for group in unit.groups:
+                    group.reshard()
+
+    def _release_after_backward(self, unit: Unit) -> None:
+        """Release ``unit`` after its backward, or keep it (``reshard_after_backward=False``)."""
+        if unit.reshard_after_backward:
+            for group in unit.groups:
+                group.reshard()
+        else:
+            self._hold(unit)
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
         for group in unit.groups:
@@ -468,7 +629,16 @@ class UnitHooks:
             group.wait_unshard()
 
     def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
-        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction)."""
+        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction).
+
+        A unit given its own list for that direction (FSDP2's
+        ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) prefetches
+        exactly those units instead.
+        """
+        listed = unit.prefetch_forward if step > 0 else unit.prefetch_backward
+        if listed is not None:
+            self._start_gathers(None, listed, 0, +1, room=math.inf)
+            return
         try:
             position = order.index(unit) + step
         except ValueError:
@@ -476,7 +646,7 @@ class UnitHooks:
         self._start_gathers(None, order, position, step)
 
     @staticmethod
-    def _window_of(order: list[Unit], position: int, step: int, room: int) -> list[Unit]:
+    def _window_of(order: list[Unit], position: int, step: int, room: float) -> list[Unit]:
         """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1."""
         chosen: list[Unit] = []
         while 0 <= position < len(order):
@@ -489,16 +659,23 @@ class UnitHooks:
         return chosen
 
     def _start_gathers(
-        self, first: Unit | None, order: list[Unit], position: int, step: int
+        self,
+        first: Unit | None,
+        order: list[Unit],
+        position: int,
+        step: int,
+        room: float | None = None,
     ) -> None:
         """Start gathering ``first`` and the units of ``order`` from ``position`` on.
 
         Walks ``order`` by ``step`` while the units fit in the window together
-        (those already gathered count too), taking at least one; all their
-        gathers go out coalesced (see [Note: communication window]).
+        (those already gathered count too), or in ``room`` elements when given
+        (``math.inf``: all of ``order``), taking at least one; all their gathers
+        go out coalesced (see [Note: communication window]).
         """
         chosen = [] if first is None else [first]
-        room = self._window - sum(unit.numel for unit in chosen)
+        if room is None:
+            room = self._window - sum(unit.numel for unit in chosen)
         chosen += self._window_of(order, position, step, room)
         released = [group for unit in chosen for group in unit.groups if group.released]
         if not released:  # the usual case inside a window: all of it is gathered already
@@ -517,6 +694,7 @@ class UnitHooks:
     def _root_pre_backward(self, grad: torch.Tensor | None) -> None:
         self._on_backward_start()
         self._ensure_callback()
+        self._pass_backward = True
         self._back = 0
         self._root.state = TrainingState.PRE_BACKWARD
         self._gather(self._root, async_op=False)
@@ -529,6 +707,7 @@ class UnitHooks:
     @translated(_store)
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         self._ensure_callback()
+        self._pass_backward = True
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another call of the unit (or member of the group) started its backward
         place = len(self._units) - 1 - unit.index
@@ -605,10 +784,9 @@ class UnitHooks:
         if unit.ran:
             for group in unit.groups:
                 group.mark_used()
-        if self._reduce_now():
+        if unit.requires_gradient_sync and self._reduce_now():
             self._queue_reduction(unit)
-        for group in unit.groups:
-            group.reshard()
+        self._release_after_backward(unit)
 
     def _queue_reduction(self, unit: Unit) -> None:
         """Queue ``unit``'s reduction; launch the queue before it would overflow the window."""
@@ -644,6 +822,12 @@ class UnitHooks:
 
     @translated(_store)
     def _root_post_backward(self) -> None:
+        while self._solo:  # solo calls whose post-backward did not fire
+            self._finish_solo(self._solo[0])
+        if not self._pass_backward:
+            self._solo_backward_end()
+            return
+        self._pass_backward = False
         self._finish_before(len(self._units))  # in the reversed order, as if they ran
         self._root.forwarded = True
         if self._root.state is not TrainingState.POST_BACKWARD:
@@ -651,8 +835,7 @@ class UnitHooks:
         self._launch_reductions()
         for unit in self._units:  # prefetched for a backward that did not reach them
             if unit.state is not TrainingState.POST_BACKWARD:
-                for group in unit.groups:
-                    group.reshard()
+                self._release_after_backward(unit)
         for unit in (self._root, *self._units):
             unit.state = TrainingState.IDLE
             unit.forwarded = False

@@ -264,6 +264,7 @@ class MegatronFSDP(nn.Module):
             peers=dist.get_process_group_ranks(dist_index.get_dp_group())
             if dist.is_initialized()
             else None,
+            on_compute=self._register_compute,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
@@ -517,8 +518,11 @@ class MegatronFSDP(nn.Module):
         """Reduce everything still local, wait, and attach grads for the optimizer.
 
         Safe to call any number of times; the wrapped optimizer's ``step`` calls it,
-        so no strategy ever steps on unreduced gradients.
+        so no strategy ever steps on unreduced gradients. Units left gathered
+        (FSDP2's ``reshard_after_backward=False``, ``unshard``) are released: the
+        step changes their shards.
         """
+        self._unit_hooks.release_held()
         self.start_grad_sync()
         self.synchronize_gradient_reduce()
         self.attach_grad_to_optimizer_state()
