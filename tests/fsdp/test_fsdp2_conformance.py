@@ -57,9 +57,6 @@ TRAINING = "test_fully_shard_training.py"
 AUTOGRAD = "test_fully_shard_autograd.py"
 c10d_ops = torch.ops.c10d
 
-INT_RESHARD = pytest.mark.xfail(
-    strict=True, reason="int reshard_after_forward (reshard to a smaller group) not supported yet"
-)
 CPU_OFFLOAD = pytest.mark.xfail(strict=True, reason="CPUOffloadPolicy not supported yet")
 
 
@@ -152,7 +149,7 @@ def _multi_group(rank: int, world: int, reshard_after_forward, offload_policy) -
     ("reshard_values", "offload_policy"),
     [
         ((True, False), None),
-        pytest.param((2,), None, marks=INT_RESHARD),
+        pytest.param((2,), None),
         pytest.param((True,), CPUOffloadPolicy(pin_memory=False), marks=CPU_OFFLOAD),
     ],
     ids=["bool", "int-2", "cpu-offload"],
@@ -160,11 +157,12 @@ def _multi_group(rank: int, world: int, reshard_after_forward, offload_policy) -
 def test_train_parity_multi_group(reshard_values, offload_policy) -> None:
     """``...::TestFullyShard1DTrainingCore::test_train_parity_multi_group``, ``_cpu_offload_eager``.
 
-    Kept: ``reshard_after_forward`` True / False / 2, ``CPUOffloadPolicy(pin_memory=False)``;
+    Kept: ``reshard_after_forward`` True / False / 2 (at world 2 the shard group's size,
+    which FSDP2 and mf both take as True), ``CPUOffloadPolicy(pin_memory=False)``;
     dropped: the ``delay_*`` axes (CUDA sleep kernels against stream races: gloo on the CPU
-    has no streams) and ``unshard_async_op`` (a private FSDP2 knob). The int-2 and CPU
-    offload cases stand for every torch subtest with those options: each is refused by
-    ``fully_shard`` before anything else runs.
+    has no streams) and ``unshard_async_op`` (a private FSDP2 knob). The CPU offload case
+    stands for every torch subtest with that option: ``fully_shard`` refuses it before
+    anything else runs.
     """
 
     run_on_ranks(_rank_multi_group, WORLD, reshard_values, offload_policy or OffloadPolicy())
@@ -214,10 +212,6 @@ def _rank_non_root(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a unit run on its own, outside the root's forward (model[0](x)), is not gathered",
-)
 def test_non_root_forward_backward() -> None:
     """``...::TestFullyShard1DTrainingCore::test_non_root_forward_backward`` (its sleep dropped)."""
     run_on_ranks(_rank_non_root, WORLD)
@@ -281,7 +275,6 @@ def _rank_explicit_prefetching(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="set_modules_to_forward/backward_prefetch not supported yet")
 def test_explicit_prefetching() -> None:
     """``...::TestFullyShard1DTrainingCore::test_explicit_prefetching``."""
     run_on_ranks(_rank_explicit_prefetching, WORLD)
@@ -393,7 +386,11 @@ def _rank_registration_after_forward(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="FSDPModule.reshard() not supported yet")
+@pytest.mark.xfail(
+    strict=True,
+    reason="by design: between passes mf's modules register the sharded parameters; FSDP2 "
+    "registers the unsharded ones while a unit stays gathered (reshard_after_forward=False)",
+)
 def test_param_registration_after_forward() -> None:
     """``...::TestFullyShardRegisteredParams::test_param_registration_after_forward``.
 

@@ -277,8 +277,7 @@ def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
 def test_grad_acc_with_reduce_dtype() -> None:
     """``...::TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype``.
 
-    Kept: ``reshard_after_forward=True``; the ``False`` subtest calls
-    ``set_reshard_after_backward(False)``, which mf refuses.
+    Kept: ``reshard_after_forward=True`` (the ``False`` subtest accumulates alike).
     """
     run_on_ranks(_rank_grad_acc_reduce_dtype, WORLD)
 

@@ -271,6 +271,22 @@ class ParamGroup:
         return self.layout.world_size == 1 and not self.hybrid
 
     @property
+    def untouched(self) -> bool:
+        """No backward added a gradient here since the grads were zeroed (the optimizer gets None).
+
+        A step after ``zero_grad`` with no backward of this bucket in between (a unit
+        called by itself, FSDP2's ``model[0](x)``, leaves the other units alone) must
+        not hand out zeros: torch's optimizers step a zero grad (momentum, Adam's
+        moments), and leave a ``None`` grad alone.
+        """
+        return (
+            self.grads.local is Local.CLEAN
+            and self.grads.reduced is Reduced.NONE
+            and not self._aside
+            and self.pending_inner is None
+        )
+
+    @property
     def released(self) -> bool:
         """True while the bucket's whole weights are neither here nor being gathered."""
         return self.weights.gather is Gather.RELEASED
@@ -389,10 +405,7 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
-        if self.grads_handed_out and self._probe.sharded.grad is None:
-            # The optimizer dropped the grads it was given (``zero_grad()`` of an
-            # optimizer built on the sharded parameters): start from zero, as torch does.
-            self.zero_grad(release=True)
+        self.forget_dropped_grads()
         buffers = self._grad_buffers()
         if buffers.aliases_local and self.grads.reduced is not Reduced.NONE:
             self._set_store_aside()
@@ -401,6 +414,16 @@ class ParamGroup:
             self._reattach = False
             buffers.attach()
         self.grads.accumulate()
+
+    def forget_dropped_grads(self) -> None:
+        """Zero the grads if the optimizer dropped those it was given, as torch starts from zero.
+
+        ``zero_grad()`` of an optimizer built on the sharded parameters sets their
+        ``.grad`` to None without telling the engine; seen here (before a backward
+        accumulates, or before grads are handed out again).
+        """
+        if self.grads_handed_out and self._probe.sharded.grad is None:
+            self.zero_grad(release=True)
 
     def attach_local_grads(self) -> None:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""

@@ -536,13 +536,18 @@ class MegatronFSDP(nn.Module):
         """
         if self._zero_pending:
             return
+        for group in self.groups:  # dropped by an optimizer's zero_grad, no backward since
+            group.forget_dropped_grads()
         for fp in self.fsdp_params:
             if fp.grad is not None:
                 fp.sharded.grad = fp.grad
         for group in self.groups:
-            if group.unused_mark and group.unused_everywhere():
-                # No rank ran its unit in this step: no grads, as torch leaves them
-                # (see [Note: grads no rank made] in buckets/param_group.py).
+            if (group.requires_grad and group.untouched) or (
+                group.unused_mark and group.unused_everywhere()
+            ):
+                # No backward reached it since zero_grad, or no rank ran its unit in
+                # this step: no grads, as torch leaves them (see [Note: grads no rank
+                # made] in buckets/param_group.py).
                 for fp in group.fsdp_params:
                     fp.sharded.grad = None
                     fp.compute.grad = None
