@@ -4,9 +4,10 @@ Parity: the tiny GPT trained 5 steps with the option on (ZeRO-2 and 3) against
 plain PyTorch on the global batch (same init, same batches) for SGD, SGD with
 momentum and dampening (its first step differs from the later ones), Adam and
 AdamW, with and without ``no_sync`` accumulation: losses and every weight at
-1e-6, and bitwise equal to the same run without the option. Memory: at the backward's end the engine holds no gradient bytes with
-the option on, against ``4 / N`` bytes per parameter without it (the sharded
-fp32 grads FSDP2 keeps until the step). Errors: ZeRO-0/1, global-norm
+1e-6, and bitwise equal to the same run without the option. Memory: at the
+backward's end the engine holds no gradient bytes with the option on, against
+``4 / N`` bytes per parameter without it (the sharded fp32 grads FSDP2 keeps
+until the step). Errors: ZeRO-0/1, global-norm
 clipping, shape-aware optimizers and a model without a bound optimizer.
 """
 
@@ -140,7 +141,7 @@ def _rank_errors(rank: int, world: int) -> None:
     for strategy in (0, 1):
         with pytest.raises(ValueError, match=r"optimizer_step_in_backward=True needs .* got '"):
             _build(strategy, "sgd", True)
-    model, opt = _build(3, "adam", True)
+    model, _opt = _build(3, "adam", True)  # the engine holds its optimizers weakly
     model(*batch(0, rank)).backward()
     with pytest.raises(RuntimeError, match="clip_grad_norm_: .*optimizer_step_in_backward"):
         mf_fsdp.clip_grad_norm_(model, 1.0)

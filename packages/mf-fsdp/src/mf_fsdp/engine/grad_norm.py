@@ -49,9 +49,7 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
 
 def _refuse_step_in_backward(params: list[torch.Tensor]) -> None:
     """Raise if ``params`` belong to a model whose optimizer steps inside the backward."""
-    if any(
-        engine is not None and engine.steps_in_backward for engine in map(owner_of, params)
-    ):
+    if any(engine is not None and engine.steps_in_backward for engine in map(owner_of, params)):
         raise RuntimeError(
             "clip_grad_norm_: this model was wrapped with optimizer_step_in_backward=True, "
             "so each bucket is stepped (and its gradients freed) inside the backward, as "

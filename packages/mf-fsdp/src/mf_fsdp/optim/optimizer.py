@@ -262,8 +262,10 @@ def check_steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
             differentiable (a shape-aware step reads whole parameters or many at once).
     """
     differentiable = any(group.get("differentiable", False) for group in optimizer.param_groups)
-    if served(optimizer) is not None or differentiable or not isinstance(
-        optimizer, tuple(ELEMENTWISE_OPTIMIZERS)
+    if (
+        served(optimizer) is not None
+        or differentiable
+        or not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS))
     ):
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         why = "differentiable=True" if differentiable else "not elementwise"
