@@ -137,6 +137,26 @@ def test_hsdp_world4() -> None:
     run_on_ranks(_rank_hsdp, 4, timeout=300)
 
 
+def _rank_bf16(rank: int, world: int) -> None:
+    # bf16 compute, fp32 main weights: ZeRO-3 keeps only the fp32 shard (the gather
+    # casts it), ZeRO-2 all-gathers the stepped shards into the bf16 weights.
+    policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for strategy in (2, 3):
+        runs = []
+        for on in (True, False):
+            model, opt = _build(strategy, "adam", on, mixed_precision_policy=policy)
+            losses, held = _train(model, opt, rank, world, 1)
+            runs.append((losses, full_params(model), held))
+        (losses, params, held), (off_losses, off_params, _) = runs
+        assert held == [0] * STEPS, f"z{strategy} bf16: grad bytes held: {held}"
+        assert_matches_reference(off_losses, off_params, losses, params, f"z{strategy} bf16", 0, 0)
+
+
+@pytest.mark.multiprocess
+def test_bf16_same_as_without_the_option_world2() -> None:
+    run_on_ranks(_rank_bf16, 2, timeout=240)
+
+
 def _rank_errors(rank: int, world: int) -> None:
     for strategy in (0, 1):
         with pytest.raises(ValueError, match=r"optimizer_step_in_backward=True needs .* got '"):
