@@ -29,6 +29,7 @@ from tests.fsdp._helpers import (
     reference_run,
     unit_classes,
 )
+from tests.fsdp.test_memory_held import settled_live_cpu_bytes
 
 RTOL = ATOL = 1e-6
 """Against one process (fp32). Accumulation runs SGD: Adam normalises each element by its
@@ -155,6 +156,29 @@ def _rank_bf16(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_bf16_same_as_without_the_option_world2() -> None:
     run_on_ranks(_rank_bf16, 2, timeout=240)
+
+
+def _rank_live_bytes(rank: int, world: int, strategy: int) -> None:
+    """Every live CPU tensor counted after a backward: the option drops 4 / N bytes per param."""
+    held = {}
+    for on in (True, False):
+        model, opt = _build(strategy, "adam", on)
+        numel = sum(p.numel() for p in model.parameters())
+        for step in range(2):
+            model(*batch(step, rank)).backward()
+            if step == 1:
+                held[on] = settled_live_cpu_bytes()
+            opt.step()
+            opt.zero_grad()
+        del model, opt
+    saved = (held[False] - held[True]) / (numel / world)
+    assert 3.5 <= saved <= 4.5, f"z{strategy}: {saved:.2f} bytes per param/N saved, expected 4"
+
+
+@pytest.mark.multiprocess
+def test_live_bytes_after_backward_world2() -> None:
+    run_on_ranks(_rank_live_bytes, 2, 3)
+    run_on_ranks(_rank_live_bytes, 2, 2)
 
 
 def _rank_errors(rank: int, world: int) -> None:
