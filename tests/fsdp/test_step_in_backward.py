@@ -1,13 +1,14 @@
 """``optimizer_step_in_backward``: each bucket stepped once reduced, against one process.
 
-Parity: the tiny GPT trained 5 steps with the option on (ZeRO-2 and 3) against
-plain PyTorch on the global batch (same init, same batches) for SGD, SGD with
-momentum and dampening (its first step differs from the later ones), Adam and
-AdamW, with and without ``no_sync`` accumulation: losses and every weight at
-1e-6, and bitwise equal to the same run without the option. Memory: at the
-backward's end the engine holds no gradient bytes with the option on, against
-``4 / N`` bytes per parameter without it (the sharded fp32 grads FSDP2 keeps
-until the step). Errors: ZeRO-0/1, global-norm
+Parity: the tiny GPT trained 5 steps with the option on (ZeRO-2 and 3, world 2;
+ZeRO-3 HSDP at world 4) against plain PyTorch on the global batch (same init,
+same batches) for SGD, SGD with momentum and dampening (its first step differs
+from the later ones), Adam and AdamW, with and without ``no_sync``
+accumulation: losses and every weight at 1e-6, and bitwise equal to the same
+run without the option (bf16 compute too). Memory: at the backward's end the
+engine reports no gradient bytes with the option on, against ``4 / N`` bytes
+per parameter without it (the sharded fp32 grads FSDP2 keeps until the step),
+and every live CPU tensor counted agrees. Errors: ZeRO-0/1, global-norm
 clipping, shape-aware optimizers and a model without a bound optimizer.
 """
 
