@@ -126,11 +126,14 @@ def test_synchronous_reductions_and_one_bucket_world2() -> None:
 
 def _rank_hsdp(rank: int, world: int) -> None:
     mesh = dist.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    dims = {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}
+    _rank_parity(rank, world, [(3, "sgd", 1), (3, "momentum", MICRO)], dims)
+    # Hybrid-sharded: the dp_outer reduce-scatter, then the sub-shards' all-gather.
     _rank_parity(
         rank,
         world,
-        [(3, "sgd", 1), (3, "momentum", MICRO)],
-        {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"},
+        [(3, "momentum", 1), (3, "sgd", MICRO)],
+        {**dims, "outer_dp_sharding_strategy": 1},
     )
 
 
