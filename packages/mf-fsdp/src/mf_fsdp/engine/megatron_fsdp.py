@@ -17,7 +17,9 @@ their own modules:
   and eagerly created state;
 - ``engine/load_hooks.py``: ``load_state_dict()`` from any layout, through the module's hooks;
 - ``engine/meta_init.py``: meta-device materialisation, one unit at a time;
-- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
+- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``;
+- ``engine/backward_step.py``: ``optimizer_step_in_backward``, each bucket stepped once
+  its gradients are reduced.
 
 When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
 at the end of each backward; the buffers themselves belong to
@@ -467,7 +469,11 @@ class MegatronFSDP(nn.Module):
         self.zero_grad_buffer(release=self._zero_releases)
 
     def _on_backward_end(self) -> None:
-        """Count the micro-batch; with auto-sync, wait for the reductions and attach grads."""
+        """Count the micro-batch; with auto-sync, wait for the reductions and attach grads.
+
+        With ``optimizer_step_in_backward``, a backward that reduced finishes every
+        reduction and steps the buckets not stepped yet: the step is then done.
+        """
         policy = self.sync_policy
         policy.backward_ended()
         if self._backward_step is not None and policy.reduce_at_unit_end():

@@ -19,7 +19,12 @@ unreduced grads) and drop unused initial buffers; after it, install the
 updated weights into the model's buffers. The same
 pre-hook rejects an optimizer that still holds compute parameters (the
 original objects, whose values live in the engine's buffers), which would
-otherwise silently train nothing. This module never builds the sharded
+otherwise silently train nothing.
+
+With ``optimizer_step_in_backward`` the engine steps each bucket inside the
+backward through ``step_some``: the optimizer's own ``step()`` on that bucket's
+parameters, whose hooks then only swap in the local pieces (the engine
+reduces, installs and frees per bucket itself). This module never builds the sharded
 parameters (``engine/sharded_params.py`` does) and imports the engine for type
 hints only.
 """
