@@ -193,6 +193,10 @@ class DistributedDataParallelConfig:
             step, also inside a unit that ran or in the root (DDP's option of the
             same name). It costs one device sync per step; without it, only the
             parameters of units no rank ran are found, at no cost.
+        optimizer_step_in_backward: (ZeRO-2/3) step each bucket's parameters as soon
+            as its gradients are reduced, inside the backward, then free the bucket's
+            gradients (see the README's "Optimizer step inside the backward");
+            ``optimizer.step()`` then only finishes what is pending.
     """
 
     data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
@@ -203,6 +207,7 @@ class DistributedDataParallelConfig:
     grad_reduce_in_fp32: bool = False
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE
     find_unused_parameters: bool = False
+    optimizer_step_in_backward: bool = False
 
     def __post_init__(self) -> None:
         """Normalise the strategies; outer sharding needs inner ZeRO-3 (as in the reference)."""
@@ -219,6 +224,17 @@ class DistributedDataParallelConfig:
         inner = normalize_strategy(
             self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy"
         )
+        if not isinstance(self.optimizer_step_in_backward, bool):
+            raise TypeError(
+                "optimizer_step_in_backward: expected a bool, got "
+                f"{self.optimizer_step_in_backward!r}"
+            )
+        if self.optimizer_step_in_backward and not inner.shards_grads:
+            raise ValueError(
+                f"optimizer_step_in_backward=True needs data_parallel_sharding_strategy 2 / "
+                f"'optim_grads' or 3 / 'optim_grads_params', got {inner.value!r}: ZeRO-0/1 "
+                "reduce every gradient at the step anyway, so there is nothing to step early"
+            )
         outer = normalize_outer_strategy(self.outer_dp_sharding_strategy)
         if outer is ZeroDPStrategy.OPTIM and inner is not ZeroDPStrategy.OPTIM_GRADS_PARAMS:
             raise ValueError(

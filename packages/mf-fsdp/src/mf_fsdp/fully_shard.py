@@ -61,6 +61,7 @@ def fully_shard_model(
     expt_device_mesh: DeviceMesh | None = None,
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE,
     find_unused_parameters: bool = False,
+    optimizer_step_in_backward: bool = False,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
@@ -101,6 +102,11 @@ def fully_shard_model(
             inside a unit that ran or in the root, as DDP's option does; one device
             sync per step (``DistributedDataParallelConfig``). Without it, only the
             parameters of units that no rank ran get none.
+        optimizer_step_in_backward: (ZeRO-2/3) run each bucket's optimizer step inside
+            the backward, as soon as its gradients are reduced, and free them at once
+            (``DistributedDataParallelConfig``; see the README). Needs the optimizer
+            bound (``fully_shard`` or ``fully_shard_optimizer``) and elementwise; no
+            global-norm clipping.
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.
@@ -121,6 +127,7 @@ def fully_shard_model(
         average_in_collective=average_in_collective,
         suggested_communication_unit_size=suggested_communication_unit_size,
         find_unused_parameters=find_unused_parameters,
+        optimizer_step_in_backward=optimizer_step_in_backward,
     )
     hybrid = config.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
     if hybrid and dp_outer_dim is None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.tp_params import local_value
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
-from mf_fsdp.engine.sharded_params import SPREAD_ATTR
+from mf_fsdp.engine.sharded_params import SPREAD_ATTR, owner_of
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
 
@@ -45,6 +45,17 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameters: {expected}, got {type(p).__name__} {p!r} at index {i}")
     return params
+
+
+def _refuse_step_in_backward(params: list[torch.Tensor]) -> None:
+    """Raise if ``params`` belong to a model whose optimizer steps inside the backward."""
+    if any(engine is not None and engine.steps_in_backward for engine in map(owner_of, params)):
+        raise RuntimeError(
+            "clip_grad_norm_: this model was wrapped with optimizer_step_in_backward=True, "
+            "so each bucket is stepped (and its gradients freed) inside the backward, as "
+            "soon as they are reduced; a global-norm clip needs every gradient before any "
+            "step. Turn optimizer_step_in_backward off to clip gradients."
+        )
 
 
 def _check_norm_type(norm_type: object) -> float:
@@ -174,10 +185,14 @@ def clip_grad_norm_(
     Raises:
         TypeError: if ``parameters``, ``max_norm`` or ``norm_type`` has the wrong type.
         ValueError: if ``max_norm`` or ``norm_type`` is not positive.
+        RuntimeError: for a model (or its parameters) whose optimizer steps inside
+            the backward (``optimizer_step_in_backward``): there is no moment where
+            every gradient is held and none is stepped yet.
     """
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     params = _params(parameters)
+    _refuse_step_in_backward(params)
     total = get_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = []

@@ -210,6 +210,9 @@ class UnitHooks:
             order (default: every rank of the default group).
         on_compute: run before a unit called by itself: the modules must hold the
             compute parameters.
+        on_reduced: run with the units whose reductions just finished (their grads
+            are final for this backward), or None (the engine's
+            ``optimizer_step_in_backward``).
     """
 
     def __init__(
@@ -226,8 +229,10 @@ class UnitHooks:
         step: Callable[[], int] = lambda: 0,
         peers: Sequence[int] | None = None,
         on_compute: Callable[[], None] = lambda: None,
+        on_reduced: Callable[[list[Unit]], None] | None = None,
     ) -> None:
         self._root = root
+        self._on_reduced = on_reduced
         self._units = units
         self._order = list(units)  # the walk order
         self._reversed = units[::-1]
@@ -810,15 +815,20 @@ class UnitHooks:
             for unit in launched:
                 for group in unit.groups:
                     group.finish_reduce()
+            if self._on_reduced is not None:
+                self._on_reduced(launched)
             return
         self._reducing.append(launched)
         # The previous reduction had this unit's backward to finish in: wait for it
         # now, so its whole-bucket grad buffers go back to the pool for the next unit
         # instead of every unit's buffer living until the end of backward.
         while len(self._reducing) > _REDUCTIONS_IN_FLIGHT:
-            for unit in self._reducing.pop(0):
+            finished = self._reducing.pop(0)
+            for unit in finished:
                 for group in unit.groups:
                     group.finish_reduce()
+            if self._on_reduced is not None:
+                self._on_reduced(finished)
 
     @translated(_store)
     def _root_post_backward(self) -> None:

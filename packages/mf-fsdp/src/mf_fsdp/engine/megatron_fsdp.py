@@ -17,7 +17,9 @@ their own modules:
   and eagerly created state;
 - ``engine/load_hooks.py``: ``load_state_dict()`` from any layout, through the module's hooks;
 - ``engine/meta_init.py``: meta-device materialisation, one unit at a time;
-- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``.
+- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``;
+- ``engine/backward_step.py``: ``optimizer_step_in_backward``, each bucket stepped once
+  its gradients are reduced.
 
 When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
 at the end of each backward; the buffers themselves belong to
@@ -50,6 +52,7 @@ from mf_fsdp.config import (
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine.backward_step import BackwardStep, StepSome
 from mf_fsdp.engine.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import (
@@ -225,6 +228,9 @@ class MegatronFSDP(nn.Module):
         self._gradient_divide_factor: float | None = None
         self._awaiting_to_empty = False  # see [Note: meta-device flows]
         self._install_pending = False
+        self._backward_step = (
+            BackwardStep(self) if self.ddp_config.optimizer_step_in_backward else None
+        )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
         index_of = _index_chooser(module, dist_index)
@@ -265,6 +271,7 @@ class MegatronFSDP(nn.Module):
             if dist.is_initialized()
             else None,
             on_compute=self._register_compute,
+            on_reduced=None if self._backward_step is None else self._backward_step.step_units,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
@@ -447,6 +454,8 @@ class MegatronFSDP(nn.Module):
     def _on_backward_start(self) -> None:
         """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
         self._register_compute()
+        if self._backward_step is not None:
+            self._backward_step.begin(self._optimizers)
         if not self._zero_pending:
             return
         kept = [type(o).__name__ for o in self._optimizers if o not in self._zeroed_by]
@@ -461,9 +470,17 @@ class MegatronFSDP(nn.Module):
         self.zero_grad_buffer(release=self._zero_releases)
 
     def _on_backward_end(self) -> None:
-        """Count the micro-batch; with auto-sync, wait for the reductions and attach grads."""
+        """Count the micro-batch; with auto-sync, wait for the reductions and attach grads.
+
+        With ``optimizer_step_in_backward``, a backward that reduced finishes every
+        reduction and steps the buckets not stepped yet: the step is then done.
+        """
         policy = self.sync_policy
         policy.backward_ended()
+        if self._backward_step is not None and policy.reduce_at_unit_end():
+            self._backward_step.finish()  # every bucket stepped: the step is done
+            policy.step_finished()
+            return
         if policy.wait_at_backward_end():
             outer = policy.outer_at_backward_end()
             for group in self.groups:
@@ -536,12 +553,20 @@ class MegatronFSDP(nn.Module):
         """
         if self._zero_pending:
             return
-        for group in self.groups:  # dropped by an optimizer's zero_grad, no backward since
+        groups = self.groups
+        if self._backward_step is not None:  # stepped ones had their grads already
+            groups = self._backward_step.unstepped(groups)
+        self.hand_out_grads(groups)
+
+    def hand_out_grads(self, groups: list[ParamGroup]) -> None:
+        """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads."""
+        for group in groups:  # dropped by an optimizer's zero_grad, no backward since
             group.forget_dropped_grads()
-        for fp in self.fsdp_params:
-            if fp.grad is not None:
-                fp.sharded.grad = fp.grad
-        for group in self.groups:
+        for group in groups:
+            for fp in group.fsdp_params:
+                if fp.grad is not None:
+                    fp.sharded.grad = fp.grad
+        for group in groups:
             if (group.requires_grad and group.untouched) or (
                 group.unused_mark and group.unused_everywhere()
             ):
@@ -558,11 +583,11 @@ class MegatronFSDP(nn.Module):
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
         if self.ddp_config.find_unused_parameters:
-            self._withhold_unused_grads()
+            self._withhold_unused_grads(groups)
 
-    def _withhold_unused_grads(self) -> None:
+    def _withhold_unused_grads(self, groups: list[ParamGroup]) -> None:
         """Take back the grads of parameters no rank's backward reached (one device sync)."""
-        groups = [group for group in self.groups if group.grads_handed_out]
+        groups = [group for group in groups if group.grads_handed_out]
         if not groups:
             return
         unused = iter(torch.cat([group.unused_params() for group in groups]).tolist())
@@ -601,9 +626,26 @@ class MegatronFSDP(nn.Module):
             self._pool.clear()
             collectives.release_workspaces()
 
-    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer`` among those stepping this model (``fully_shard_optimizer`` does)."""
+    def add_optimizer(
+        self, optimizer: torch.optim.Optimizer, step_some: StepSome | None = None
+    ) -> None:
+        """Count ``optimizer`` among those stepping this model (``fully_shard_optimizer`` does).
+
+        ``step_some`` steps an optimizer on some of its parameters: what
+        ``optimizer_step_in_backward`` runs per bucket (see ``engine/backward_step.py``).
+        """
         self._optimizers.add(optimizer)
+        if self._backward_step is not None and step_some is not None:
+            self._backward_step.step_some = step_some
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers bound to this model (``fully_shard_optimizer``)."""
+        return list(self._optimizers)
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether the optimizer steps inside the backward (``optimizer_step_in_backward``)."""
+        return self._backward_step is not None
 
     def request_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer`` zeroed its parameters' grads: zero the buffers once every optimizer has.
@@ -646,9 +688,16 @@ class MegatronFSDP(nn.Module):
             group.wait_unshard()
 
     def install_optimized_model_weights(self) -> None:
-        """Copy the optimizer's updated main weights into the model's compute weights."""
+        """Copy the optimizer's updated main weights into the model's compute weights.
+
+        Buckets stepped inside this backward (``optimizer_step_in_backward``) were
+        installed then.
+        """
+        groups = self.groups
+        if self._backward_step is not None:
+            groups = self._backward_step.unstepped(groups)
         with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
-            works = [g.install_main_weights(async_op=True) for g in self.groups]
+            works = [g.install_main_weights(async_op=True) for g in groups]
         for work in works:
             if work is not None:
                 work.wait()

@@ -116,13 +116,18 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
-    """Give ``optimizer`` the local pieces to step (see the module note); idempotent."""
+def enter_local_step(optimizer: torch.optim.Optimizer, keep_others: bool = False) -> None:
+    """Give ``optimizer`` the local pieces to step (see the module note); idempotent.
+
+    ``keep_others``: the step holds some of the parameters only (one bucket's,
+    inside the backward): the pieces of the others stay remembered for theirs.
+    """
     if getattr(optimizer, _SWAP_ATTR, None) is not None or not _eligible(optimizer):
         return
     state = optimizer.state
     previous: dict[int, _Piece] = getattr(optimizer, _PIECES_ATTR, {})
-    current: dict[int, _Piece] = {}  # only this step's parameters stay remembered
+    # Only this step's parameters stay remembered (a partial step keeps the others).
+    current: dict[int, _Piece] = dict(previous) if keep_others else {}
     local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     pieces: list[_Piece] = []
     saved: list[list[Any]] = []

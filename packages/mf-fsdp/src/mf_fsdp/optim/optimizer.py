@@ -19,7 +19,12 @@ unreduced grads) and drop unused initial buffers; after it, install the
 updated weights into the model's buffers. The same
 pre-hook rejects an optimizer that still holds compute parameters (the
 original objects, whose values live in the engine's buffers), which would
-otherwise silently train nothing. This module never builds the sharded
+otherwise silently train nothing.
+
+With ``optimizer_step_in_backward`` the engine steps each bucket inside the
+backward through ``step_some``: the optimizer's own ``step()`` on that bucket's
+parameters, whose hooks then only swap in the local pieces (the engine
+reduces, installs and frees per bucket itself). This module never builds the sharded
 parameters (``engine/sharded_params.py`` does) and imports the engine for type
 hints only.
 """
@@ -37,7 +42,12 @@ from torch.optim.optimizer import (
 
 from mf_fsdp.engine.sharded_params import MANAGED_ATTR, owner_of
 from mf_fsdp.optim.local_step import ELEMENTWISE, enter_local_step, exit_local_step
-from mf_fsdp.optim.shape_aware import check_supported, serve_step
+from mf_fsdp.optim.shape_aware import (
+    ELEMENTWISE_OPTIMIZERS,
+    check_supported,
+    serve_step,
+    served,
+)
 from mf_fsdp.optim.state import (
     drop_unused_initial_state,
     init_optimizer_state,
@@ -60,6 +70,7 @@ _CHECKED_ATTR = "_mf_fsdp_checked"
 _HIDDEN_ATTR = "_mf_fsdp_hidden_grads"
 _ENGINES_ATTR = "_mf_fsdp_engines"
 _BOUND_AT_STEP_ATTR = "_mf_fsdp_bound_at_step"
+_PARTIAL_ATTR = "_mf_fsdp_partial_step"
 _BIND_AT_STEP: weakref.WeakSet[MegatronFSDP] = weakref.WeakSet()
 """Engines whose unbound optimizers are bound for the step at their first ``step()``."""
 
@@ -131,6 +142,10 @@ def _delegates(optimizer: torch.optim.Optimizer) -> bool:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _delegates(optimizer):
         return
+    if getattr(optimizer, _PARTIAL_ATTR, False):  # one bucket's step inside the backward
+        drop_unused_initial_state(optimizer)
+        enter_local_step(optimizer, keep_others=True)
+        return
     engines = _engines(optimizer)
     if not engines or initializing(optimizer):
         return
@@ -158,7 +173,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if _delegates(optimizer):
         return
     exit_local_step(optimizer)
-    if initializing(optimizer):
+    if initializing(optimizer) or getattr(optimizer, _PARTIAL_ATTR, False):
         return
     for param, grad in getattr(optimizer, _HIDDEN_ATTR, ()):
         param.grad = grad
@@ -223,6 +238,8 @@ def fully_shard_optimizer(
             "original parameters); expected a fresh optimizer built on the model's parameters"
         )
     check_supported(optimizer, [model.optimizer_param(p) for p in _params(optimizer)])
+    if model.steps_in_backward:
+        check_steps_in_backward(optimizer)
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
     _prefer_foreach(optimizer)
@@ -235,11 +252,54 @@ def fully_shard_optimizer(
         plain_zero_grad(set_to_none)
         model.request_zero_grad(optimizer, set_to_none)
 
-    model.add_optimizer(optimizer)
+    model.add_optimizer(optimizer, step_some)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     _restore_after_step(optimizer)
     init_optimizer_state(optimizer)
     return optimizer
+
+
+def check_steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that cannot step one bucket at a time inside the backward.
+
+    Raises:
+        ValueError: naming the optimizer's class, unless it is elementwise and not
+            differentiable (a shape-aware step reads whole parameters or many at once).
+    """
+    differentiable = any(group.get("differentiable", False) for group in optimizer.param_groups)
+    if (
+        served(optimizer) is not None
+        or differentiable
+        or not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS))
+    ):
+        name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        why = "differentiable=True" if differentiable else "not elementwise"
+        raise ValueError(
+            f"optimizer: {name} is {why}; optimizer_step_in_backward=True steps each bucket's "
+            "parameters on their own as soon as their gradients are reduced, which only an "
+            "elementwise optimizer (SGD, Adam, AdamW, ...) computes exactly as one step of "
+            "all; turn optimizer_step_in_backward off for this optimizer"
+        )
+
+
+@torch.no_grad()
+def step_some(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
+    """One step of ``optimizer`` on its parameters whose ``id`` is in ``ids`` (the others wait).
+
+    Its param groups hold only those parameters for the duration of the call
+    (options, and each parameter's state, untouched); the step hooks then skip
+    the engine's work (``optimizer_step_in_backward`` does it per bucket).
+    """
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in ids]
+    setattr(optimizer, _PARTIAL_ATTR, True)
+    try:
+        optimizer.step()
+    finally:
+        setattr(optimizer, _PARTIAL_ATTR, False)
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params
 
 
 def bind_optimizers_at_step(engine: MegatronFSDP) -> None:

@@ -1,0 +1,118 @@
+"""The optimizer step inside the backward: each bucket stepped once its grads are reduced.
+
+[Note: optimizer step inside the backward] Under ZeRO-2/3 a bucket's reduced
+gradient is final once its reduction completes (outside gradient
+accumulation). With ``optimizer_step_in_backward`` the engine steps that
+bucket's parameters right then, with the bound optimizers' own step given only
+those parameters (torch's optimizers keep their state per parameter and skip a
+parameter without a grad, so a step per bucket is the arithmetic of one step of
+all), writes the stepped weights back (``install``: the ZeRO-2 all-gather, the
+ZeRO-3 shard) and frees the bucket's gradient store. The gradients of the
+model are then never all held at once.
+
+A unit's bucket is stepped once its reduction has finished, which is after its
+backward ended and its weights were released: nothing of this backward reads
+them again. The root's buckets (and tied weights, which live there) are reduced
+and stepped at the backward's end, as is every bucket whose reduction finished
+there. Inside ``no_sync`` nothing is reduced, so nothing is stepped: the
+backward that reduces (the step's last micro-batch) steps. Every rank reduces
+the buckets in one order, so the all-gathers of ZeRO-2's install match.
+
+This module knows the engine and takes the optimizers' partial step from the
+optimizer side (``optim/optimizer.py`` registers it when it binds an
+optimizer), so the engine still never imports ``optim``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.param_group import ParamGroup
+
+if TYPE_CHECKING:
+    from mf_fsdp.engine.hooks import Unit
+    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+
+__all__ = ["BackwardStep", "StepSome"]
+
+StepSome = Callable[[torch.optim.Optimizer, set[int]], None]
+"""Step ``optimizer`` on those of its parameters whose ``id`` is in the set, once."""
+
+
+class BackwardStep:
+    """Steps an engine's buckets inside the backward (see the module note).
+
+    Args:
+        engine: the engine whose buckets it steps (held weakly).
+    """
+
+    def __init__(self, engine: MegatronFSDP) -> None:
+        self._engine = weakref.ref(engine)
+        self.step_some: StepSome | None = None
+        self.stepped: set[int] = set()  # ids of the groups stepped since the backward began
+
+    def _owner(self) -> MegatronFSDP:
+        engine = self._engine()
+        assert engine is not None  # internal invariant: the engine owns this object
+        return engine
+
+    def begin(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """A backward starts: nothing stepped yet; an optimizer must be bound.
+
+        Raises:
+            RuntimeError: if no optimizer was bound to the engine.
+        """
+        if self.step_some is None or not list(optimizers):
+            raise RuntimeError(
+                "optimizer_step_in_backward=True: no optimizer is bound to this model, so "
+                "the backward cannot step it; pass it to mf_fsdp.fully_shard(model, "
+                "optimizer, ...) or mf_fsdp.fully_shard_optimizer(optimizer, model) before "
+                "the first backward"
+            )
+        self.stepped = set()
+
+    def unstepped(self, groups: list[ParamGroup]) -> list[ParamGroup]:
+        """The ``groups`` not stepped in this backward (their grads are still to hand out)."""
+        if not self.stepped:
+            return groups
+        return [group for group in groups if id(group) not in self.stepped]
+
+    def step_units(self, units: list[Unit]) -> None:
+        """The reductions of ``units`` finished: step their buckets (the hooks call this)."""
+        self.step([group for unit in units for group in unit.groups])
+
+    def finish(self) -> None:
+        """The reducing backward ends: finish every reduction and step what is left."""
+        engine = self._owner()
+        for group in engine.groups:
+            group.reduce_outer()
+        self.step(engine.groups)
+
+    def step(self, groups: list[ParamGroup]) -> None:
+        """Step the bound optimizers on ``groups``' parameters, install, free their grads."""
+        groups = [group for group in self.unstepped(groups) if group.requires_grad]
+        if not groups:
+            return
+        engine = self._owner()
+        for group in groups:
+            group.reduce_outer()  # the dp_outer stage (HSDP); nothing without dp_outer
+        engine.hand_out_grads(groups)
+        ids = {id(fp.sharded) for group in groups for fp in group.fsdp_params}
+        assert self.step_some is not None  # checked by begin()
+        for optimizer in list(engine.optimizers()):
+            self.step_some(optimizer, ids)
+        with collectives.coalescing(engine.ddp_config.suggested_communication_unit_size):
+            works = [group.install_main_weights(async_op=True) for group in groups]
+        for work in works:
+            if work is not None:
+                work.wait()
+        for group in groups:
+            for fp in group.fsdp_params:
+                fp.sharded.grad = None
+            group.zero_grad(release=True)
+            self.stepped.add(id(group))
