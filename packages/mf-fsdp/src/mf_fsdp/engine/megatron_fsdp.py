@@ -562,17 +562,22 @@ class MegatronFSDP(nn.Module):
         """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads."""
         for group in groups:  # dropped by an optimizer's zero_grad, no backward since
             group.forget_dropped_grads()
+        # A bucket no backward reached since its grads were zeroed (a unit called by
+        # itself leaves the others alone) hands out nothing: its parameters keep the
+        # ``.grad`` the optimizer left them (None after ``zero_grad``, as torch leaves
+        # them; zeros that DSD sets to create state), never stale or zero buffers.
+        for group in groups:
+            if group.requires_grad and group.untouched:
+                group.grads_handed_out = False
+        groups = [group for group in groups if not (group.requires_grad and group.untouched)]
         for group in groups:
             for fp in group.fsdp_params:
                 if fp.grad is not None:
                     fp.sharded.grad = fp.grad
         for group in groups:
-            if (group.requires_grad and group.untouched) or (
-                group.unused_mark and group.unused_everywhere()
-            ):
-                # No backward reached it since zero_grad, or no rank ran its unit in
-                # this step: no grads, as torch leaves them (see [Note: grads no rank
-                # made] in buckets/param_group.py).
+            if group.unused_mark and group.unused_everywhere():
+                # No rank ran its unit in this step: no grads, as torch leaves them
+                # (see [Note: grads no rank made] in buckets/param_group.py).
                 for fp in group.fsdp_params:
                     fp.sharded.grad = None
                     fp.compute.grad = None
