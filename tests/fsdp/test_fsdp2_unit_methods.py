@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from packaging.version import Version
 from torch import nn
 from torch.distributed.fsdp import UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -266,12 +267,19 @@ def _reference_chunked(opt_name: str) -> tuple[list[float], dict[str, torch.Tens
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+TORCH_FSDP2_RUNS_CHUNKED = Version(torch.__version__.split("+")[0]) >= Version("2.15")
+"""torch 2.11's own FSDP2 fails the chunked script (the hidden states' backward meets a
+freed unsharded tensor: "data is not allocated yet"); there mf is compared with one
+process only. 2.15, the newest of the supported range, runs it."""
+
+
 def _rank_script(rank: int, world: int, name: str, opt_name: str) -> None:
     mf_losses, mf_params = _run(fsdp2.fully_shard, SCRIPTS[name], opt_name, rank)
-    torch_losses, torch_params = _run(torch_fully_shard, SCRIPTS[name], opt_name, rank)
-    torch.testing.assert_close(mf_losses, torch_losses, **TOL)
-    for key, value in torch_params.items():
-        torch.testing.assert_close(mf_params[key], value, **TOL, msg=key)
+    if name != "chunked" or TORCH_FSDP2_RUNS_CHUNKED:
+        torch_losses, torch_params = _run(torch_fully_shard, SCRIPTS[name], opt_name, rank)
+        torch.testing.assert_close(mf_losses, torch_losses, **TOL)
+        for key, value in torch_params.items():
+            torch.testing.assert_close(mf_params[key], value, **TOL, msg=key)
     if name == "chunked":
         ref_losses, ref_params = _reference_chunked(opt_name)
         torch.testing.assert_close(mf_losses, ref_losses, **TOL)
