@@ -37,12 +37,25 @@ from torch.testing._internal.common_utils import TestCase
 from mf_dtensor import UnevenDTensor, uneven_local_piece
 
 __all__ = [
+    "RANK_MODULES",
+    "WORLD",
     "broadcast_params",
     "check_sharded_parity",
     "patch_reduce_scatter",
     "replicated_reference",
     "torch_case",
 ]
+
+WORLD = 2
+"""The ranks every mirrored test runs on (torch runs most at 4 or 8 on GPUs)."""
+
+RANK_MODULES = (
+    "torch.testing._internal.common_fsdp",
+    "torch.testing._internal.distributed._tensor.common_dtensor",
+    "tests.fsdp._fsdp2_conformance",
+)
+"""What the ranks import before a test body runs (``preload_in_ranks``): torch's test
+helpers take about 2 s to import, once per rank pool instead of once per launch."""
 
 
 def torch_case() -> TestCase:

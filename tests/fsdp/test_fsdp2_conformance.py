@@ -41,18 +41,15 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 from mf_fsdp.fsdp2 import fully_shard
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import (
+    RANK_MODULES,
+    WORLD,
     broadcast_params,
     check_sharded_parity,
     replicated_reference,
     torch_case,
 )
 
-preload_in_ranks(
-    "torch.testing._internal.common_fsdp",
-    "torch.testing._internal.distributed._tensor.common_dtensor",
-    "tests.fsdp._fsdp2_conformance",
-)
-WORLD = 2
+preload_in_ranks(*RANK_MODULES)
 TRAINING = "test_fully_shard_training.py"
 AUTOGRAD = "test_fully_shard_autograd.py"
 c10d_ops = torch.ops.c10d

@@ -22,10 +22,9 @@ from torch.testing._internal.common_fsdp import DoubleLinear
 
 from mf_fsdp.fsdp2 import fully_shard
 from tests._multiprocess import preload_in_ranks, run_on_ranks
-from tests.fsdp._fsdp2_conformance import check_sharded_parity, torch_case
+from tests.fsdp._fsdp2_conformance import RANK_MODULES, WORLD, check_sharded_parity, torch_case
 
-preload_in_ranks("torch.testing._internal.common_fsdp", "tests.fsdp._fsdp2_conformance")
-WORLD = 2
+preload_in_ranks(*RANK_MODULES)
 
 
 # ---------------------------------------------------------------- test_fully_shard_autograd.py
