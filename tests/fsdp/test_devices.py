@@ -41,9 +41,16 @@ def _run_world_one(fn, device: str, *args: object, timeout: float) -> None:
 
 
 def _plain(device: str, opt_name: str, steps: int):
-    """Plain PyTorch on ``device``: losses and final parameters."""
+    """Plain PyTorch on ``device``: losses and final parameters.
+
+    On CUDA with torch's fused kernels, which mf steps with there when the choice
+    is left to torch (``mf_fsdp.optim.kernel_choice``): the same result bit for bit.
+    """
     module = make_model().to(device)
     opt = make_optimizer(opt_name, module.parameters())
+    if device == "cuda":
+        for group in opt.param_groups:
+            group["fused"] = True
     losses = []
     for step in range(steps):
         loss = module(*(t.to(device) for t in batch(step, 0)))
@@ -88,6 +95,7 @@ def _rank_parity(rank: int, world: int, device: str) -> None:
         ref_losses, ref_params = _plain(device, opt_name, STEPS)
         for strategy in range(4):
             model, opt = _wrapped(device, opt_name, zero_dp_strategy=strategy)
+            assert all(g["fused"] is (device == "cuda" or None) for g in opt.param_groups)
             losses = _train(model, opt, device, range(STEPS))
             _assert_on(device, model, opt)
             label = f"{device} ZeRO-{strategy} {opt_name}"

@@ -16,7 +16,9 @@ run their forward under ``torch.autocast``, as plain PyTorch users do.
 
 Optimizer recipes (``OPTIMIZERS``): ``adam`` (torch.optim.Adam on every
 parameter, the default of the published tables), and ``mf.models``'
-``adamw`` and ``muon`` (Muon on the blocks' matrices, AdamW on the rest).
+``adamw`` and ``muon`` (Muon on the blocks' matrices, AdamW on the rest), and
+``adamw-fused`` (``adamw`` with ``fused=True``: torch's fused kernels for every
+engine, which mf picks on CUDA where the choice is left to torch).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mf.models import OPTIMIZER_RECIPES, Block, build_optimizers
 
 __all__ = ["AUTOCAST", "ENGINES", "OPTIMIZERS", "build_engine", "make_optimizers"]
 
-OPTIMIZERS = ("adam", *OPTIMIZER_RECIPES)
+OPTIMIZERS = ("adam", *OPTIMIZER_RECIPES, "adamw-fused")
 
 AUTOCAST = frozenset({"single", "plain", "ddp"})
 """Engines with no mixed-precision policy of their own: bf16 runs them under autocast."""
@@ -45,6 +47,8 @@ def make_optimizers(recipe: str, module: nn.Module, lr: float) -> list[torch.opt
     """The optimizers of ``recipe`` (one of ``OPTIMIZERS``) on ``module``'s parameters."""
     if recipe == "adam":
         return [torch.optim.Adam(module.parameters(), lr=lr)]
+    if recipe == "adamw-fused":  # what mf steps AdamW with on CUDA, asked of torch by name
+        return [torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.1, fused=True)]
     return build_optimizers(recipe, module, lr)
 
 

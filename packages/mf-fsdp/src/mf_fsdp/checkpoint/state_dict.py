@@ -27,6 +27,7 @@ import torch
 
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.sharded_params import owner_of
+from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
 from mf_fsdp.optim.optimizer import Optimizers, optimizer_list
 from mf_fsdp.optim.state import localize_loaded_state, snapshot_state
 
@@ -209,3 +210,4 @@ def apply_optimizer_state(
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     for opt in optimizers:
         localize_loaded_state(opt, previous[id(opt)])
+        prefer_fast_kernels(opt)

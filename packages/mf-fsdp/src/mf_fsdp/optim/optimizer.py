@@ -41,7 +41,8 @@ from torch.optim.optimizer import (
 )
 
 from mf_fsdp.engine.sharded_params import MANAGED_ATTR, owner_of
-from mf_fsdp.optim.local_step import ELEMENTWISE, enter_local_step, exit_local_step
+from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
+from mf_fsdp.optim.local_step import enter_local_step, exit_local_step
 from mf_fsdp.optim.shape_aware import (
     ELEMENTWISE_OPTIMIZERS,
     check_supported,
@@ -195,6 +196,7 @@ def _ensure_load_hooks(optimizer: torch.optim.Optimizer) -> None:
     if not getattr(optimizer, _LOAD_HOOK_ATTR, False):
         optimizer.register_load_state_dict_pre_hook(_remember_layouts)
         optimizer.register_load_state_dict_post_hook(localize_loaded_state)
+        optimizer.register_load_state_dict_post_hook(prefer_fast_kernels)
         setattr(optimizer, _LOAD_HOOK_ATTR, True)
 
 
@@ -242,7 +244,6 @@ def fully_shard_optimizer(
         check_steps_in_backward(optimizer)
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
-    _prefer_foreach(optimizer)
     setattr(optimizer, _CHECKED_ATTR, True)
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
     _ensure_load_hooks(optimizer)
@@ -256,6 +257,7 @@ def fully_shard_optimizer(
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     _restore_after_step(optimizer)
     init_optimizer_state(optimizer)
+    prefer_fast_kernels(optimizer)
     return optimizer
 
 
@@ -308,7 +310,7 @@ def bind_optimizers_at_step(engine: MegatronFSDP) -> None:
     For FSDP2's interface (``mf_fsdp.fsdp2``), where the optimizer is built on
     ``model.parameters()`` and never passed to ``fully_shard_optimizer``: at its
     first ``step()`` it gets the bound optimizers' step path (the local step on
-    plain tensors and the multi-tensor kernels, see ``_prefer_foreach`` and
+    plain tensors and the multi-tensor kernels, see ``prefer_fast_kernels`` and
     [Note: local step]), the same arithmetic with the host cost of
     ``mf_fsdp.fully_shard``'s. Its ``zero_grad`` and state stay torch's (no eager
     state): only the step changes.
@@ -322,7 +324,7 @@ def _bind_step(optimizer: torch.optim.Optimizer) -> None:
     The step running now (from whose pre-hook this is called) is not yet wrapped:
     it swaps too, and its post-hook restores the swap unless it raises.
     """
-    _prefer_foreach(optimizer)
+    prefer_fast_kernels(optimizer)
     setattr(optimizer, _BOUND_AT_STEP_ATTR, True)
     _restore_after_step(optimizer)
 
@@ -338,21 +340,6 @@ def _restore_after_step(optimizer: torch.optim.Optimizer) -> None:
             exit_local_step(optimizer)
 
     optimizer.step = step  # type: ignore[method-assign]
-
-
-def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
-    """Let torch's optimizers that left ``foreach`` to torch use the multi-tensor path.
-
-    On the CPU torch picks the per-parameter loop, whose every op dispatches once
-    per parameter through the sharded DTensors (measured on the tiny preset: 3 ms
-    of a 17 ms step); the multi-tensor path dispatches once per op. The arithmetic
-    is the same. A group that chose ``foreach`` (True or False) keeps its choice.
-    """
-    if type(optimizer) not in ELEMENTWISE:  # each has a multi-tensor path
-        return
-    for group in optimizer.param_groups:
-        if group.get("foreach", False) is None and not group.get("differentiable", False):
-            group["foreach"] = True
 
 
 def _find_model(optimizer: torch.optim.Optimizer) -> MegatronFSDP:

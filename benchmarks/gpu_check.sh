@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU machine call (world 1, NCCL, the image's torch, no install): the CUDA tests,
+# then issue 27's measurements. 150m at 4 x 512 is the host-bound step; 880m at
+# 4 x 2048 the compute-bound one. Every log line also lands in $OUT/gpu.log.
+# Run from the checkout's root: bash benchmarks/gpu_check.sh [tests|bench|profile ...]
+set -u
+export PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')src
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+parts=${*:-tests bench profile}
+exec > >(tee -a "$out/gpu.log") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+git log -1 --format='main at %h %s' 2>/dev/null
+bench="python3 -m mf.bench.cli --device cuda --world 1 --precision bf16 --optimizers adamw"
+for part in $parts; do
+  case $part in
+    tests)
+      timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/test_devices.py ;;
+    bench)
+      $bench --presets 150m --micro-batch 4 --seq-len 512 --rounds ${ROUNDS:-2} --steps 20 --warmup 5 \
+        --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json"
+      $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 8 --warmup 3 \
+        --engines plain,fsdp2,mf-zero3 --optimizers adamw,adamw-fused --json "$out/bench-880m.json" ;;
+    profile)
+      for engine in ${PROFILE_ENGINES:-mf-zero3}; do
+        python3 benchmarks/step_profile.py --device cuda --engine $engine --preset 150m \
+          --micro-batch 4 --seq-len 512 --steps 5 --top 30
+      done ;;
+  esac
+done
