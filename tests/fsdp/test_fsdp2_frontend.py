@@ -177,9 +177,6 @@ def _rank_unsupported(rank: int, world: int) -> None:
         assert fsdp2._record(model).reshard_after_forward is flag
     with pytest.raises(ValueError, match="reshard_after_forward=3: an int must divide"):
         fsdp2.fully_shard(make_model(), reshard_after_forward=3)
-    model = make_model()
-    with pytest.raises(NotImplementedError, match="ignored_params"):
-        fsdp2.fully_shard(model, ignored_params={model.wte.weight})
     with pytest.raises(TypeError, match="mp_policy"):
         fsdp2.fully_shard(make_model(), mp_policy=object())
     model = make_model()

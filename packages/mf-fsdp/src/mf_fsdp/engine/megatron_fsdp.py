@@ -33,7 +33,7 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -163,6 +163,10 @@ class MegatronFSDP(nn.Module):
             submodules gathered and released together (FSDP2's front end,
             ``mf_fsdp.fsdp2``, passes what ``fully_shard`` was called on); they may
             not contain one another.
+        ignored_params: parameters of ``module`` the engine leaves alone, as FSDP2's
+            ``ignored_params``: plain tensors on every rank, in no bucket, never
+            gathered or reduced (their ``.grad`` is the local one autograd gives),
+            outside ``clip_grad_norm_``; syncing them is the caller's (e.g. DDP's).
 
     Raises:
         TypeError: if ``module``, ``dist_index``, ``ddp_config``,
@@ -193,6 +197,7 @@ class MegatronFSDP(nn.Module):
         gradient_scaling_factor: float | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         unit_modules: Sequence[Sequence[nn.Module]] = (),
+        ignored_params: Collection[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         check_module_to_wrap(module)
@@ -233,11 +238,18 @@ class MegatronFSDP(nn.Module):
         )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
-        index_of = _index_chooser(module, dist_index)
-        validate_tp_params(module.named_parameters(), index_of, init_model_with_meta_device)
-        sources = _param_sources(module, index_of, self.strategy)
+        ignored = _check_ignored(module, ignored_params)
+        index_of = _index_chooser(module, dist_index, ignored)
+        validate_tp_params(
+            _managed_named_params(module, ignored), index_of, init_model_with_meta_device
+        )
+        sources = _param_sources(module, index_of, self.strategy, ignored)
         specs = plan_buckets(
-            module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing, unit_modules
+            module,
+            resolve_unit_classes(fsdp_unit_modules),
+            disable_bucketing,
+            unit_modules,
+            ignored,
         )
         self._build_units(
             specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
@@ -887,8 +899,43 @@ class MegatronFSDP(nn.Module):
             return self.module.load_state_dict(state_dict, strict=strict)
 
 
+def _check_ignored(module: nn.Module, ignored_params: Collection[nn.Parameter]) -> set[int]:
+    """The ``id``s of ``ignored_params``, each checked to be a parameter of ``module``.
+
+    Raises:
+        TypeError: if ``ignored_params`` is not a collection of parameters.
+        ValueError: naming an entry that is not a parameter of ``module``, or when every
+            parameter of ``module`` is ignored.
+    """
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
+        raise TypeError(
+            f"ignored_params: expected a collection of parameters, got {ignored_params!r}"
+        )
+    own = {id(p) for p in module.parameters()}
+    for param in ignored_params:
+        if not isinstance(param, torch.Tensor) or id(param) not in own:
+            shown = tuple(param.shape) if isinstance(param, torch.Tensor) else param
+            raise ValueError(
+                f"ignored_params: {shown!r} is not a parameter of {type(module).__name__}; "
+                "expected parameters of the module being sharded"
+            )
+    ignored = {id(p) for p in ignored_params}
+    if own and own <= ignored:
+        raise ValueError(
+            f"ignored_params: every parameter of {type(module).__name__} is ignored; "
+            "expected at least one parameter to shard"
+        )
+    return ignored
+
+
+def _managed_named_params(
+    module: nn.Module, ignored: set[int]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((n, p) for n, p in module.named_parameters() if id(p) not in ignored)
+
+
 def _index_chooser(
-    module: nn.Module, dist_index: FSDPDistributedIndex
+    module: nn.Module, dist_index: FSDPDistributedIndex, ignored: set[int]
 ) -> Callable[[nn.Parameter], FSDPDistributedIndex]:
     """The index each parameter of ``module`` lives on: the expert one for expert parameters.
 
@@ -896,7 +943,8 @@ def _index_chooser(
         ValueError: naming an expert parameter when ``dist_index`` has no expert mesh.
     """
     expert = next(
-        (n for n, p in module.named_parameters() if is_expert_parallel_parameter(p)), None
+        (n for n, p in _managed_named_params(module, ignored) if is_expert_parallel_parameter(p)),
+        None,
     )
     if expert is not None and dist_index.expert_index is None:
         raise ValueError(
@@ -918,6 +966,7 @@ def _param_sources(
     module: nn.Module,
     index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
     strategy: ZeroDPStrategy,
+    ignored: set[int],
 ) -> dict[int, ParamSource]:
     """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
 
@@ -934,7 +983,7 @@ def _param_sources(
             if param is not None:
                 slots.setdefault(id(param), []).append((owner, attr))
     sources = {}
-    for name, param in module.named_parameters():
+    for name, param in _managed_named_params(module, ignored):
         if strategy.level > 0 and param.dim() == 0:
             raise ValueError(
                 f"module: parameter {name!r} is a scalar (0-d); sharded strategies split "
