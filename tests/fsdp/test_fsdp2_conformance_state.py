@@ -266,11 +266,6 @@ def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="micro-batch gradients accumulate in the compute dtype (bf16) before the fp32 "
-    "reduction; FSDP2 accumulates them in reduce_dtype",
-)
 def test_grad_acc_with_reduce_dtype() -> None:
     """``...::TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype``.
 
