@@ -413,7 +413,6 @@ def _rank_float16_on_one_submodule(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="mf needs one param_dtype per model")
 def test_float16_on_one_submodule() -> None:
     """``...::TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule``, subtest 1."""
     run_on_ranks(_rank_float16_on_one_submodule, WORLD)

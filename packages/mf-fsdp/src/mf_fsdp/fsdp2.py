@@ -342,6 +342,11 @@ def _build_engine(root: _Record) -> None:
         mixed_precision_policy=engine_policy,
         unit_modules=[u.modules for u in units],
         ignored_params=list({id(p): p for r in (root, *units) for p in r.ignored_params}.values()),
+        unit_mixed_precision={
+            unit.modules[0]: _engine_policy(module, unit.mp_policy)
+            for unit in units
+            if _own_dtypes(root, unit)
+        },
     )
     bind_optimizers_at_step(engine)  # the user's optimizer steps as mf_fsdp.fully_shard's
     by_module = {id(u.module): u for u in engine._units}
@@ -357,19 +362,20 @@ def _build_engine(root: _Record) -> None:
 
 
 def _check_same(root: _Record, unit: _Record) -> None:
-    """Units of one model share the mesh and the engine-wide mixed-precision dtypes."""
+    """Units of one model share the mesh."""
     if unit.mesh is not root.mesh and unit.mesh is not None and root.mesh is not None:
         raise NotImplementedError(
             "fully_shard: mesh differs between calls on one model; mf_fsdp.fsdp2 needs the "
             "same mesh for every call"
         )
-    for name in ("param_dtype", "reduce_dtype"):
-        if getattr(unit.mp_policy, name) != getattr(root.mp_policy, name):
-            raise NotImplementedError(
-                f"fully_shard: mp_policy.{name} differs between calls on one model "
-                f"({getattr(unit.mp_policy, name)} and {getattr(root.mp_policy, name)}); "
-                "mf_fsdp.fsdp2 needs one value per model"
-            )
+
+
+def _own_dtypes(root: _Record, unit: _Record) -> bool:
+    """Whether ``unit`` computes or reduces in other dtypes than the root (its own policy)."""
+    return any(
+        getattr(unit.mp_policy, name) != getattr(root.mp_policy, name)
+        for name in ("param_dtype", "reduce_dtype")
+    )
 
 
 def _engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:

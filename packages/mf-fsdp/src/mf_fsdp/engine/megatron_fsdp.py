@@ -167,6 +167,9 @@ class MegatronFSDP(nn.Module):
             ``ignored_params``: plain tensors on every rank, in no bucket, never
             gathered or reduced (their ``.grad`` is the local one autograd gives),
             outside ``clip_grad_norm_``; syncing them is the caller's (e.g. DDP's).
+        unit_mixed_precision: a unit's own dtypes, in place of
+            ``mixed_precision_policy``, keyed by the unit's module (the first of its
+            group), as FSDP2 takes an ``mp_policy`` per ``fully_shard`` call.
 
     Raises:
         TypeError: if ``module``, ``dist_index``, ``ddp_config``,
@@ -198,6 +201,7 @@ class MegatronFSDP(nn.Module):
         alignment: int = DEFAULT_ALIGNMENT,
         unit_modules: Sequence[Sequence[nn.Module]] = (),
         ignored_params: Collection[nn.Parameter] = (),
+        unit_mixed_precision: Mapping[nn.Module, MixedPrecisionPolicy] | None = None,
     ) -> None:
         super().__init__()
         check_module_to_wrap(module)
@@ -221,6 +225,7 @@ class MegatronFSDP(nn.Module):
                 "zero_dp_strategy='no_shard' (every rank would hold the whole model)"
             )
         self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy()
+        self._unit_policies = _unit_policies(module, unit_mixed_precision)
         self.calculate_per_token_loss = calculate_per_token_loss
         self.sync_policy = SyncPolicy(self.strategy.shards_grads, sync_model_each_microbatch)
         self.device = device or get_group_device(dist_index.fsdp_group)
@@ -369,7 +374,8 @@ class MegatronFSDP(nn.Module):
         reduce_spec: ReduceSpec,
     ) -> ParamGroup:
         """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
-        dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
+        policy = self._unit_policies.get(id(spec.unit), self.mixed_precision_policy)
+        dtypes = GroupDtypes(*policy.resolve(spec.params[0].dtype))
         if self.strategy.level > 0 and dtypes.grads != dtypes.main:
             raise ValueError(
                 f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
@@ -897,6 +903,33 @@ class MegatronFSDP(nn.Module):
         del assign  # values are always copied into the engine's buffers
         with self._sharded_forms():
             return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _unit_policies(
+    module: nn.Module, policies: Mapping[nn.Module, MixedPrecisionPolicy] | None
+) -> dict[int, MixedPrecisionPolicy]:
+    """``unit_mixed_precision`` by the ``id`` of each unit module, each entry checked.
+
+    Raises:
+        TypeError: if it is not a mapping of submodules of ``module`` to
+            ``MixedPrecisionPolicy``s.
+    """
+    if policies is None:
+        return {}
+    if not isinstance(policies, Mapping):
+        raise TypeError(
+            f"unit_mixed_precision: expected a mapping of unit modules to "
+            f"MixedPrecisionPolicy, got {policies!r}"
+        )
+    inside = {id(m) for m in module.modules()}
+    for unit, policy in policies.items():
+        if not isinstance(unit, nn.Module) or id(unit) not in inside:
+            raise TypeError(
+                f"unit_mixed_precision: key {unit!r} is not a submodule of "
+                f"{type(module).__name__}; expected unit modules"
+            )
+        check_engine_options(policy, None)
+    return {id(unit): policy for unit, policy in policies.items()}
 
 
 def _check_ignored(module: nn.Module, ignored_params: Collection[nn.Parameter]) -> set[int]:
