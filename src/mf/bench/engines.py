@@ -9,7 +9,8 @@ then ``step()`` and ``zero_grad()`` of each optimizer.
 (each rank trains its own copy): the host-cost baseline. ``fsdp2`` is PyTorch's
 FSDP2 and ``mf-fsdp2`` the same calls through ``mf_fsdp.fsdp2`` (FSDP2's
 interface on mf's engine); ``mf-zeroN`` is ``mf_fsdp.fully_shard`` with ZeRO
-strategy N. With ``bf16`` the
+strategy N, and ``mf-zeroN-bwd-step`` the same with ``optimizer_step_in_backward``
+(each bucket's step inside the backward, its grads freed at once). With ``bf16`` the
 FSDP engines compute in bf16 through their mixed-precision policies (fp32
 main weights and gradient reduction); engines without one (``AUTOCAST``)
 run their forward under ``torch.autocast``, as plain PyTorch users do.
@@ -94,7 +95,9 @@ def _fsdp2_api(front_end: str) -> Builder:
     return build
 
 
-def _mf(strategy: int) -> Builder:
+def _mf(strategy: int, **options: bool) -> Builder:
+    """``mf_fsdp.fully_shard`` with ZeRO ``strategy`` and its keyword ``options``."""
+
     def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
         from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -108,6 +111,7 @@ def _mf(strategy: int) -> Builder:
             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
             if bf16
             else None,
+            **options,
         )
 
     return build
@@ -123,6 +127,8 @@ ENGINES: dict[str, Builder] = {
     "mf-zero2": _mf(2),
     "mf-zero1": _mf(1),
     "mf-zero0": _mf(0),
+    "mf-zero3-bwd-step": _mf(3, optimizer_step_in_backward=True),
+    "mf-zero2-bwd-step": _mf(2, optimizer_step_in_backward=True),
 }
 
 
