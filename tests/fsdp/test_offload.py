@@ -279,3 +279,31 @@ def _rank_errors(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_errors() -> None:
     run_on_ranks(_rank_errors, 2)
+
+
+CLIP = 0.5
+"""Below the tiny GPT's gradient norm in every step: SGD exposes a wrong coefficient."""
+
+
+def _rank_clip(rank: int, world: int) -> None:
+    """``clip_grad_norm_`` scales the host grads the step reads, as one process clips."""
+    ref = reference_run("sgd", world, STEPS, clip=CLIP, optimizer=_optimizer)
+    for strategy in (2, 3):
+        model, opt = _build(strategy, "sgd", True)
+        losses = []
+        for step in range(STEPS):
+            loss = model(*batch(step, rank))
+            loss.backward()
+            mf_fsdp.clip_grad_norm_(model, CLIP)
+            total = loss.detach()
+            dist.all_reduce(total)
+            opt.step()
+            opt.zero_grad()
+            losses.append(total.item() / world)
+        assert_matches_reference(losses, full_params(model), *ref, f"z{strategy}", RTOL, ATOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_clip_grad_norm_world2() -> None:
+    run_on_ranks(_rank_clip, 2)

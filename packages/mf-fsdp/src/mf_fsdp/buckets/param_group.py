@@ -317,6 +317,7 @@ class ParamGroup:
         )
         self.buffers: GradBuffers | None = None
         self.host_grads: torch.Tensor | None = None
+        self._host_grads_current = False  # host_grads hold the store's current values
         if self.offload and self.requires_grad:
             self.host_grads = host_zeros(self.main_layout.shard_size, d.grads, dev)
         if self.requires_grad:
@@ -358,9 +359,15 @@ class ParamGroup:
         return self.host_grads if self.offload else self.grad_store
 
     def offload_grads(self) -> None:
-        """Copy the reduced grads into ``host_grads`` (asynchronous from a device; see host.py)."""
-        if self.host_grads is not None:
+        """Copy the reduced grads into ``host_grads`` (asynchronous from a device; see host.py).
+
+        Only when the store changed since the last copy: grads handed out again
+        (``finish_grad_sync`` before the step, after ``clip_grad_norm_`` scaled the
+        host copy) keep what was done to them.
+        """
+        if self.host_grads is not None and not self._host_grads_current:
             self.host_grads.copy_(self._grad_buffers().store(), non_blocking=True)
+            self._host_grads_current = True
 
     def hold_grads(self) -> None:
         """Give a released grad store its bytes back (zeros) before views of it are handed out."""
@@ -466,6 +473,7 @@ class ParamGroup:
         buffers = self._grad_buffers()
         self._put_aside(buffers.store(), self.grads.reduced)
         buffers.clear(buffers.local_for_reduction())
+        self._host_grads_current = False
         self.grads.set_aside()
 
     def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
@@ -528,6 +536,7 @@ class ParamGroup:
         buffers.local.fill_(-0.0)
         if not buffers.aliases_local and self.grads.reduced is Reduced.NONE:
             buffers.store(zeroed=False).fill_(-0.0)
+            self._host_grads_current = False
         self.unused_mark = True
 
     def unused_everywhere(self) -> bool:
@@ -633,6 +642,7 @@ class ParamGroup:
             return
         work, src, out = self._pending
         self._pending = None
+        self._host_grads_current = False
         if work is not None:
             work.wait()
         buffers = self._grad_buffers()
@@ -675,6 +685,7 @@ class ParamGroup:
         if not self.hybrid:
             # A dp_outer of one replica has nothing to reduce.
             if self.grads.reduced is Reduced.INNER:
+                self._host_grads_current = False
                 if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
                     store = self._grad_buffers().store()
                     collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
@@ -684,6 +695,7 @@ class ParamGroup:
         pending, buffers = self.pending_inner, self._grad_buffers()
         if pending is None:
             return
+        self._host_grads_current = False
         direct = self.grads.reduced is Reduced.NONE and buffers.store_dtype == pending.dtype
         store = buffers.store(zeroed=not direct)
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
@@ -705,6 +717,7 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
+        self._host_grads_current = False
         buffers = self._grad_buffers()
         buffers.zero_store(release)
         if self.pending_inner is not None:
@@ -724,7 +737,7 @@ class ParamGroup:
         if self.buffers is None:
             return
         store = None if self.buffers.released else self.buffers.store()
-        handed = self.host_grads if self.grads_handed_out else None  # what the optimizer reads
+        handed = self.host_grads if self._host_grads_current else None  # the store's copy
         for reduced in (store, handed, self.pending_inner, *self._aside.values()):
             if reduced is not None:
                 reduced.mul_(factor)
