@@ -14,7 +14,8 @@ accumulation: losses and every weight at 1e-6, and bitwise equal to the same
 run without the option. The same with ``optimizer_step_in_backward``.
 Memory: after the backward, with bf16 compute, the device holds 2 bytes per
 param / N of model state and the engine's report agrees with every live CPU
-tensor. Checkpoints round-trip (``save_checkpoint`` / ``load_checkpoint``).
+tensor. Checkpoints round-trip (``save_checkpoint`` / ``load_checkpoint``, and
+torch's DSD + DCP into a model with and without the option).
 Errors: ZeRO-0, a non-bool, tensor parallelism, shape-aware optimizers.
 """
 
@@ -25,6 +26,8 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
@@ -307,3 +310,38 @@ def _rank_clip(rank: int, world: int) -> None:
 @pytest.mark.timeout(200)
 def test_clip_grad_norm_world2() -> None:
     run_on_ranks(_rank_clip, 2)
+
+
+def _rank_dsd(rank: int, world: int, path: str) -> None:
+    """torch's DSD + DCP: saved with the option, loaded with and without it, same next step."""
+    model, opt = _build(3, "adam", True)
+    for step in range(2):
+        model(*batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    runs = []
+    for on in (None, True, False):  # None: the saving run itself, going on
+        if on is not None:
+            model, opt = _build(3, "adam", on)
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        model(*batch(2, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        if on:
+            assert_offloaded(model, opt)
+        runs.append((model(*batch(3, rank)).item(), full_params(model)))
+    (loss, params), *others = runs
+    for other_loss, other_params in others:
+        assert other_loss == loss
+        for name, value in params.items():
+            assert torch.equal(other_params[name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_dsd_dcp_round_trip_world2(tmp_path) -> None:
+    run_on_ranks(_rank_dsd, 2, str(tmp_path / "dcp"))
