@@ -11,7 +11,9 @@ Parity: the tiny GPT trained 5 steps with the option (ZeRO-1/2/3, world 2;
 ZeRO-3 HSDP at world 4) against plain PyTorch on the global batch for SGD,
 SGD with momentum, Adam and AdamW, with and without ``no_sync``
 accumulation: losses and every weight at 1e-6, and bitwise equal to the same
-run without the option. The same with ``optimizer_step_in_backward``.
+run without the option. The same with ``optimizer_step_in_backward``, with
+``clip_grad_norm_`` (SGD: the host grads the step reads are the clipped ones),
+and for expert-parallel buckets.
 Memory: after the backward, with bf16 compute, the device holds 2 bytes per
 param / N of model state and the engine's report agrees with every live CPU
 tensor. Checkpoints round-trip (``save_checkpoint`` / ``load_checkpoint``, and
@@ -345,3 +347,23 @@ def _rank_dsd(rank: int, world: int, path: str) -> None:
 @pytest.mark.timeout(200)
 def test_dsd_dcp_round_trip_world2(tmp_path) -> None:
     run_on_ranks(_rank_dsd, 2, str(tmp_path / "dcp"))
+
+
+def _rank_experts(rank: int, world: int) -> None:
+    """Expert-parallel buckets (their own groups and grad-norm grid) offload alike."""
+    from tests.fsdp import test_experts as ex
+
+    for opt_name in ("sgd", "adam"):
+        ref = reference_run(
+            opt_name, world, ex.STEPS, clip=ex.CLIP, make=ex.make_moe, optimizer=ex.make_optimizer
+        )
+        model, opt, _ = ex._sharded_moe(world, 2, opt_name, 3, offload_optimizer_state=True)
+        losses = ex._train(model, opt, rank, world, ex.STEPS)
+        assert_offloaded(model, opt)
+        ex._check(losses, ex._full(model), *ref, f"ep2 {opt_name} offloaded")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_expert_parallel_world2() -> None:
+    run_on_ranks(_rank_experts, 2, timeout=280)
