@@ -141,3 +141,58 @@ def _rank_contract(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_reduction_contract_all_strategies() -> None:
     run_on_ranks(_rank_contract, 2, timeout=240)
+
+
+def _plain_bf16_micro_grads(rank: int, micro: int) -> dict[str, torch.Tensor]:
+    """This rank's micro-batch grads of a bf16 copy of the model, summed in fp32."""
+    model = make_model().to(torch.bfloat16)
+    total: dict[str, torch.Tensor] = {}
+    for m in range(micro):
+        (model(*batch(0, rank, m)) / micro).backward()
+        for name, param in model.named_parameters():
+            total[name] = total.get(name, 0) + param.grad.float()
+            param.grad = None
+    return total
+
+
+def _rank_bf16_accumulation(rank: int, world: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    expected = _plain_bf16_micro_grads(rank, MICRO)
+    for grad in expected.values():
+        dist.all_reduce(grad)
+        grad /= world
+    policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for strategy in (1, 2, 3):
+        module = make_model()
+        model, _ = mf_fsdp.fully_shard(
+            module,
+            make_optimizer("sgd", module.parameters()),
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=policy,
+        )
+        label = f"ZeRO-{strategy}"
+        for m in range(MICRO):
+            sync = contextlib.nullcontext() if m == MICRO - 1 else model.no_sync()
+            with sync:
+                (model(*batch(0, rank, m)) / MICRO).backward()
+        model.finish_grad_sync()
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            torch.testing.assert_close(
+                grad.float(),
+                expected[name],
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m, where=f"{label} {name}": f"{where}: {m}",
+            )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_bf16_micro_batches_accumulate_in_the_reduction_dtype() -> None:
+    """bf16 compute: ``no_sync`` micro-batch grads are summed in fp32 (FSDP2's
+    ``reduce_dtype``, Megatron's main grads), not in bf16, which rounds away what each
+    adds: the reduced grads equal each micro-batch's bf16 grads summed in fp32."""
+    run_on_ranks(_rank_bf16_accumulation, 2, timeout=150)

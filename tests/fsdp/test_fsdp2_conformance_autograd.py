@@ -300,7 +300,6 @@ def _rank_ddp_fsdp_ddp(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="ignored_params not supported yet")
 def test_ddp_A_fsdp_B_ddp_C() -> None:  # noqa: N802 (torch's name)
     """``test_fully_shard_ignore_params.py::TestFullyShardIgnoreParams::test_ddp_A_fsdp_B_ddp_C``."""
     run_on_ranks(_rank_ddp_fsdp_ddp, WORLD)

@@ -266,11 +266,6 @@ def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="micro-batch gradients accumulate in the compute dtype (bf16) before the fp32 "
-    "reduction; FSDP2 accumulates them in reduce_dtype",
-)
 def test_grad_acc_with_reduce_dtype() -> None:
     """``...::TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype``.
 
@@ -418,7 +413,6 @@ def _rank_float16_on_one_submodule(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="mf needs one param_dtype per model")
 def test_float16_on_one_submodule() -> None:
     """``...::TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule``, subtest 1."""
     run_on_ranks(_rank_float16_on_one_submodule, WORLD)

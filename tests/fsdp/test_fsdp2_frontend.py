@@ -111,6 +111,42 @@ def test_bf16_param_dtype_matches_torch_fsdp2_with_the_same_policy() -> None:
     run_on_ranks(_rank_bf16, WORLD, timeout=240)
 
 
+def _weight_dtype_into(seen: dict[str, torch.dtype], key: str):
+    """A forward pre-hook that records the dtype of the weight its module computes with."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        seen.setdefault(key, module.weight.dtype)
+
+    return hook
+
+
+def _rank_policy_per_unit(rank: int, world: int) -> None:
+    """The first block in bf16 (back to fp32 at its output), the rest in fp32."""
+    bf16 = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+    runs, seen = {}, {}
+    for name, shard in (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = make_model()
+        shard(model.blocks[0], mp_policy=bf16)
+        shard(model.blocks[1])
+        shard(model)
+        weights: dict[str, torch.dtype] = {}
+        for index, block in enumerate(model.blocks):
+            block.attn.qkv.register_forward_pre_hook(_weight_dtype_into(weights, f"block {index}"))
+        runs[name] = _train(model, make_optimizer("adam", model.parameters()), rank)
+        seen[name] = weights
+    assert seen["mf"] == seen["torch"] == {"block 0": torch.bfloat16, "block 1": torch.float32}
+    torch.testing.assert_close(
+        torch.tensor(runs["mf"]), torch.tensor(runs["torch"]), rtol=1e-3, atol=0.0
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_policy_per_unit_computes_each_unit_in_its_dtype_as_torch_fsdp2() -> None:
+    run_on_ranks(_rank_policy_per_unit, WORLD, timeout=240)
+
+
 def _rank_accumulation(rank: int, world: int) -> None:
     model = make_model()
     shard_like_torchtitan(model)
@@ -177,9 +213,6 @@ def _rank_unsupported(rank: int, world: int) -> None:
         assert fsdp2._record(model).reshard_after_forward is flag
     with pytest.raises(ValueError, match="reshard_after_forward=3: an int must divide"):
         fsdp2.fully_shard(make_model(), reshard_after_forward=3)
-    model = make_model()
-    with pytest.raises(NotImplementedError, match="ignored_params"):
-        fsdp2.fully_shard(model, ignored_params={model.wte.weight})
     with pytest.raises(TypeError, match="mp_policy"):
         fsdp2.fully_shard(make_model(), mp_policy=object())
     model = make_model()

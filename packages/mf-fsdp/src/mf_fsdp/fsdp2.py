@@ -21,7 +21,7 @@ the module's own.
 [Note: what is honoured] Every public method of torch's ``FSDPModule`` is
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``_UNSUPPORTED``); nothing silently does nothing. Options FSDP2 has
-and mf cannot honour yet (``shard_placement_fn``, ``ignored_params``, an int
+and mf cannot honour yet (``shard_placement_fn``, an int
 ``reshard_after_forward`` other than 1 or the shard group's size, CPU offload,
 a mesh over part of the ranks, units nested below others) raise naming the
 option.
@@ -33,7 +33,7 @@ keep a second engine's state: everything lives in the ``MegatronFSDP``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -74,6 +74,7 @@ class _Record:
     unit: Unit | None = None  # the engine's unit (None for the root, or a unit left no weight)
     is_root: bool = False
     hooks: list[Any] = field(default_factory=list)
+    ignored_params: tuple[nn.Parameter, ...] = ()
 
 
 def fully_shard(
@@ -108,7 +109,10 @@ def fully_shard(
             ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2.
         offload_policy: torch's ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy``
             is not supported yet.
-        ignored_params: must be None or empty.
+        ignored_params: parameters left out of sharding, as FSDP2's: plain tensors
+            on every rank, never gathered or reduced (their grads are each rank's
+            own; syncing them, e.g. with DDP, is the caller's). The calls on one
+            model may each pass some; the engine ignores all of them.
 
     Returns:
         ``module``, now an ``FSDPModule`` (each module of a list).
@@ -135,12 +139,8 @@ def fully_shard(
         check_module_to_wrap(item)
     _check_options(mesh, shard_placement_fn, mp_policy, offload_policy)
     reshard = _reshard_flag(reshard_after_forward, mesh)
-    if ignored_params:
-        raise NotImplementedError(
-            f"fully_shard: ignored_params ({len(ignored_params)} parameters) is not supported "
-            "by mf_fsdp.fsdp2 yet; expected None"
-        )
     record = _Record(modules, mesh, reshard, mp_policy)
+    record.ignored_params = _ignored_tuple(ignored_params)
     for item in modules:
         item.__dict__[_RECORD_ATTR] = record
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
@@ -153,6 +153,25 @@ def fully_shard(
         item.__class__ = _fsdp_class(type(item))
     _PENDING.add(modules[0])
     return module
+
+
+def _ignored_tuple(ignored_params: object) -> tuple[nn.Parameter, ...]:
+    """``ignored_params`` as a tuple (None: none).
+
+    Raises:
+        TypeError: if it is not a collection of tensors.
+    """
+    if ignored_params is None:
+        return ()
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
+        raise TypeError(
+            f"fully_shard: ignored_params must be a set of parameters, got {ignored_params!r}"
+        )
+    params = tuple(ignored_params)
+    wrong = next((p for p in params if not isinstance(p, torch.Tensor)), None)
+    if wrong is not None:
+        raise TypeError(f"fully_shard: ignored_params holds {wrong!r}; expected parameters")
+    return params
 
 
 def _check_options(
@@ -322,6 +341,12 @@ def _build_engine(root: _Record) -> None:
         sync_model_each_microbatch=True,
         mixed_precision_policy=engine_policy,
         unit_modules=[u.modules for u in units],
+        ignored_params=list({id(p): p for r in (root, *units) for p in r.ignored_params}.values()),
+        unit_mixed_precision={
+            unit.modules[0]: _engine_policy(module, unit.mp_policy)
+            for unit in units
+            if _own_dtypes(root, unit)
+        },
     )
     bind_optimizers_at_step(engine)  # the user's optimizer steps as mf_fsdp.fully_shard's
     by_module = {id(u.module): u for u in engine._units}
@@ -337,19 +362,20 @@ def _build_engine(root: _Record) -> None:
 
 
 def _check_same(root: _Record, unit: _Record) -> None:
-    """Units of one model share the mesh and the engine-wide mixed-precision dtypes."""
+    """Units of one model share the mesh."""
     if unit.mesh is not root.mesh and unit.mesh is not None and root.mesh is not None:
         raise NotImplementedError(
             "fully_shard: mesh differs between calls on one model; mf_fsdp.fsdp2 needs the "
             "same mesh for every call"
         )
-    for name in ("param_dtype", "reduce_dtype"):
-        if getattr(unit.mp_policy, name) != getattr(root.mp_policy, name):
-            raise NotImplementedError(
-                f"fully_shard: mp_policy.{name} differs between calls on one model "
-                f"({getattr(unit.mp_policy, name)} and {getattr(root.mp_policy, name)}); "
-                "mf_fsdp.fsdp2 needs one value per model"
-            )
+
+
+def _own_dtypes(root: _Record, unit: _Record) -> bool:
+    """Whether ``unit`` computes or reduces in other dtypes than the root (its own policy)."""
+    return any(
+        getattr(unit.mp_policy, name) != getattr(root.mp_policy, name)
+        for name in ("param_dtype", "reduce_dtype")
+    )
 
 
 def _engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:

@@ -114,6 +114,11 @@ class GradBuffers:
         return self._released
 
     @property
+    def local_dtype(self) -> torch.dtype:
+        """The local grads' dtype (the compute dtype autograd accumulates in)."""
+        return self._compute
+
+    @property
     def store_dtype(self) -> torch.dtype:
         """The reduced grads' dtype."""
         return self._store.dtype

@@ -258,6 +258,12 @@ class ParamGroup:
         # Reduced grads set aside, by how far they are reduced, while newer grads are being
         # reduced (accumulating after a reduction); merged once both are reduced alike.
         self._aside: dict[Reduced, torch.Tensor] = {}
+        # [Note: micro-batches in the reduction dtype] Local grads of earlier backwards
+        # since the last reduction, summed in the communication dtype, when the local
+        # grads are in another (bf16 compute, fp32 reduction): FSDP2 accumulates
+        # unreduced grads in ``reduce_dtype`` and Megatron in its fp32 main grads; a
+        # bf16 sum over micro-batches would round away what each adds.
+        self._folded: torch.Tensor | None = None
         # [Note: grads no rank made] This rank's backward reached the bucket's unit since
         # the grads were last dropped (``used``); it did not, and its local grads (and an
         # empty store) hold negative zeros (``unused_mark``).
@@ -443,11 +449,31 @@ class ParamGroup:
         buffers = self._grad_buffers()
         if buffers.aliases_local and self.grads.reduced is not Reduced.NONE:
             self._set_store_aside()
+        if self.grads.local is Local.ACCUMULATED and self._folds_micro_batches(buffers):
+            self._fold_local(buffers)
         buffers.prepare()
         if self._reattach:
             self._reattach = False
             buffers.attach()
         self.grads.accumulate()
+
+    def _folds_micro_batches(self, buffers: GradBuffers) -> bool:
+        return buffers.local_dtype != self.dtypes.comm and not buffers.aliases_local
+
+    def _fold_local(self, buffers: GradBuffers) -> None:
+        """Move an earlier backward's unreduced local grads into ``_folded`` (see the Note)."""
+        local = buffers.local_for_reduction()
+        if self._folded is None:
+            self._folded = self.pool.take(local.numel(), self.dtypes.comm, self.device)
+            self._folded.copy_(local)
+        else:
+            self._folded.add_(local)
+        buffers.after_reduction()
+
+    def _drop_folded(self) -> None:
+        if self._folded is not None:
+            self.pool.give(self._folded)
+            self._folded = None
 
     def forget_dropped_grads(self) -> None:
         """Zero the grads if the optimizer dropped those it was given, as torch starts from zero.
@@ -597,6 +623,9 @@ class ParamGroup:
             src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
         else:
             src = local
+        if self._folded is not None:
+            src.add_(self._folded)
+            self._drop_folded()
         if spec.pre != 1.0:
             src.mul_(spec.pre)
         self._sum_sequence_parallel_grads(src)
@@ -726,6 +755,7 @@ class ParamGroup:
         for held in self._aside.values():
             self.pool.give(held)
         self._aside.clear()
+        self._drop_folded()
         buffers.zero_local()
         self.grads_handed_out = False
         self._probe = self.fsdp_params[0]
@@ -738,9 +768,9 @@ class ParamGroup:
             return
         store = None if self.buffers.released else self.buffers.store()
         handed = self.host_grads if self._host_grads_current else None  # the store's copy
-        for reduced in (store, handed, self.pending_inner, *self._aside.values()):
-            if reduced is not None:
-                reduced.mul_(factor)
+        for held in (store, handed, self.pending_inner, self._folded, *self._aside.values()):
+            if held is not None:
+                held.mul_(factor)
         self.buffers.scale_local(factor)
 
     # ------------------------------------------------------------------ weights
@@ -761,6 +791,7 @@ class ParamGroup:
         params = nbytes(self.weights.kept())
         main = nbytes(self.weights.main) if self.main_is_separate else 0
         grads = 0 if self.buffers is None else self.buffers.held_bytes()
+        grads += nbytes(self._folded)
         held = {"params": params, "main_params": main, "grads": grads}
         if self.offload:
             held["host_grads"] = nbytes(self.host_grads)

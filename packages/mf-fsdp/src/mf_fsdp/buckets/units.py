@@ -17,7 +17,7 @@ given world size ``lay_out`` may split a bucket further by row size (see
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -113,11 +113,13 @@ def plan_buckets(
     unit_classes: tuple[type[nn.Module], ...],
     disable_bucketing: bool,
     unit_modules: Sequence[Sequence[nn.Module]] = (),
+    ignored: Collection[int] = frozenset(),
 ) -> list[BucketSpec]:
     """Split ``module``'s parameters into buckets: the root bucket(s) first, then units.
 
     ``unit_modules`` names units by instance (each a group of one or more modules of
-    ``module``), in addition to the instances of ``unit_classes``.
+    ``module``), in addition to the instances of ``unit_classes``. Parameters whose
+    ``id`` is in ``ignored`` go in no bucket.
 
     Raises:
         ValueError: if the module has no parameters, a unit class matches no submodule,
@@ -126,7 +128,8 @@ def plan_buckets(
     """
     names: dict[nn.Parameter, str] = {}
     for name, param in module.named_parameters():
-        names.setdefault(param, name)
+        if id(param) not in ignored:
+            names.setdefault(param, name)
     if not names:
         raise ValueError(
             f"module: {type(module).__name__} has no parameters; expected a module with at "
@@ -166,7 +169,8 @@ def plan_buckets(
     owners: dict[nn.Parameter, list[int]] = {}
     for index, (_, members) in enumerate(units):
         for param in _unit_params(members):
-            owners.setdefault(param, []).append(index)
+            if param in names:
+                owners.setdefault(param, []).append(index)
     if groups:  # FSDP2's rule: a weight the root's own modules use too stays the root's
         for sub in module.modules():
             if id(sub) not in covered:
@@ -175,7 +179,7 @@ def plan_buckets(
                         owners[param].append(-1)
     specs = _split(None, "", [p for p in names if len(owners.get(p, ())) != 1], names)
     for index, (qual, members) in enumerate(units):
-        own = [p for p in _unit_params(members) if owners[p] == [index]]
+        own = [p for p in _unit_params(members) if owners.get(p) == [index]]
         specs.extend(_split(members[0], qual, own, names, members if len(members) > 1 else ()))
     return specs
 

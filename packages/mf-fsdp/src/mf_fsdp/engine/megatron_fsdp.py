@@ -35,7 +35,7 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -166,6 +166,13 @@ class MegatronFSDP(nn.Module):
             submodules gathered and released together (FSDP2's front end,
             ``mf_fsdp.fsdp2``, passes what ``fully_shard`` was called on); they may
             not contain one another.
+        ignored_params: parameters of ``module`` the engine leaves alone, as FSDP2's
+            ``ignored_params``: plain tensors on every rank, in no bucket, never
+            gathered or reduced (their ``.grad`` is the local one autograd gives),
+            outside ``clip_grad_norm_``; syncing them is the caller's (e.g. DDP's).
+        unit_mixed_precision: a unit's own dtypes, in place of
+            ``mixed_precision_policy``, keyed by the unit's module (the first of its
+            group), as FSDP2 takes an ``mp_policy`` per ``fully_shard`` call.
 
     Raises:
         TypeError: if ``module``, ``dist_index``, ``ddp_config``,
@@ -196,6 +203,8 @@ class MegatronFSDP(nn.Module):
         gradient_scaling_factor: float | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         unit_modules: Sequence[Sequence[nn.Module]] = (),
+        ignored_params: Collection[nn.Parameter] = (),
+        unit_mixed_precision: Mapping[nn.Module, MixedPrecisionPolicy] | None = None,
     ) -> None:
         super().__init__()
         check_module_to_wrap(module)
@@ -219,6 +228,7 @@ class MegatronFSDP(nn.Module):
                 "zero_dp_strategy='no_shard' (every rank would hold the whole model)"
             )
         self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy()
+        self._unit_policies = _unit_policies(module, unit_mixed_precision)
         self.calculate_per_token_loss = calculate_per_token_loss
         self.sync_policy = SyncPolicy(self.strategy.shards_grads, sync_model_each_microbatch)
         self.device = device or get_group_device(dist_index.fsdp_group)
@@ -236,13 +246,20 @@ class MegatronFSDP(nn.Module):
         )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
-        index_of = _index_chooser(module, dist_index)
-        validate_tp_params(module.named_parameters(), index_of, init_model_with_meta_device)
-        sources = _param_sources(module, index_of, self.strategy)
+        ignored = _check_ignored(module, ignored_params)
+        index_of = _index_chooser(module, dist_index, ignored)
+        validate_tp_params(
+            _managed_named_params(module, ignored), index_of, init_model_with_meta_device
+        )
+        sources = _param_sources(module, index_of, self.strategy, ignored)
         if self.ddp_config.offload_optimizer_state:
             _refuse_offloaded_tp(sources)
         specs = plan_buckets(
-            module, resolve_unit_classes(fsdp_unit_modules), disable_bucketing, unit_modules
+            module,
+            resolve_unit_classes(fsdp_unit_modules),
+            disable_bucketing,
+            unit_modules,
+            ignored,
         )
         self._build_units(
             specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
@@ -362,7 +379,8 @@ class MegatronFSDP(nn.Module):
         reduce_spec: ReduceSpec,
     ) -> ParamGroup:
         """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
-        dtypes = GroupDtypes(*self.mixed_precision_policy.resolve(spec.params[0].dtype))
+        policy = self._unit_policies.get(id(spec.unit), self.mixed_precision_policy)
+        dtypes = GroupDtypes(*policy.resolve(spec.params[0].dtype))
         if self.strategy.level > 0 and dtypes.grads != dtypes.main:
             raise ValueError(
                 f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
@@ -916,8 +934,70 @@ def _refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
         )
 
 
+def _unit_policies(
+    module: nn.Module, policies: Mapping[nn.Module, MixedPrecisionPolicy] | None
+) -> dict[int, MixedPrecisionPolicy]:
+    """``unit_mixed_precision`` by the ``id`` of each unit module, each entry checked.
+
+    Raises:
+        TypeError: if it is not a mapping of submodules of ``module`` to
+            ``MixedPrecisionPolicy``s.
+    """
+    if policies is None:
+        return {}
+    if not isinstance(policies, Mapping):
+        raise TypeError(
+            f"unit_mixed_precision: expected a mapping of unit modules to "
+            f"MixedPrecisionPolicy, got {policies!r}"
+        )
+    inside = {id(m) for m in module.modules()}
+    for unit, policy in policies.items():
+        if not isinstance(unit, nn.Module) or id(unit) not in inside:
+            raise TypeError(
+                f"unit_mixed_precision: key {unit!r} is not a submodule of "
+                f"{type(module).__name__}; expected unit modules"
+            )
+        check_engine_options(policy, None)
+    return {id(unit): policy for unit, policy in policies.items()}
+
+
+def _check_ignored(module: nn.Module, ignored_params: Collection[nn.Parameter]) -> set[int]:
+    """The ``id``s of ``ignored_params``, each checked to be a parameter of ``module``.
+
+    Raises:
+        TypeError: if ``ignored_params`` is not a collection of parameters.
+        ValueError: naming an entry that is not a parameter of ``module``, or when every
+            parameter of ``module`` is ignored.
+    """
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
+        raise TypeError(
+            f"ignored_params: expected a collection of parameters, got {ignored_params!r}"
+        )
+    own = {id(p) for p in module.parameters()}
+    for param in ignored_params:
+        if not isinstance(param, torch.Tensor) or id(param) not in own:
+            shown = tuple(param.shape) if isinstance(param, torch.Tensor) else param
+            raise ValueError(
+                f"ignored_params: {shown!r} is not a parameter of {type(module).__name__}; "
+                "expected parameters of the module being sharded"
+            )
+    ignored = {id(p) for p in ignored_params}
+    if own and own <= ignored:
+        raise ValueError(
+            f"ignored_params: every parameter of {type(module).__name__} is ignored; "
+            "expected at least one parameter to shard"
+        )
+    return ignored
+
+
+def _managed_named_params(
+    module: nn.Module, ignored: set[int]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((n, p) for n, p in module.named_parameters() if id(p) not in ignored)
+
+
 def _index_chooser(
-    module: nn.Module, dist_index: FSDPDistributedIndex
+    module: nn.Module, dist_index: FSDPDistributedIndex, ignored: set[int]
 ) -> Callable[[nn.Parameter], FSDPDistributedIndex]:
     """The index each parameter of ``module`` lives on: the expert one for expert parameters.
 
@@ -925,7 +1005,8 @@ def _index_chooser(
         ValueError: naming an expert parameter when ``dist_index`` has no expert mesh.
     """
     expert = next(
-        (n for n, p in module.named_parameters() if is_expert_parallel_parameter(p)), None
+        (n for n, p in _managed_named_params(module, ignored) if is_expert_parallel_parameter(p)),
+        None,
     )
     if expert is not None and dist_index.expert_index is None:
         raise ValueError(
@@ -947,6 +1028,7 @@ def _param_sources(
     module: nn.Module,
     index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
     strategy: ZeroDPStrategy,
+    ignored: set[int],
 ) -> dict[int, ParamSource]:
     """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
 
@@ -963,7 +1045,7 @@ def _param_sources(
             if param is not None:
                 slots.setdefault(id(param), []).append((owner, attr))
     sources = {}
-    for name, param in module.named_parameters():
+    for name, param in _managed_named_params(module, ignored):
         if strategy.level > 0 and param.dim() == 0:
             raise ValueError(
                 f"module: parameter {name!r} is a scalar (0-d); sharded strategies split "

@@ -101,12 +101,15 @@ class _Piece:
 class _Swap:
     """What one step replaced: the param lists, the state, and the pieces swapped in."""
 
-    __slots__ = ("params", "pieces", "state")
+    __slots__ = ("params", "pieces", "plain", "state")
 
-    def __init__(self, params: list[list[Any]], state: Any, pieces: list[_Piece]) -> None:
+    def __init__(
+        self, params: list[list[Any]], state: Any, pieces: list[_Piece], plain: list[Any]
+    ) -> None:
         self.params = params
         self.state = state
         self.pieces = pieces
+        self.plain = plain  # the parameters stepped as they are (no engine shards them)
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
@@ -130,6 +133,7 @@ def enter_local_step(optimizer: torch.optim.Optimizer, keep_others: bool = False
     current: dict[int, _Piece] = dict(previous) if keep_others else {}
     local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     pieces: list[_Piece] = []
+    plain: list[Any] = []
     saved: list[list[Any]] = []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -138,6 +142,7 @@ def enter_local_step(optimizer: torch.optim.Optimizer, keep_others: bool = False
         for p in params:
             if type(p) is not UnevenDTensor:
                 swapped.append(p)
+                plain.append(p)
                 if p in state:
                     local_state[p] = state[p]
                 continue
@@ -153,7 +158,7 @@ def enter_local_step(optimizer: torch.optim.Optimizer, keep_others: bool = False
         group["params"] = swapped
     setattr(optimizer, _PIECES_ATTR, current)
     optimizer.state = local_state
-    setattr(optimizer, _SWAP_ATTR, _Swap(saved, state, pieces))
+    setattr(optimizer, _SWAP_ATTR, _Swap(saved, state, pieces, plain))
 
 
 @torch.no_grad()
@@ -167,6 +172,10 @@ def exit_local_step(optimizer: torch.optim.Optimizer) -> None:
     state = swap.state
     for group, params in zip(optimizer.param_groups, swap.params, strict=True):
         group["params"] = params
+    for param in swap.plain:  # state the step created for a plain parameter is its own
+        stepped = local_state.get(param)
+        if stepped is not None:
+            state[param] = stepped
     for piece in swap.pieces:
         stepped = local_state.get(piece.local)
         if stepped is None:
