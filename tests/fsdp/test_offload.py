@@ -13,7 +13,8 @@ SGD with momentum, Adam and AdamW, with and without ``no_sync``
 accumulation: losses and every weight at 1e-6, and bitwise equal to the same
 run without the option. The same with ``optimizer_step_in_backward``, with
 ``clip_grad_norm_`` (SGD: the host grads the step reads are the clipped ones),
-and for expert-parallel buckets.
+and for expert-parallel buckets; with bf16 compute (the host weights cast into
+the device's bf16 ones), bitwise equal to the run without the option.
 Memory: after the backward, with bf16 compute, the device holds 2 bytes per
 param / N of model state and the engine's report agrees with every live CPU
 tensor. Checkpoints round-trip (``save_checkpoint`` / ``load_checkpoint``, and
@@ -367,3 +368,22 @@ def _rank_experts(rank: int, world: int) -> None:
 @pytest.mark.timeout(300)
 def test_expert_parallel_world2() -> None:
     run_on_ranks(_rank_experts, 2, timeout=280)
+
+
+def _rank_bf16(rank: int, world: int) -> None:
+    """bf16 compute: the host weights cast into the device's bf16 ones, as without the option."""
+    policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for strategy, opt_name, micro in ((3, "adam", 1), (3, "sgd", MICRO), (2, "adamw", MICRO)):
+        runs = []
+        for on in (True, False):
+            model, opt = _build(strategy, opt_name, on, mixed_precision_policy=policy)
+            losses, _ = _train(model, opt, rank, world, micro)
+            runs.append((losses, full_params(model)))
+        label = f"z{strategy} bf16 {opt_name} micro={micro}"
+        assert_matches_reference(*runs[1], *runs[0], label, 0, 0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bf16_same_as_without_the_option_world2() -> None:
+    run_on_ranks(_rank_bf16, 2, timeout=280)
