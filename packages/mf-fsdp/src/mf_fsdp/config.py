@@ -197,6 +197,11 @@ class DistributedDataParallelConfig:
             as its gradients are reduced, inside the backward, then free the bucket's
             gradients (see the README's "Optimizer step inside the backward");
             ``optimizer.step()`` then only finishes what is pending.
+        offload_optimizer_state: (ZeRO-1/2/3) keep the main weights, the optimizer
+            state and a copy of the reduced gradients in host memory (pinned when the
+            device is CUDA) and step the optimizer there; the device keeps only the
+            compute weights and the gradients being reduced (see the README's
+            "Optimizer state on the host").
     """
 
     data_parallel_sharding_strategy: ZeroDPStrategy | int | str = "no_shard"
@@ -208,6 +213,7 @@ class DistributedDataParallelConfig:
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE
     find_unused_parameters: bool = False
     optimizer_step_in_backward: bool = False
+    offload_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         """Normalise the strategies; outer sharding needs inner ZeRO-3 (as in the reference)."""
@@ -234,6 +240,17 @@ class DistributedDataParallelConfig:
                 f"optimizer_step_in_backward=True needs data_parallel_sharding_strategy 2 / "
                 f"'optim_grads' or 3 / 'optim_grads_params', got {inner.value!r}: ZeRO-0/1 "
                 "reduce every gradient at the step anyway, so there is nothing to step early"
+            )
+        if not isinstance(self.offload_optimizer_state, bool):
+            raise TypeError(
+                f"offload_optimizer_state: expected a bool, got {self.offload_optimizer_state!r}"
+            )
+        if self.offload_optimizer_state and inner is ZeroDPStrategy.NO_SHARD:
+            raise ValueError(
+                "offload_optimizer_state=True needs data_parallel_sharding_strategy 1 / 'optim', "
+                f"2 / 'optim_grads' or 3 / 'optim_grads_params', got {inner.value!r}: under "
+                "ZeRO-0 every rank steps the whole model, so its weights double as the main "
+                "weights and there is no shard to keep on the host"
             )
         outer = normalize_outer_strategy(self.outer_dp_sharding_strategy)
         if outer is ZeroDPStrategy.OPTIM and inner is not ZeroDPStrategy.OPTIM_GRADS_PARAMS:

@@ -62,6 +62,7 @@ def fully_shard_model(
     suggested_communication_unit_size: int = DEFAULT_COMMUNICATION_UNIT_SIZE,
     find_unused_parameters: bool = False,
     optimizer_step_in_backward: bool = False,
+    offload_optimizer_state: bool = False,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP`` over ``device_mesh`` (``fully_shard`` minus optimizer).
 
@@ -107,6 +108,11 @@ def fully_shard_model(
             (``DistributedDataParallelConfig``; see the README). Needs the optimizer
             bound (``fully_shard`` or ``fully_shard_optimizer``) and elementwise; no
             global-norm clipping.
+        offload_optimizer_state: (ZeRO-1/2/3) keep the fp32 main weights, the optimizer
+            state and the reduced gradients' copy in host memory (pinned on CUDA) and
+            step there with torch's multi-tensor kernels; the device keeps the compute
+            weights and the gradients being reduced (``DistributedDataParallelConfig``;
+            see the README). Needs an elementwise optimizer; no tensor parallelism.
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.
@@ -128,6 +134,7 @@ def fully_shard_model(
         suggested_communication_unit_size=suggested_communication_unit_size,
         find_unused_parameters=find_unused_parameters,
         optimizer_step_in_backward=optimizer_step_in_backward,
+        offload_optimizer_state=offload_optimizer_state,
     )
     hybrid = config.outer_dp_sharding_strategy is ZeroDPStrategy.OPTIM
     if hybrid and dp_outer_dim is None:

@@ -34,6 +34,12 @@ inner-reduced shard in a pooled ``pending`` buffer and reduce-scatters it across
 dp_outer into a store of ``1 / (outer x inner)`` of the bucket; after the
 optimizer step the updated sub-shards are all-gathered across dp_outer back
 into the inner weight shard.
+
+With ``offload`` (``offload_optimizer_state``) the main weights live in host
+memory and the sharded parameters' gradients are views of ``host_grads``, a
+host copy of the store refreshed by ``offload_grads`` whenever the grads are
+handed to the optimizer (see [Note: optimizer state on the host] in
+``buckets/host.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.grad_state import Gather, GradState, Local, Reduced, check_invariant
 from mf_fsdp.buckets.grad_storage import GradBuffers, grad_buffers_for
+from mf_fsdp.buckets.host import host_zeros
 from mf_fsdp.buckets.layout import BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.buckets.tp_params import (
@@ -167,6 +174,8 @@ class ParamGroup:
             that peak; its reduction comes last, when the activations are freed.
         mark_unused_params: find, per parameter, those no rank's backward reached
             (``unused_params``; see [Note: grads no rank made]).
+        offload: keep the main weights and a copy of the reduced grads in host
+            memory (``offload_optimizer_state``; ZeRO-1/2/3).
     """
 
     def __init__(
@@ -182,8 +191,10 @@ class ParamGroup:
         reduce_spec: ReduceSpec,
         late_grads: bool = False,
         mark_unused_params: bool = False,
+        offload: bool = False,
     ) -> None:
         self.params = params
+        self.offload = offload
         self.late_grads = late_grads
         self.mark_unused_params = mark_unused_params
         self.reduce_spec = reduce_spec
@@ -304,10 +315,17 @@ class ParamGroup:
 
     def _allocate(self) -> None:
         d, dev = self.dtypes, self.device
-        cast_main = d.main != d.compute and not self.hybrid
+        # Offloaded main weights are no source for the gather: ZeRO-3 keeps a compute shard.
+        cast_main = d.main != d.compute and not self.hybrid and not self.offload
         storage = weight_storage_for(self.strategy, self.whole_on_every_rank, cast_main)
-        self.weights = storage(self.geometry, d.compute, d.main, dev, self.dist_index, self.name)
+        self.weights = storage(
+            self.geometry, d.compute, d.main, dev, self.dist_index, self.name, self.offload
+        )
         self.buffers: GradBuffers | None = None
+        self.host_grads: torch.Tensor | None = None
+        self._host_grads_current = False  # host_grads hold the store's current values
+        if self.offload and self.requires_grad:
+            self.host_grads = host_zeros(self.main_layout.shard_size, d.grads, dev)
         if self.requires_grad:
             self.buffers = grad_buffers_for(self.strategy)(
                 self.geometry,
@@ -340,6 +358,22 @@ class ParamGroup:
         store without bytes must never escape.
         """
         return None if self.buffers is None else self.buffers.store()
+
+    @property
+    def optimizer_grads(self) -> torch.Tensor | None:
+        """What the sharded parameters' ``.grad`` view: ``host_grads``, or the store."""
+        return self.host_grads if self.offload else self.grad_store
+
+    def offload_grads(self) -> None:
+        """Copy the reduced grads into ``host_grads`` (asynchronous from a device; see host.py).
+
+        Only when the store changed since the last copy: grads handed out again
+        (``finish_grad_sync`` before the step, after ``clip_grad_norm_`` scaled the
+        host copy) keep what was done to them.
+        """
+        if self.host_grads is not None and not self._host_grads_current:
+            self.host_grads.copy_(self._grad_buffers().store(), non_blocking=True)
+            self._host_grads_current = True
 
     def hold_grads(self) -> None:
         """Give a released grad store its bytes back (zeros) before views of it are handed out."""
@@ -465,6 +499,7 @@ class ParamGroup:
         buffers = self._grad_buffers()
         self._put_aside(buffers.store(), self.grads.reduced)
         buffers.clear(buffers.local_for_reduction())
+        self._host_grads_current = False
         self.grads.set_aside()
 
     def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
@@ -527,6 +562,7 @@ class ParamGroup:
         buffers.local.fill_(-0.0)
         if not buffers.aliases_local and self.grads.reduced is Reduced.NONE:
             buffers.store(zeroed=False).fill_(-0.0)
+            self._host_grads_current = False
         self.unused_mark = True
 
     def unused_everywhere(self) -> bool:
@@ -635,6 +671,7 @@ class ParamGroup:
             return
         work, src, out = self._pending
         self._pending = None
+        self._host_grads_current = False
         if work is not None:
             work.wait()
         buffers = self._grad_buffers()
@@ -677,6 +714,7 @@ class ParamGroup:
         if not self.hybrid:
             # A dp_outer of one replica has nothing to reduce.
             if self.grads.reduced is Reduced.INNER:
+                self._host_grads_current = False
                 if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
                     store = self._grad_buffers().store()
                     collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
@@ -686,6 +724,7 @@ class ParamGroup:
         pending, buffers = self.pending_inner, self._grad_buffers()
         if pending is None:
             return
+        self._host_grads_current = False
         direct = self.grads.reduced is Reduced.NONE and buffers.store_dtype == pending.dtype
         store = buffers.store(zeroed=not direct)
         sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
@@ -707,6 +746,7 @@ class ParamGroup:
         if not self.requires_grad:
             return
         self.finish_reduce()
+        self._host_grads_current = False
         buffers = self._grad_buffers()
         buffers.zero_store(release)
         if self.pending_inner is not None:
@@ -727,7 +767,8 @@ class ParamGroup:
         if self.buffers is None:
             return
         store = None if self.buffers.released else self.buffers.store()
-        for held in (store, self.pending_inner, self._folded, *self._aside.values()):
+        handed = self.host_grads if self._host_grads_current else None  # the store's copy
+        for held in (store, handed, self.pending_inner, self._folded, *self._aside.values()):
             if held is not None:
                 held.mul_(factor)
         self.buffers.scale_local(factor)
@@ -741,6 +782,7 @@ class ParamGroup:
         """Bytes of the persistent buffers this group holds now, by kind (pool excluded).
 
         A released grad store (ZeRO-2/3 after ``zero_grad(set_to_none=True)``) counts 0.
+        With ``offload``, ``main_params`` are host bytes, and so are ``host_grads``.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -750,4 +792,7 @@ class ParamGroup:
         main = nbytes(self.weights.main) if self.main_is_separate else 0
         grads = 0 if self.buffers is None else self.buffers.held_bytes()
         grads += nbytes(self._folded)
-        return {"params": params, "main_params": main, "grads": grads}
+        held = {"params": params, "main_params": main, "grads": grads}
+        if self.offload:
+            held["host_grads"] = nbytes(self.host_grads)
+        return held

@@ -27,6 +27,12 @@ storage is resized to zero when released, so every view of it (parameters'
 ZeRO-3 with main weights in a dtype of their own (bf16 compute, fp32 main)
 keeps no compute-dtype shard: like FSDP2, it casts on the way into the
 all-gather, so between passes a rank holds its fp32 shard and nothing else.
+
+With ``offload`` (``offload_optimizer_state``) ``main`` is always a buffer of
+its own in host memory (see [Note: optimizer state on the host] in
+``buckets/host.py``): ZeRO-3 then keeps the compute-dtype shard on the device
+(``ShardedWeights``, never ``CastShardWeights``), and ``install`` copies the
+host weights into it (ZeRO-1/2: into this rank's part of the whole bucket).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.grad_state import Gather, check_invariant
+from mf_fsdp.buckets.host import host_zeros
 from mf_fsdp.buckets.layout import BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.config import ZeroDPStrategy
@@ -94,6 +101,7 @@ class WeightStorage:
         device: where the buffers live.
         index: the bucket's groups (the expert index for expert parameters).
         name: the bucket's name, for invariant errors.
+        offload: the main weights live in host memory (a buffer of their own).
     """
 
     full: torch.Tensor
@@ -108,8 +116,10 @@ class WeightStorage:
         device: torch.device,
         index: FSDPDistributedIndex,
         name: str,
+        offload: bool = False,
     ) -> None:
         self.geometry = geometry
+        self.offload = offload
         self.index = index
         self.name = name
         self._hybrid = bool(index.hsdp_outer_dp_shard)
@@ -128,17 +138,19 @@ class WeightStorage:
     def _main_over(self, own: torch.Tensor) -> torch.Tensor:
         """The main weights over ``own``.
 
-        ``own`` itself when the dtypes agree, else a zeroed buffer of its size in the
-        main dtype.
+        ``own`` itself when the dtypes agree and nothing is offloaded, else a zeroed
+        buffer of its size in the main dtype (in host memory when offloaded).
         """
+        if self.offload:
+            return host_zeros(own.numel(), self._main_dtype, self._device)
         if self._main_dtype == own.dtype:
             return own
         return torch.zeros(own.numel(), dtype=self._main_dtype, device=self._device)
 
     @property
     def main_is_separate(self) -> bool:
-        """True when the main weights are a buffer of their own (their dtype differs)."""
-        return self.main.dtype != self.full.dtype
+        """True when the main weights are a buffer of their own (other dtype, or offloaded)."""
+        return self.offload or self.main.dtype != self.full.dtype
 
     def _copy_main_piece(self, index: int, start: int, flat: torch.Tensor) -> None:
         """Write this rank's owned piece of parameter ``index`` into separate main weights."""
@@ -225,7 +237,7 @@ class ShardOwnerWeights(WeightStorage):
         """Copy this rank's stepped shard in (unless it is the main weights), then all-gather."""
         own = self._own
         if self.main is not own:
-            own.copy_(self.main)
+            own.copy_(self.main, non_blocking=self.offload)
         return collectives.all_gather_into(self.full, own, self.index.fsdp_group, async_op=async_op)
 
     def broadcast_replicas(self) -> None:
@@ -316,7 +328,7 @@ class ShardedWeights(WeightStorage):
         """Copy the stepped main weights into the shard (all-gather sub-shards)."""
         own = self.own_sub_shard()
         if self.main_is_separate:
-            own.copy_(self.main)
+            own.copy_(self.main, non_blocking=self.offload)
         if not self._hybrid:
             return None
         # In-place all-gather across dp_outer: the sub-shards rebuild the inner shard.

@@ -27,6 +27,7 @@ from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.tp_params import local_value
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.sharded_params import SPREAD_ATTR, owner_of
+from mf_utils import get_group_device
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
 
@@ -147,6 +148,8 @@ def _grid_part(
         grads_by_key.setdefault(key, []).append(local_value(grad))
     keys = list(grads_by_key)
     device = grads_by_key[keys[0]][0].device
+    if groups:  # the collectives' device (grads in host memory: offload_optimizer_state)
+        device = get_group_device(next(iter(groups.values())))
     parts = torch.stack([_local_part(grads_by_key[k], norm_type, is_inf).to(device) for k in keys])
     for gid, group in groups.items():
         if is_inf:

@@ -20,6 +20,8 @@ their own modules:
 - ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``;
 - ``engine/backward_step.py``: ``optimizer_step_in_backward``, each bucket stepped once
   its gradients are reduced.
+- ``buckets/host.py``: ``offload_optimizer_state``, main weights, grads' copy and
+  optimizer state in host memory (the engine copies the grads there at hand-out).
 
 When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
 at the end of each backward; the buffers themselves belong to
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.buckets.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
@@ -249,6 +252,8 @@ class MegatronFSDP(nn.Module):
             _managed_named_params(module, ignored), index_of, init_model_with_meta_device
         )
         sources = _param_sources(module, index_of, self.strategy, ignored)
+        if self.ddp_config.offload_optimizer_state:
+            _refuse_offloaded_tp(sources)
         specs = plan_buckets(
             module,
             resolve_unit_classes(fsdp_unit_modules),
@@ -396,6 +401,7 @@ class MegatronFSDP(nn.Module):
             reduce_spec,
             late_grads=spec.unit is None and self.strategy.shards_grads,
             mark_unused_params=self.ddp_config.find_unused_parameters,
+            offload=self.ddp_config.offload_optimizer_state,
         )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
@@ -602,9 +608,12 @@ class MegatronFSDP(nn.Module):
                 group.grads_handed_out = False
                 continue
             group.hold_grads()
+            group.offload_grads()
             if group.replicated and not group.main_is_separate:
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
+        if self.ddp_config.offload_optimizer_state:
+            wait_for_device_copies(self.device)  # the host step reads what they wrote
         if self.ddp_config.find_unused_parameters:
             self._withhold_unused_grads(groups)
 
@@ -669,6 +678,11 @@ class MegatronFSDP(nn.Module):
     def steps_in_backward(self) -> bool:
         """Whether the optimizer steps inside the backward (``optimizer_step_in_backward``)."""
         return self._backward_step is not None
+
+    @property
+    def offloads_optimizer_state(self) -> bool:
+        """Whether main weights and optimizer state live in host memory (the option)."""
+        return self.ddp_config.offload_optimizer_state
 
     def request_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer`` zeroed its parameters' grads: zero the buffers once every optimizer has.
@@ -903,6 +917,21 @@ class MegatronFSDP(nn.Module):
         del assign  # values are always copied into the engine's buffers
         with self._sharded_forms():
             return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
+    """Raise if a parameter is tensor-parallel: ``offload_optimizer_state`` does not cover TP.
+
+    Raises:
+        ValueError: naming the option and a TP parameter.
+    """
+    tp = next((s.fqns[0] for s in sources.values() if s.tp is not None), None)
+    if tp is not None:
+        raise ValueError(
+            f"offload_optimizer_state=True is not supported with tensor parallelism: parameter "
+            f"{tp!r} is tensor-parallel; expected a model without TP parameters (or turn "
+            "offload_optimizer_state off)"
+        )
 
 
 def _unit_policies(

@@ -100,7 +100,7 @@ def build_sharded_params(
                 continue
             setattr(fp.compute, MANAGED_ATTR, True)
             values = group.main_view(fp, group.weights.main)
-            grad = group.main_view(fp, group.grad_store) if group.requires_grad else None
+            grad = group.main_view(fp, group.optimizer_grads) if group.requires_grad else None
             if strategy.level > 0 or fp.tp is not None:
                 mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
                 placements, pieces = _placements_and_pieces(

@@ -68,12 +68,14 @@ def memory_footprint(
     ``pool`` counts the engine's idle temporaries and the collectives' receive buffers.
 
     With ``optimizer``, the local pieces of its state tensors are counted under
-    ``optimizer_state``.
+    ``optimizer_state``. With ``offload_optimizer_state``, ``main_params``,
+    ``optimizer_state`` and ``host_grads`` (the reduced grads' host copy) are
+    host memory; ``params``, ``grads`` and ``pool`` are on the device.
     """
     total = {"params": 0, "main_params": 0, "grads": 0}
     for group in groups:
         for key, value in group.owned_bytes().items():
-            total[key] += value
+            total[key] = total.get(key, 0) + value
     total["pool"] = pool.held_bytes() + collectives.workspace_bytes()
     if optimizer is not None:
         total["optimizer_state"] = sum(

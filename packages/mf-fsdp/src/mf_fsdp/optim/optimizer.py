@@ -32,6 +32,7 @@ hints only.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -152,6 +153,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     if not getattr(optimizer, _CHECKED_ATTR, False):  # built after wrapping: check it once
         check_supported(optimizer, _params(optimizer))
+        for option, (on, _) in _ELEMENTWISE_ONLY.items():
+            if any(on(engine) for engine in engines):
+                check_elementwise(optimizer, option)
         setattr(optimizer, _CHECKED_ATTR, True)
         if all(engine in _BIND_AT_STEP for engine in engines):
             _bind_step(optimizer)
@@ -240,8 +244,9 @@ def fully_shard_optimizer(
             "original parameters); expected a fresh optimizer built on the model's parameters"
         )
     check_supported(optimizer, [model.optimizer_param(p) for p in _params(optimizer)])
-    if model.steps_in_backward:
-        check_steps_in_backward(optimizer)
+    for option, (on, _) in _ELEMENTWISE_ONLY.items():
+        if on(model):
+            check_elementwise(optimizer, option)
     for group in optimizer.param_groups:
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
     setattr(optimizer, _CHECKED_ATTR, True)
@@ -261,12 +266,27 @@ def fully_shard_optimizer(
     return optimizer
 
 
-def check_steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that cannot step one bucket at a time inside the backward.
+_ELEMENTWISE_ONLY: dict[str, tuple[Callable[[MegatronFSDP], bool], str]] = {
+    "optimizer_step_in_backward": (
+        lambda model: model.steps_in_backward,
+        "steps each bucket's parameters on their own as soon as their gradients are reduced",
+    ),
+    "offload_optimizer_state": (
+        lambda model: model.offloads_optimizer_state,
+        "steps this rank's pieces of the parameters in host memory, away from the "
+        "collectives a shape-aware step needs",
+    ),
+}
+"""Engine options that step elementwise optimizers only: whether an engine has it on, and why."""
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, option: str) -> None:
+    """Refuse an optimizer that engine option ``option`` cannot step (see ``_ELEMENTWISE_ONLY``).
 
     Raises:
-        ValueError: naming the optimizer's class, unless it is elementwise and not
-            differentiable (a shape-aware step reads whole parameters or many at once).
+        ValueError: naming the optimizer's class and the option, unless it is
+            elementwise and not differentiable (a shape-aware step reads whole
+            parameters or many at once).
     """
     differentiable = any(group.get("differentiable", False) for group in optimizer.param_groups)
     if (
@@ -277,10 +297,9 @@ def check_steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         why = "differentiable=True" if differentiable else "not elementwise"
         raise ValueError(
-            f"optimizer: {name} is {why}; optimizer_step_in_backward=True steps each bucket's "
-            "parameters on their own as soon as their gradients are reduced, which only an "
-            "elementwise optimizer (SGD, Adam, AdamW, ...) computes exactly as one step of "
-            "all; turn optimizer_step_in_backward off for this optimizer"
+            f"optimizer: {name} is {why}; {option}=True {_ELEMENTWISE_ONLY[option][1]}, which "
+            "only an elementwise optimizer (SGD, Adam, AdamW, ...) computes exactly as one "
+            f"step of all; turn {option} off for this optimizer"
         )
 
 
