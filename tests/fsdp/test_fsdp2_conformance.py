@@ -54,8 +54,6 @@ TRAINING = "test_fully_shard_training.py"
 AUTOGRAD = "test_fully_shard_autograd.py"
 c10d_ops = torch.ops.c10d
 
-CPU_OFFLOAD = pytest.mark.xfail(strict=True, reason="CPUOffloadPolicy not supported yet")
-
 
 def _train_losses(pairs, inp, iters: int, case, set_to_none=lambda i: i % 2 == 0) -> None:
     """torch's loop: each model zero_grads, runs, steps; the losses are equal every step."""
@@ -147,7 +145,7 @@ def _multi_group(rank: int, world: int, reshard_after_forward, offload_policy) -
     [
         ((True, False), None),
         pytest.param((2,), None),
-        pytest.param((True,), CPUOffloadPolicy(pin_memory=False), marks=CPU_OFFLOAD),
+        pytest.param((True,), CPUOffloadPolicy(pin_memory=False)),
     ],
     ids=["bool", "int-2", "cpu-offload"],
 )
@@ -158,8 +156,8 @@ def test_train_parity_multi_group(reshard_values, offload_policy) -> None:
     which FSDP2 and mf both take as True), ``CPUOffloadPolicy(pin_memory=False)``;
     dropped: the ``delay_*`` axes (CUDA sleep kernels against stream races: gloo on the CPU
     has no streams) and ``unshard_async_op`` (a private FSDP2 knob). The CPU offload case
-    stands for every torch subtest with that option: ``fully_shard`` refuses it before
-    anything else runs.
+    runs mf's ``offload_optimizer_state`` (host and device are one on the CPU, but its
+    separate host buffers and copies run).
     """
 
     run_on_ranks(_rank_multi_group, WORLD, reshard_values, offload_policy or OffloadPolicy())

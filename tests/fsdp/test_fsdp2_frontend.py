@@ -147,6 +147,40 @@ def test_a_policy_per_unit_computes_each_unit_in_its_dtype_as_torch_fsdp2() -> N
     run_on_ranks(_rank_policy_per_unit, WORLD, timeout=240)
 
 
+def _rank_cpu_offload(rank: int, world: int) -> None:
+    for opt_name in ("sgd", "adam"):
+        model = make_model()
+        shard_like_torchtitan(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        opt = make_optimizer(opt_name, model.parameters())
+        losses = []
+        for step in range(STEPS):
+            # torch's loop zeroes in place every other step: the engine must see it too.
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            loss = model(*batch(step, rank))
+            loss.backward()
+            opt.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        assert fsdp2._record(model).engine.offloads_optimizer_state
+        ref_losses, ref_params = reference_run(opt_name, world, STEPS)
+        assert_matches_reference(
+            losses, full_params(model), ref_losses, ref_params, f"{opt_name} offload", **TOL
+        )
+    model = make_model()
+    fsdp2.fully_shard(model.blocks[0], offload_policy=CPUOffloadPolicy())
+    fsdp2.fully_shard(model)
+    with pytest.raises(NotImplementedError, match="offload_policy differs between calls"):
+        model(*batch(0, rank))
+
+
+@pytest.mark.multiprocess
+def test_cpu_offload_policy_runs_mfs_host_side_optimizer_state() -> None:
+    """``CPUOffloadPolicy``: mf's ``offload_optimizer_state`` (weights, grads and state on
+    the host), one process's losses with SGD and Adam, in-place ``zero_grad`` included."""
+    run_on_ranks(_rank_cpu_offload, WORLD, timeout=240)
+
+
 def _rank_accumulation(rank: int, world: int) -> None:
     model = make_model()
     shard_like_torchtitan(model)
@@ -200,7 +234,6 @@ def test_dsd_state_dict_round_trip() -> None:
 def _rank_unsupported(rank: int, world: int) -> None:
     options = [
         ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
-        ({"offload_policy": CPUOffloadPolicy()}, "offload_policy=CPUOffloadPolicy"),
     ]
     for kwargs, match in options:
         with pytest.raises(NotImplementedError, match=match):

@@ -41,8 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+)
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
 from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
@@ -75,6 +80,7 @@ class _Record:
     is_root: bool = False
     hooks: list[Any] = field(default_factory=list)
     ignored_params: tuple[nn.Parameter, ...] = ()
+    offload: bool = False  # CPUOffloadPolicy
 
 
 def fully_shard(
@@ -107,8 +113,12 @@ def fully_shard(
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
             ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
             ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2.
-        offload_policy: torch's ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy``
-            is not supported yet.
+        offload_policy: torch's ``OffloadPolicy()`` (no offload) or
+            ``CPUOffloadPolicy``: mf's ``offload_optimizer_state``, the sharded
+            parameters (fp32 main weights), their grads and the optimizer state in
+            host memory, the step on the host; the device keeps the compute-dtype
+            shard the all-gather reads. Host buffers are pinned on CUDA whatever
+            ``pin_memory`` says. The same policy for every call on one model.
         ignored_params: parameters left out of sharding, as FSDP2's: plain tensors
             on every rank, never gathered or reduced (their grads are each rank's
             own; syncing them, e.g. with DDP, is the caller's). The calls on one
@@ -141,6 +151,7 @@ def fully_shard(
     reshard = _reshard_flag(reshard_after_forward, mesh)
     record = _Record(modules, mesh, reshard, mp_policy)
     record.ignored_params = _ignored_tuple(ignored_params)
+    record.offload = isinstance(offload_policy, CPUOffloadPolicy)
     for item in modules:
         item.__dict__[_RECORD_ATTR] = record
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
@@ -203,10 +214,10 @@ def _check_options(
             "fully_shard: offload_policy must be torch.distributed.fsdp.OffloadPolicy, got "
             f"{offload_policy!r}"
         )
-    if type(offload_policy) is not OffloadPolicy:
+    if type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
         raise NotImplementedError(
             f"fully_shard: offload_policy={type(offload_policy).__name__} is not supported by "
-            "mf_fsdp.fsdp2 yet; expected OffloadPolicy() (no offload)"
+            "mf_fsdp.fsdp2; expected OffloadPolicy() (no offload) or CPUOffloadPolicy()"
         )
 
 
@@ -337,7 +348,10 @@ def _build_engine(root: _Record) -> None:
     engine = MegatronFSDP(
         module,
         _dist_index(root.mesh),
-        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params"),
+        DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params",
+            offload_optimizer_state=root.offload,
+        ),
         sync_model_each_microbatch=True,
         mixed_precision_policy=engine_policy,
         unit_modules=[u.modules for u in units],
@@ -362,11 +376,16 @@ def _build_engine(root: _Record) -> None:
 
 
 def _check_same(root: _Record, unit: _Record) -> None:
-    """Units of one model share the mesh."""
+    """Units of one model share the mesh and the offload policy."""
     if unit.mesh is not root.mesh and unit.mesh is not None and root.mesh is not None:
         raise NotImplementedError(
             "fully_shard: mesh differs between calls on one model; mf_fsdp.fsdp2 needs the "
             "same mesh for every call"
+        )
+    if unit.offload != root.offload:
+        raise NotImplementedError(
+            "fully_shard: offload_policy differs between calls on one model (CPUOffloadPolicy "
+            "on some, OffloadPolicy() on others); mf_fsdp.fsdp2 needs the same for every call"
         )
 
 

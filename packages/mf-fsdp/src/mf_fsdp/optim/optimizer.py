@@ -158,7 +158,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 check_elementwise(optimizer, option)
         setattr(optimizer, _CHECKED_ATTR, True)
         if all(engine in _BIND_AT_STEP for engine in engines):
-            _bind_step(optimizer)
+            _bind_step(optimizer, engines)
     _ensure_load_hooks(optimizer)
     for engine in engines:
         engine.finish_grad_sync()
@@ -252,14 +252,8 @@ def fully_shard_optimizer(
     setattr(optimizer, _CHECKED_ATTR, True)
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
     _ensure_load_hooks(optimizer)
-    plain_zero_grad = optimizer.zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        plain_zero_grad(set_to_none)
-        model.request_zero_grad(optimizer, set_to_none)
-
+    _route_zero_grad(optimizer, [model])
     model.add_optimizer(optimizer, step_some)
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     _restore_after_step(optimizer)
     init_optimizer_state(optimizer)
     prefer_fast_kernels(optimizer)
@@ -337,15 +331,35 @@ def bind_optimizers_at_step(engine: MegatronFSDP) -> None:
     _BIND_AT_STEP.add(engine)
 
 
-def _bind_step(optimizer: torch.optim.Optimizer) -> None:
-    """From this step on: multi-tensor kernels and the local step, restored if a step raises.
+def _bind_step(optimizer: torch.optim.Optimizer, engines: list[MegatronFSDP]) -> None:
+    """From this step on: fast kernels and the local step, restored if a step raises.
 
     The step running now (from whose pre-hook this is called) is not yet wrapped:
-    it swaps too, and its post-hook restores the swap unless it raises.
+    it swaps too, and its post-hook restores the swap unless it raises. An engine
+    that offloads the optimizer state also learns of the optimizer's ``zero_grad``:
+    its parameters' grads are host copies of the engine's, so zeroing them in place
+    (``set_to_none=False``) would leave the engine's own to accumulate onto.
     """
     prefer_fast_kernels(optimizer)
     setattr(optimizer, _BOUND_AT_STEP_ATTR, True)
     _restore_after_step(optimizer)
+    offloading = [engine for engine in engines if engine.offloads_optimizer_state]
+    if offloading:
+        _route_zero_grad(optimizer, offloading)
+        for engine in offloading:
+            engine.add_optimizer(optimizer)
+
+
+def _route_zero_grad(optimizer: torch.optim.Optimizer, engines: list[MegatronFSDP]) -> None:
+    """Wrap ``optimizer.zero_grad`` so that ``engines`` zero their buffers with it."""
+    plain_zero_grad = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        plain_zero_grad(set_to_none)
+        for engine in engines:
+            engine.request_zero_grad(optimizer, set_to_none)
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def _restore_after_step(optimizer: torch.optim.Optimizer) -> None:
