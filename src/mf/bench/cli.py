@@ -144,7 +144,7 @@ def _summarise(
 ) -> list[str]:
     first_recipe = next(iter(references))
     header = (
-        f"{'engine':<18} {'optim':<11} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
+        f"{'engine':<25} {'optim':<11} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
         f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
         f"{'coll/step':>9} {'MiB sent':>9} {'vs 3P(w-1)/w':>12} {'wire MiB':>9} {'wire/min':>8} "
         f"{'vs ddp':>8} {'max dloss':>10} {'tokens/s':>10} {'MFU':>6}"
@@ -178,7 +178,7 @@ def _summarise(
         vs_fsdp2 = _ratio(step, runs.get(("fsdp2" + suffix, recipe)) or runs.get(("fsdp2", recipe)))
         vs_first = _ratio(step, runs.get((engine, first_recipe)))
         rows.append(
-            f"{engine:<18} {recipe:<11} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
+            f"{engine:<25} {recipe:<11} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
             f"{optimizer * 1e3:7.1f} {100 * optimizer / step:6.1f} "
             f"{peak / _MIB:9.1f} {state / _MIB:9.1f} "
             f"{state / (16 * params / world):8.2f} {first['calls_per_step']:9.1f} "
@@ -197,7 +197,7 @@ def _summarise(
 def _host_cost(runs: Runs) -> list[str]:
     """The host's cost per step against ``plain`` (same recipe): CPU ms, ops, kernels."""
     rows = [
-        f"{'engine':<18} {'optim':<11} {'step ms':>8} {'x plain':>8} {'cpu ms':>8} {'x plain':>8} "
+        f"{'engine':<25} {'optim':<11} {'step ms':>8} {'x plain':>8} {'cpu ms':>8} {'x plain':>8} "
         f"{'ops/step':>9} {'x plain':>8} {'kernels':>8}"
     ]
     for (engine, recipe), results in runs.items():
@@ -208,7 +208,7 @@ def _host_cost(runs: Runs) -> list[str]:
         kernels = results[0]["kernels_per_step"]
         ops_ratio = f"{ops / plain[0]['ops_per_step']:8.2f}" if plain else f"{'-':>8}"
         rows.append(
-            f"{engine:<18} {recipe:<11} {step * 1e3:8.2f} {_ratio(step, plain)} {cpu * 1e3:8.2f} "
+            f"{engine:<25} {recipe:<11} {step * 1e3:8.2f} {_ratio(step, plain)} {cpu * 1e3:8.2f} "
             f"{_ratio(cpu, plain, 'cpu_seconds')} "
             f"{ops:9d} {ops_ratio} {'-' if kernels is None else kernels:>8}"
         )
@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs[(engine, recipe)].append(result)
                 everything.append(result)
                 print(
-                    f"  round {round_index} {engine:<18} {recipe:<11} median step "
+                    f"  round {round_index} {engine:<25} {recipe:<11} median step "
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
                     flush=True,
                 )

@@ -9,11 +9,14 @@ then ``step()`` and ``zero_grad()`` of each optimizer.
 (each rank trains its own copy): the host-cost baseline. ``fsdp2`` is PyTorch's
 FSDP2 and ``mf-fsdp2`` the same calls through ``mf_fsdp.fsdp2`` (FSDP2's
 interface on mf's engine); ``mf-zeroN`` is ``mf_fsdp.fully_shard`` with ZeRO
-strategy N, and ``mf-zeroN-bwd-step`` the same with ``optimizer_step_in_backward``
-(each bucket's step inside the backward, its grads freed at once). With ``bf16`` the
-FSDP engines compute in bf16 through their mixed-precision policies (fp32
-main weights and gradient reduction); engines without one (``AUTOCAST``)
-run their forward under ``torch.autocast``, as plain PyTorch users do.
+strategy N, ``mf-zeroN-bwd-step`` the same with ``optimizer_step_in_backward``
+(each bucket's step inside the backward, its grads freed at once), and
+``mf-zero3-offload`` with ``offload_optimizer_state`` (main weights, grads and
+optimizer state on the host), beside ``fsdp2-offload`` (FSDP2's
+``CPUOffloadPolicy``). With ``bf16`` the FSDP engines compute in bf16 through
+their mixed-precision policies (fp32 main weights and gradient reduction);
+engines without one (``AUTOCAST``) run their forward under ``torch.autocast``,
+as plain PyTorch users do.
 
 Optimizer recipes (``OPTIMIZERS``): ``adam`` (torch.optim.Adam on every
 parameter, the default of the published tables), and ``mf.models``'
@@ -67,15 +70,16 @@ def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> B
     return wrapped, optimizers(model)  # the module's names; the same parameters
 
 
-def _fsdp2_api(front_end: str) -> Builder:
+def _fsdp2_api(front_end: str, offload: bool = False) -> Builder:
     """FSDP2's calls (blocks, then the root) through ``front_end``'s ``fully_shard``.
 
     ``"torch"``: PyTorch's FSDP2; ``"mf"``: ``mf_fsdp.fsdp2``, FSDP2's interface on
     mf's engine, so the two differ only in what runs below the same calls.
+    ``offload``: with ``CPUOffloadPolicy`` (pinned on CUDA).
     """
 
     def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         if front_end == "mf":
             from mf_fsdp.fsdp2 import fully_shard
@@ -87,9 +91,16 @@ def _fsdp2_api(front_end: str) -> Builder:
             if bf16
             else MixedPrecisionPolicy()
         )
+        pinned = model.lm_head.weight.device.type == "cuda"
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": True,
+            "mp_policy": policy,
+            "offload_policy": CPUOffloadPolicy(pin_memory=pinned) if offload else OffloadPolicy(),
+        }
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+            fully_shard(block, **options)
+        fully_shard(model, **options)
         return model, optimizers(model)
 
     return build
@@ -123,12 +134,17 @@ ENGINES: dict[str, Builder] = {
     "ddp": _ddp,
     "fsdp2": _fsdp2_api("torch"),
     "mf-fsdp2": _fsdp2_api("mf"),
+    "fsdp2-offload": _fsdp2_api("torch", offload=True),
     "mf-zero3": _mf(3),
     "mf-zero2": _mf(2),
     "mf-zero1": _mf(1),
     "mf-zero0": _mf(0),
     "mf-zero3-bwd-step": _mf(3, optimizer_step_in_backward=True),
     "mf-zero2-bwd-step": _mf(2, optimizer_step_in_backward=True),
+    "mf-zero3-offload": _mf(3, offload_optimizer_state=True),
+    "mf-zero3-offload-bwd-step": _mf(
+        3, offload_optimizer_state=True, optimizer_step_in_backward=True
+    ),
 }
 
 
