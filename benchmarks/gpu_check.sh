@@ -2,7 +2,7 @@
 # One GPU machine call (world 1, NCCL, the image's torch, no install): the CUDA tests,
 # then issue 27's measurements. 150m at 4 x 512 is the host-bound step; 880m at
 # 4 x 2048 the compute-bound one. Every log line also lands in $OUT/gpu.log.
-# Run from the checkout's root: bash benchmarks/gpu_check.sh [tests|bench|profile ...]
+# Run from the checkout's root: bash benchmarks/gpu_check.sh [tests|bench|memory|profile ...]
 set -u
 export PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')src
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,10 @@ for part in $parts; do
         --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json"
       $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 8 --warmup 3 \
         --engines plain,fsdp2,mf-zero3 --optimizers adamw,adamw-fused --json "$out/bench-880m.json" ;;
+    memory)  # issue 28: the step inside the backward and host-side state against FSDP2's
+      $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 6 --warmup 2 \
+        --engines fsdp2,fsdp2-offload,mf-zero3,mf-zero3-bwd-step,mf-zero3-offload,mf-zero3-offload-bwd-step \
+        --json "$out/bench-880m-memory.json" ;;
     profile)
       for engine in ${PROFILE_ENGINES:-mf-zero3}; do
         python3 benchmarks/step_profile.py --device cuda --engine $engine --preset 150m \
