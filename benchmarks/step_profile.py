@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from mf.bench.engines import AUTOCAST, ENGINES, OPTIMIZERS, build_engine
+from mf.bench.worker import train_step
 
 
 def _sync(device: torch.device) -> None:
@@ -54,13 +55,7 @@ def _profile(args: argparse.Namespace, device: torch.device) -> None:
     batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
     def step() -> None:
-        with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-            loss = model(*batch)
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizers, batch, autocast, device)
 
     for _ in range(args.warmup):
         step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -29,9 +30,17 @@ def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    """SGD exposes any gradient-scale error; Adam is the usual choice."""
+    """SGD exposes any gradient-scale error; Adam is the usual choice.
+
+    Also ``"momentum"`` (SGD with momentum and dampening: state beside the grads)
+    and ``"adamw"``.
+    """
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.5)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     return torch.optim.Adam(params, lr=1e-2)
 
 
@@ -165,3 +174,37 @@ def assert_losses_close(
 def assert_bf16_losses_close(losses: list[float], fp32_losses: list[float], label: str) -> None:
     """A bf16-compute run's losses against the fp32 run's (see ``BF16_LOSS_RTOL``)."""
     assert_losses_close(losses, fp32_losses, label, BF16_LOSS_RTOL)
+
+
+def train_micro_batches(
+    model: mf_fsdp.MegatronFSDP,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    micro: int,
+    steps: int,
+    after_step: Callable[[int], object] | None = None,
+) -> tuple[list[float], list[int]]:
+    """``steps`` steps of ``micro`` micro-batches (all but the last in ``no_sync``).
+
+    Returns the losses averaged over ranks, and the grad bytes the engine held after
+    each step's last backward. ``after_step(step)`` runs after each ``opt.step()``.
+    """
+    losses, held = [], []
+    for step in range(steps):
+        total = torch.zeros(())
+        for m in range(micro):
+            tokens, targets = batch(step, rank, m)
+            last = m == micro - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = model(tokens, targets) / micro
+                loss.backward()
+            total += loss.detach()
+        held.append(model.memory_footprint()["grads"])
+        dist.all_reduce(total)
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+        opt.zero_grad()
+        losses.append(total.item() / world)
+    return losses, held

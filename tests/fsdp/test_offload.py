@@ -24,8 +24,6 @@ Errors: ZeRO-0, a non-bool, tensor parallelism, shape-aware optimizers.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,7 +37,9 @@ from tests.fsdp._helpers import (
     batch,
     full_params,
     make_model,
+    make_optimizer,
     reference_run,
+    train_micro_batches,
     unit_classes,
 )
 from tests.fsdp.test_memory_held import settled_live_cpu_bytes
@@ -53,19 +53,9 @@ STEPS = 5
 MICRO = 2
 
 
-def _optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
 def _build(strategy: int, opt_name: str, on: bool, **options):
     module = make_model()
-    opt = _optimizer(opt_name, module.parameters())
+    opt = make_optimizer(opt_name, module.parameters())
     return mf_fsdp.fully_shard(
         module,
         opt,
@@ -106,30 +96,18 @@ def assert_offloaded(model: mf_fsdp.MegatronFSDP, opt: torch.optim.Optimizer) ->
 
 def _train(model, opt, rank: int, world: int, micro: int) -> tuple[list[float], list[int]]:
     """Train ``STEPS`` steps; the losses, and the device grad bytes after each last backward."""
-    losses, held = [], []
-    for step in range(STEPS):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens, targets = batch(step, rank, m)
-            last = m == micro - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                loss = model(tokens, targets) / micro
-                loss.backward()
-            total += loss.detach()
-        held.append(model.memory_footprint()["grads"])
-        dist.all_reduce(total)
-        opt.step()
+
+    def check_first(step: int) -> None:
         if step == 0 and model.offloads_optimizer_state:
             assert_offloaded(model, opt)
-        opt.zero_grad()
-        losses.append(total.item() / world)
-    return losses, held
+
+    return train_micro_batches(model, opt, rank, world, micro, STEPS, check_first)
 
 
 def _rank_parity(rank: int, world: int, cases: list[tuple[int, str, int]], options: dict) -> None:
     for strategy, opt_name, micro in cases:
         label = f"z{strategy} {opt_name} micro={micro} {options}"
-        ref = reference_run(opt_name, world, STEPS, micro=micro, optimizer=_optimizer)
+        ref = reference_run(opt_name, world, STEPS, micro=micro)
         model, opt = _build(strategy, opt_name, True, **options)
         losses, held = _train(model, opt, rank, world, micro)
         params = full_params(model)
@@ -293,7 +271,7 @@ CLIP = 0.5
 
 def _rank_clip(rank: int, world: int) -> None:
     """``clip_grad_norm_`` scales the host grads the step reads, as one process clips."""
-    ref = reference_run("sgd", world, STEPS, clip=CLIP, optimizer=_optimizer)
+    ref = reference_run("sgd", world, STEPS, clip=CLIP)
     for strategy in (2, 3):
         model, opt = _build(strategy, "sgd", True)
         losses = []

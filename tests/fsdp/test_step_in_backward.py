@@ -14,8 +14,6 @@ clipping, shape-aware optimizers and a model without a bound optimizer.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +25,9 @@ from tests.fsdp._helpers import (
     batch,
     full_params,
     make_model,
+    make_optimizer,
     reference_run,
+    train_micro_batches,
     unit_classes,
 )
 from tests.fsdp.test_memory_held import settled_live_cpu_bytes
@@ -41,39 +41,14 @@ STEPS = 5
 MICRO = 2
 
 
-def _optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
 def _train(model, opt, rank: int, world: int, micro: int) -> tuple[list[float], list[int]]:
     """Train ``STEPS`` steps; the losses, and the grad bytes held after each last backward."""
-    losses, held = [], []
-    for step in range(STEPS):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens, targets = batch(step, rank, m)
-            last = m == micro - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                loss = model(tokens, targets) / micro
-                loss.backward()
-            total += loss.detach()
-        held.append(model.memory_footprint()["grads"])
-        dist.all_reduce(total)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item() / world)
-    return losses, held
+    return train_micro_batches(model, opt, rank, world, micro, STEPS)
 
 
 def _build(strategy: int, opt_name: str, on: bool, **options):
     module = make_model()
-    opt = _optimizer(opt_name, module.parameters())
+    opt = make_optimizer(opt_name, module.parameters())
     return mf_fsdp.fully_shard(
         module,
         opt,
@@ -87,7 +62,7 @@ def _build(strategy: int, opt_name: str, on: bool, **options):
 def _rank_parity(rank: int, world: int, cases: list[tuple[int, str, int]], options: dict) -> None:
     for strategy, opt_name, micro in cases:
         label = f"z{strategy} {opt_name} micro={micro} {options}"
-        ref = reference_run(opt_name, world, STEPS, micro=micro, optimizer=_optimizer)
+        ref = reference_run(opt_name, world, STEPS, micro=micro)
         model, opt = _build(strategy, opt_name, True, **options)
         numel = sum(p.numel() for p in model.parameters())
         losses, held = _train(model, opt, rank, world, micro)

@@ -24,7 +24,7 @@ from mf.bench.engines import AUTOCAST, build_engine
 from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS, Block
 
-__all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run"]
+__all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run", "train_step"]
 
 COMPILED = "compile"
 """The engine suffix (``mf-zero3+compile``) that compiles every block with ``fullgraph=True``."""
@@ -264,7 +264,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
                 result.cpu_seconds.append(cpu_elapsed)
     batch = _batch(spec, spec.warmup + spec.steps, rank, world_size, config.vocab_size, device)
     result.ops_per_step, result.kernels_per_step = _count_dispatch(
-        lambda: _train_step(model, optimizers, batch, autocast, device), device
+        lambda: train_step(model, optimizers, batch, autocast, device), device
     )
     result.step_seconds = [_max_over_ranks(t, device) for t in step_local]
     result.optimizer_seconds = [_max_over_ranks(t, device) for t in optimizer_local]
@@ -283,13 +283,18 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     return result
 
 
-def _train_step(
+def train_step(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     batch: tuple[torch.Tensor, torch.Tensor],
     autocast: bool,
     device: torch.device,
 ) -> None:
+    """One training step as every engine runs it (forward, backward, steps, zero_grad).
+
+    The forward runs under bf16 autocast when ``autocast``; every optimizer steps,
+    then every one zeroes its grads with ``set_to_none=True``.
+    """
     with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
         loss = model(*batch)
     loss.backward()
