@@ -208,3 +208,14 @@ def train_micro_batches(
         opt.zero_grad()
         losses.append(total.item() / world)
     return losses, held
+
+
+def wrapped_model(
+    strategy: int, opt_name: str, **options: object
+) -> tuple[mf_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    """The tiny GPT and ``make_optimizer(opt_name)`` through ``mf_fsdp.fully_shard``."""
+    module = make_model()
+    opt = make_optimizer(opt_name, module.parameters())
+    return mf_fsdp.fully_shard(
+        module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy, **options
+    )

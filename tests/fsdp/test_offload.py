@@ -37,10 +37,9 @@ from tests.fsdp._helpers import (
     batch,
     full_params,
     make_model,
-    make_optimizer,
     reference_run,
     train_micro_batches,
-    unit_classes,
+    wrapped_model,
 )
 from tests.fsdp.test_memory_held import settled_live_cpu_bytes
 
@@ -54,16 +53,7 @@ MICRO = 2
 
 
 def _build(strategy: int, opt_name: str, on: bool, **options):
-    module = make_model()
-    opt = make_optimizer(opt_name, module.parameters())
-    return mf_fsdp.fully_shard(
-        module,
-        opt,
-        fsdp_unit_modules=unit_classes(),
-        zero_dp_strategy=strategy,
-        offload_optimizer_state=on,
-        **options,
-    )
+    return wrapped_model(strategy, opt_name, offload_optimizer_state=on, **options)
 
 
 def _storage(t: torch.Tensor) -> int:

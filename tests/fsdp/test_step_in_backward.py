@@ -25,10 +25,10 @@ from tests.fsdp._helpers import (
     batch,
     full_params,
     make_model,
-    make_optimizer,
     reference_run,
     train_micro_batches,
     unit_classes,
+    wrapped_model,
 )
 from tests.fsdp.test_memory_held import settled_live_cpu_bytes
 
@@ -47,16 +47,7 @@ def _train(model, opt, rank: int, world: int, micro: int) -> tuple[list[float], 
 
 
 def _build(strategy: int, opt_name: str, on: bool, **options):
-    module = make_model()
-    opt = make_optimizer(opt_name, module.parameters())
-    return mf_fsdp.fully_shard(
-        module,
-        opt,
-        fsdp_unit_modules=unit_classes(),
-        zero_dp_strategy=strategy,
-        optimizer_step_in_backward=on,
-        **options,
-    )
+    return wrapped_model(strategy, opt_name, optimizer_step_in_backward=on, **options)
 
 
 def _rank_parity(rank: int, world: int, cases: list[tuple[int, str, int]], options: dict) -> None:
