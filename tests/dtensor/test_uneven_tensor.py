@@ -278,6 +278,21 @@ def _rank_ops_keep_layout(rank: int, world_size: int) -> None:
     assert copied.pieces is pieces
     assert copied.to_local().data_ptr() != parameter.to_local().data_ptr()
     assert torch.equal(copied.full_tensor(), full)
+    # A piece that starts inside its buffer (a bucket's view) copies too, beside
+    # another view of that buffer: one storage copied for both.
+    local = x.to_local()
+    buffer = torch.cat([torch.zeros(5), local.reshape(-1)])
+    view = UnevenDTensor.from_local(
+        buffer[5:].view(local.shape), mesh, [Shard(0)], shape=shape, pieces=pieces
+    )
+    head = UnevenDTensor.from_local(
+        buffer[:5], mesh, [Shard(0)], shape=(10,), pieces=_row_split((10,), [5, 5])
+    )
+    view_copy, head_copy = copy.deepcopy([view, head])
+    assert torch.equal(view_copy.full_tensor(), full)
+    storage = view_copy.to_local().untyped_storage().data_ptr()
+    assert storage == head_copy.to_local().untyped_storage().data_ptr()
+    assert storage != buffer.untyped_storage().data_ptr()
 
     other_map = _row_split(shape, [3, 3])
     other = _uneven(full, mesh, [Shard(0)], other_map)

@@ -53,6 +53,7 @@ or :meth:`UnevenDTensor.redistribute` first for anything else.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import warnings
@@ -235,9 +236,20 @@ class UnevenDTensor(DTensor):
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UnevenDTensor:
-        # Pre-seeding the memo makes torch's slot copy share the (immutable) PieceMap.
-        memo.setdefault(id(self._pieces), self._pieces)
-        return super().__deepcopy__(memo)
+        """A copy of the local piece, wrapped with the same (immutable) spec and PieceMap.
+
+        torch's default copies a wrapper subclass through its storage whenever its
+        ``data_ptr()`` is not 0, which a piece that starts inside its buffer (a
+        bucket's view) makes it, and a wrapper has no storage to copy.
+        """
+        found = memo.get(id(self))
+        if found is not None:
+            return found
+        local = copy.deepcopy(self._local_tensor, memo)  # views share one copied storage
+        copied = _wrap(local, self._spec, self._pieces, requires_grad=self.requires_grad)
+        copied.__dict__ = copy.deepcopy(self.__dict__, memo)  # e.g. a Parameter's mark
+        memo[id(self)] = copied
+        return copied
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]

@@ -11,18 +11,33 @@ ops are torch's own multi-tensor (or fused) kernels, as in plain PyTorch.
 
 So for the duration of ``step()`` (after the engine's pre-step hook finished
 the gradient reductions, before the post-step hook installs the weights) the
-optimizer's param groups hold each sharded parameter's local tensor, whose
-``.grad`` is the local gradient, and its ``state`` holds the local views of
-the parameter's state tensors. Updates land in the sharded tensors' storage;
-afterwards the param groups and state are the sharded ones again (anything the
-step created anew is wrapped like its parameter). Outside ``step()`` nothing
-changes: DSD, checkpoints and users see parameter-shaped DTensors.
+optimizer's param groups hold plain tensors and its ``state`` their state.
+Updates land in the sharded tensors' storage; afterwards the param groups and
+state are the sharded ones again (anything the step created anew is wrapped
+like its parameter). Outside ``step()`` nothing changes: DSD, checkpoints and
+users see parameter-shaped DTensors.
 
-What a parameter swaps in (its local tensor, that tensor's ``.grad``, a view
-of the gradient store, and the local views of its state) is kept from step
-to step in a ``_Piece`` and rebuilt only when the parameter, its gradient
-object or its state entries are other objects than last time: building them
-anew was most of the swap's cost.
+[Note: flat runs]
+A bucket keeps this rank's pieces of its parameters end to end, in the main
+weights and in the reduced gradients alike. Consecutive pieces of one param
+group whose state tensors lie end to end as well form a *run*, and the
+optimizer steps one flat tensor per run instead of one per parameter, as
+Megatron's distributed optimizer steps flat buffers: torch's per-parameter
+Python (``_init_group``, the step counters) and the per-tensor cost of its
+kernels shrink from a parameter count to a bucket count. The run's state
+holds flat views of its members' state tensors and the first member's step
+counter; after the step the others' counters get its value. State that is
+not laid out that way (created one parameter at a time, or loaded) is moved
+once into one buffer per run and key, whose views the parameters' state
+entries then wrap; state the step creates for a run is split into such views.
+Elementwise math does not care where an element sits, so the result is the
+per-parameter step's.
+
+What a step swaps in (a *plan*: the runs, their flat tensors and state) is
+kept from step to step, one per set of parameters stepped (the whole
+optimizer, or one bucket inside the backward), and rebuilt only when a
+parameter's gradient object, its state entries or the state dict itself are
+other objects than last time: building it is most of the swap's cost.
 
 Only optimizers bound by ``fully_shard_optimizer`` take this path (their
 ``step`` restores the swap even when it raises); others, and every optimizer
@@ -31,14 +46,17 @@ not in ``ELEMENTWISE``, step on the DTensors.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import defaultdict
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 
 from mf_dtensor import UnevenDTensor
 
-__all__ = ["ELEMENTWISE", "enter_local_step", "exit_local_step"]
+__all__ = ["ELEMENTWISE", "enter_local_step", "exit_local_step", "forget_local_plans"]
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -56,60 +74,240 @@ ELEMENTWISE = (
 """torch's optimizers whose update of an element reads that element alone."""
 
 _SWAP_ATTR = "_mf_fsdp_local_step"
-_PIECES_ATTR = "_mf_fsdp_local_pieces"
+_PLANS_ATTR = "_mf_fsdp_local_plans"
+
+State = dict[str, Any]
 
 
-class _Piece:
-    """One sharded parameter's local tensors for the step, kept while they stay valid.
+class _Member:
+    """One sharded parameter of a run: where its piece starts in the run's flat tensors."""
 
-    ``given`` is the local state dict the optimizer steps (its values are local
-    views of the parameter's state tensors); ``snapshot`` is what ``given`` held
-    when it was built, so that ``exit_local_step`` can tell what the step created.
+    __slots__ = ("local", "offset", "param")
+
+    def __init__(self, param: UnevenDTensor, local: torch.Tensor, offset: int) -> None:
+        self.param = param
+        self.local = local
+        self.offset = offset
+
+
+class _Run:
+    """What the optimizer steps for consecutive pieces of one param group (see [Note: flat runs]).
+
+    ``flat`` is the tensor stepped (a lone member's own local tensor), ``given``
+    its state, and ``snapshot`` what ``given`` held when built, so that the
+    step's new entries can be told apart.
     """
 
-    __slots__ = ("given", "grad", "local", "local_grad", "param", "snapshot", "value_ids", "values")
+    __slots__ = ("flat", "given", "members", "snapshot")
 
-    def __init__(self, param: UnevenDTensor) -> None:
-        self.param = param
-        self.local = param.to_local()
-        self.grad: Any = None
-        self.local_grad: torch.Tensor | None = None
-        self.values: dict[str, Any] | None = None
-        self.value_ids: tuple[int, ...] = ()
-        self.given: dict[str, Any] = {}
-        self.snapshot: dict[str, Any] = {}
+    def __init__(self, members: list[_Member], flat: torch.Tensor, given: State) -> None:
+        self.members = members
+        self.flat = flat
+        self.given = given
+        self.snapshot = dict(given)
 
-    def refresh(self, state: dict[Any, Any]) -> None:
-        """Point the local tensor's ``.grad`` and ``given`` at this step's objects."""
-        grad = self.param.grad
-        if grad is not self.grad:
-            self.grad = grad
-            self.local_grad = grad.to_local() if type(grad) is UnevenDTensor else None
-        if self.local.grad is not self.local_grad:  # setting .grad checks it: only on change
-            self.local.grad = self.local_grad
-        values = state.get(self.param)
-        value_ids = () if values is None else tuple(map(id, values.values()))
-        if values is not self.values or value_ids != self.value_ids:
-            self.values, self.value_ids = values, value_ids
-            self.given = {
-                k: v.to_local() if type(v) is UnevenDTensor else v
-                for k, v in (values or {}).items()
-            }
-            self.snapshot = dict(self.given)
+    def parts(self, value: Any) -> Iterator[tuple[_Member, Any]]:
+        """Each member's share of a state value the step created for ``flat``."""
+        lone = len(self.members) == 1
+        for i, member in enumerate(self.members):
+            if lone:
+                yield member, value
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                piece = value.view(-1).narrow(0, member.offset, member.local.numel())
+                yield member, piece.view(member.local.shape)
+            elif isinstance(value, torch.Tensor):  # a counter: each member its own
+                yield member, value if i == 0 else value.clone()
+            else:
+                yield member, value
 
 
-class _Swap:
-    """What one step replaced: the param lists, the state, and the pieces swapped in."""
+class _Plan:
+    """One step's swap for a set of param lists, and what it was built from."""
 
-    __slots__ = ("params", "pieces", "plain", "state")
+    __slots__ = (
+        "counter_copies",
+        "dicts",
+        "grads",
+        "local_state",
+        "moved",
+        "params",
+        "plain",
+        "runs",
+        "state",
+        "stepped",
+        "values",
+    )
 
-    def __init__(
-        self, params: list[list[Any]], state: Any, pieces: list[_Piece], plain: list[Any]
-    ) -> None:
-        self.params = params
+    def __init__(self, groups: list[list[Any]], state: defaultdict[Any, State]) -> None:
         self.state = state
-        self.pieces = pieces
-        self.plain = plain  # the parameters stepped as they are (no engine shards them)
+        self.params = [p for params in groups for p in params]
+        self.grads = [p.grad for p in self.params]
+        self.runs: list[_Run] = []
+        self.plain: list[Any] = []
+        self.moved = False  # state tensors were moved into run buffers (see _lay_out_state)
+        self.stepped = [self._swap_in(params) for params in groups]
+        self.dicts = [state.get(p) for p in self.params]
+        self.values = [() if d is None else tuple(d.values()) for d in self.dicts]
+        self.local_state: defaultdict[Any, State] = defaultdict(dict)
+        for p in self.plain:
+            if p in state:
+                self.local_state[p] = state[p]
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for run in self.runs:
+            self.local_state[run.flat] = run.given
+            for key, value in run.given.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    for member in run.members[1:]:
+                        targets.append(state[member.param][key])
+                        sources.append(value)
+        self.counter_copies = (targets, sources)
+
+    def valid(self, state: Any) -> bool:
+        """Whether nothing the plan was built from was replaced since."""
+        if state is not self.state:
+            return False
+        if not all(map(operator.is_, [p.grad for p in self.params], self.grads)):
+            return False
+        dicts = [state.get(p) for p in self.params]
+        if not all(map(operator.is_, dicts, self.dicts)):
+            return False
+        return all(
+            d is None or (len(d) == len(kept) and all(map(operator.is_, d.values(), kept)))
+            for d, kept in zip(dicts, self.values, strict=True)
+        )
+
+    def _swap_in(self, params: list[Any]) -> list[Any]:
+        """The tensors stepped for one param group: runs' flat tensors and plain parameters.
+
+        A run starts with a piece that has elements; a piece with none (the
+        parameter's rows are all on other ranks) rides along with the run it
+        follows, so that its counters advance with the others.
+        """
+        stepped: list[Any] = []
+        pending: list[UnevenDTensor] = []
+        anchor: UnevenDTensor | None = None  # pending's last piece with elements
+        for p in params:
+            plain = type(p) is not UnevenDTensor
+            if pending and (plain or anchor is None or not _joins(anchor, p, self.state)):
+                stepped.append(self._run_of(pending))
+                pending, anchor = [], None
+            if plain:
+                stepped.append(p)
+                self.plain.append(p)
+            elif p.to_local().numel() or pending:
+                pending.append(p)
+                anchor = p if p.to_local().numel() else anchor
+            else:
+                stepped.append(self._run_of([p]))
+        if pending:
+            stepped.append(self._run_of(pending))
+        return stepped
+
+    def _run_of(self, params: list[UnevenDTensor]) -> torch.Tensor:
+        """The flat tensor stepped for ``params`` (the first has elements; each joins the run)."""
+        if len(params) > 1 and _lay_out_state(params, self.state):
+            self.moved = True
+        members, numel = [], 0
+        for p in params:
+            local = p.to_local()
+            members.append(_Member(p, local, numel))
+            numel += local.numel()
+        first = members[0].local
+        values = self.state.get(params[0]) or {}
+        grad = _local_grad(params[0])
+        if len(params) == 1:
+            flat = first
+            given = {k: v.to_local() if type(v) is UnevenDTensor else v for k, v in values.items()}
+        else:
+            flat, grad = _span(first, numel), _span(cast(torch.Tensor, grad), numel)
+            given = {
+                k: _span(v.to_local(), numel) if type(v) is UnevenDTensor else v
+                for k, v in values.items()
+            }
+        if flat.grad is not grad:  # setting .grad checks it: only on change
+            flat.grad = grad
+        self.runs.append(_Run(members, flat, given))
+        return flat
+
+
+def _local_grad(param: UnevenDTensor) -> torch.Tensor | None:
+    grad = param.grad
+    return grad.to_local() if type(grad) is UnevenDTensor else None
+
+
+def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """A flat view of ``numel`` elements of ``first``'s storage, starting where it starts."""
+    return first.as_strided((numel,), (1,), first.storage_offset())
+
+
+def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` starts in memory where ``before`` ends (one storage and dtype)."""
+    return (
+        after.dtype == before.dtype
+        and before.is_contiguous()
+        and after.is_contiguous()
+        and after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
+        and after.storage_offset() == before.storage_offset() + before.numel()
+    )
+
+
+def _joins(anchor: UnevenDTensor, param: UnevenDTensor, state: Any) -> bool:
+    """Whether ``param`` can extend the run whose last piece with elements is ``anchor``.
+
+    Its piece (if it has elements) and gradient must start where ``anchor``'s end,
+    and its state must be shaped like the run's: the same keys, pieces or equal
+    counters (see [Note: flat runs]).
+    """
+    grad, anchor_grad = _local_grad(param), _local_grad(anchor)
+    local, anchor_local = param.to_local(), anchor.to_local()
+    if grad is None or anchor_grad is None:
+        return False
+    if local.numel() and not (_follows(anchor_local, local) and _follows(anchor_grad, grad)):
+        return False
+    mine, theirs = state.get(param) or {}, state.get(anchor) or {}
+    if mine.keys() != theirs.keys():
+        return False
+    if not (_flat_state(mine, local) and _flat_state(theirs, anchor_local)):
+        return False
+    return all(
+        value.dtype == theirs[key].dtype
+        and (type(value) is UnevenDTensor or torch.equal(value, theirs[key]))
+        for key, value in mine.items()
+    )
+
+
+def _flat_state(values: State, local: torch.Tensor) -> bool:
+    """Whether every state value is shaped like the piece ``local`` or is a counter (0-d)."""
+    return all(
+        (type(value) is UnevenDTensor and value.to_local().shape == local.shape)
+        or (isinstance(value, torch.Tensor) and value.dim() == 0)
+        for value in values.values()
+    )
+
+
+def _lay_out_state(params: list[UnevenDTensor], state: Any) -> bool:
+    """Put the run's state tensors end to end, one buffer per key; whether any moved.
+
+    Tensors already laid out so are kept; others are copied into a new buffer
+    whose views the parameters' state entries wrap from then on.
+    """
+    moved = False
+    for key, value in (state.get(params[0]) or {}).items():
+        if type(value) is not UnevenDTensor:
+            continue
+        pieces = [state[p][key].to_local() for p in params]
+        if all(_follows(a, b) for a, b in itertools.pairwise(pieces)):
+            continue
+        buffer = pieces[0].new_empty(sum(piece.numel() for piece in pieces))
+        offset = 0
+        for p, piece in zip(params, pieces, strict=True):
+            view = buffer.narrow(0, offset, piece.numel()).view(piece.shape)
+            view.copy_(piece)
+            state[p][key] = _like_param(view, p, view)
+            offset += piece.numel()
+        moved = True
+    return moved
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
@@ -118,47 +316,37 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-@torch.no_grad()
-def enter_local_step(optimizer: torch.optim.Optimizer, keep_others: bool = False) -> None:
-    """Give ``optimizer`` the local pieces to step (see the module note); idempotent.
+class _Swap:
+    """What one step replaced: the param lists and the state, and the plan swapped in."""
 
-    ``keep_others``: the step holds some of the parameters only (one bucket's,
-    inside the backward): the pieces of the others stay remembered for theirs.
-    """
+    __slots__ = ("key", "params", "plan", "state")
+
+    def __init__(self, params: list[list[Any]], state: Any, plan: _Plan, key: Any) -> None:
+        self.params = params
+        self.state = state
+        self.plan = plan
+        self.key = key
+
+
+@torch.no_grad()
+def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` plain tensors to step (see the module notes); idempotent."""
     if getattr(optimizer, _SWAP_ATTR, None) is not None or not _eligible(optimizer):
         return
     state = optimizer.state
-    previous: dict[int, _Piece] = getattr(optimizer, _PIECES_ATTR, {})
-    # Only this step's parameters stay remembered (a partial step keeps the others).
-    current: dict[int, _Piece] = dict(previous) if keep_others else {}
-    local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    pieces: list[_Piece] = []
-    plain: list[Any] = []
-    saved: list[list[Any]] = []
-    for group in optimizer.param_groups:
-        params = group["params"]
-        saved.append(params)
-        swapped = []
-        for p in params:
-            if type(p) is not UnevenDTensor:
-                swapped.append(p)
-                plain.append(p)
-                if p in state:
-                    local_state[p] = state[p]
-                continue
-            piece = previous.get(id(p))
-            if piece is None or piece.param is not p:
-                piece = _Piece(p)
-            current[id(p)] = piece
-            piece.refresh(state)
-            if piece.values is not None:
-                local_state[piece.local] = piece.given
-            pieces.append(piece)
-            swapped.append(piece.local)
-        group["params"] = swapped
-    setattr(optimizer, _PIECES_ATTR, current)
-    optimizer.state = local_state
-    setattr(optimizer, _SWAP_ATTR, _Swap(saved, state, pieces, plain))
+    groups = [group["params"] for group in optimizer.param_groups]
+    key = tuple(tuple(map(id, params)) for params in groups)
+    plans: dict[Any, _Plan] = optimizer.__dict__.setdefault(_PLANS_ATTR, {})
+    plan = plans.get(key)
+    if plan is None or not plan.valid(state):
+        plan = _Plan(groups, state)
+        if plan.moved or any(kept.state is not state for kept in plans.values()):
+            plans.clear()  # the others hold state tensors that are no longer the state
+        plans[key] = plan
+    for group, stepped in zip(optimizer.param_groups, plan.stepped, strict=True):
+        group["params"] = stepped
+    optimizer.state = plan.local_state
+    setattr(optimizer, _SWAP_ATTR, _Swap(groups, state, plan, key))
 
 
 @torch.no_grad()
@@ -168,26 +356,38 @@ def exit_local_step(optimizer: torch.optim.Optimizer) -> None:
     if swap is None:
         return
     setattr(optimizer, _SWAP_ATTR, None)
+    plan, state = swap.plan, swap.state
     local_state = optimizer.state
-    state = swap.state
     for group, params in zip(optimizer.param_groups, swap.params, strict=True):
         group["params"] = params
-    for param in swap.plain:  # state the step created for a plain parameter is its own
+    optimizer.state = state
+    targets, sources = plan.counter_copies
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    changed = False
+    for param in plan.plain:  # state the step created for a plain parameter is its own
         stepped = local_state.get(param)
-        if stepped is not None:
+        if stepped is not None and state.get(param) is not stepped:
             state[param] = stepped
-    for piece in swap.pieces:
-        stepped = local_state.get(piece.local)
+            changed = True
+    for run in plan.runs:
+        stepped = local_state.get(run.flat)
         if stepped is None:
             continue
-        kept = None
         for key, value in stepped.items():
-            if piece.snapshot.get(key) is value:
-                continue  # the entry it was given (a local view is updated in place)
-            if kept is None:
-                kept = state.setdefault(piece.param, {})
-            kept[key] = _like_param(value, piece.param, piece.local)
-    optimizer.state = state
+            if run.snapshot.get(key) is value:
+                continue  # the entry it was given (a view, updated in place)
+            changed = True
+            for member, part in run.parts(value):
+                kept = state.setdefault(member.param, {})
+                kept[key] = _like_param(part, member.param, member.local)
+    if changed:  # the next step gets a plan of the new state
+        getattr(optimizer, _PLANS_ATTR, {}).pop(swap.key, None)
+
+
+def forget_local_plans(optimizer: torch.optim.Optimizer, *unused: Any) -> None:
+    """Drop the kept plans (a ``load_state_dict`` post-hook: they hold the replaced state)."""
+    getattr(optimizer, _PLANS_ATTR, {}).clear()
 
 
 def _like_param(value: Any, param: UnevenDTensor, local: torch.Tensor) -> Any:

@@ -43,7 +43,7 @@ from torch.optim.optimizer import (
 
 from mf_fsdp.engine.sharded_params import MANAGED_ATTR, owner_of
 from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
-from mf_fsdp.optim.local_step import enter_local_step, exit_local_step
+from mf_fsdp.optim.local_step import enter_local_step, exit_local_step, forget_local_plans
 from mf_fsdp.optim.shape_aware import (
     ELEMENTWISE_OPTIMIZERS,
     check_supported,
@@ -146,7 +146,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     if getattr(optimizer, _PARTIAL_ATTR, False):  # one bucket's step inside the backward
         drop_unused_initial_state(optimizer)
-        enter_local_step(optimizer, keep_others=True)
+        enter_local_step(optimizer)
         return
     engines = _engines(optimizer)
     if not engines or initializing(optimizer):
@@ -201,6 +201,7 @@ def _ensure_load_hooks(optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_load_state_dict_pre_hook(_remember_layouts)
         optimizer.register_load_state_dict_post_hook(localize_loaded_state)
         optimizer.register_load_state_dict_post_hook(prefer_fast_kernels)
+        optimizer.register_load_state_dict_post_hook(forget_local_plans)
         setattr(optimizer, _LOAD_HOOK_ATTR, True)
 
 
