@@ -128,3 +128,30 @@ def _rank_load(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_a_loaded_state_replaces_the_runs() -> None:
     run_on_ranks(_rank_load, 2, timeout=300)
+
+
+def _rank_plans_kept(rank: int, world: int) -> None:
+    """What a step swaps in is built once and kept: no rebuild per step, options on or off.
+
+    With the step inside the backward, the ``step()`` after it has no grads left to
+    step; it must not displace the plan the backward's own step keeps using.
+    """
+    for options in ({}, {"optimizer_step_in_backward": True}):
+        module = make_model()
+        opt = _groups("adamw", module)
+        model, opt = mf_fsdp.fully_shard(
+            module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=3, **options
+        )
+        for step in range(2):
+            optimizer_step(model(*batch(step, rank)), opt, world)
+        plans = dict(opt._mf_fsdp_local_plans)
+        for step in range(2, 4):
+            optimizer_step(model(*batch(step, rank)), opt, world)
+        kept = opt._mf_fsdp_local_plans
+        assert kept.keys() == plans.keys(), options
+        assert all(kept[key] is plan for key, plan in plans.items()), options
+
+
+@pytest.mark.multiprocess
+def test_the_swap_is_built_once() -> None:
+    run_on_ranks(_rank_plans_kept, 2, timeout=300)

@@ -333,8 +333,10 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     """Give ``optimizer`` plain tensors to step (see the module notes); idempotent."""
     if getattr(optimizer, _SWAP_ATTR, None) is not None or not _eligible(optimizer):
         return
-    state = optimizer.state
     groups = [group["params"] for group in optimizer.param_groups]
+    if all(p.grad is None for params in groups for p in params):
+        return  # nothing to step (``step()`` after a backward that stepped every bucket)
+    state = optimizer.state
     key = tuple(tuple(map(id, params)) for params in groups)
     plans: dict[Any, _Plan] = optimizer.__dict__.setdefault(_PLANS_ATTR, {})
     plan = plans.get(key)
