@@ -73,6 +73,13 @@ ELEMENTWISE = (
 )
 """torch's optimizers whose update of an element reads that element alone."""
 
+CPU_RUN_MAX_NUMEL = 1 << 20
+"""The most elements a run holds on the CPU. The step's temporaries are as large as
+its tensors, and glibc hands temporaries of many megabytes back to the system
+when freed, so each step would fault their pages in again: on the CPU a run
+stops at 4 MiB of fp32, about a large parameter's size (accelerators' caching
+allocators keep freed blocks, so runs there take whole buckets)."""
+
 _SWAP_ATTR = "_mf_fsdp_local_step"
 _PLANS_ATTR = "_mf_fsdp_local_plans"
 
@@ -187,17 +194,25 @@ class _Plan:
         stepped: list[Any] = []
         pending: list[UnevenDTensor] = []
         anchor: UnevenDTensor | None = None  # pending's last piece with elements
+        numel = 0  # pending's elements
         for p in params:
             plain = type(p) is not UnevenDTensor
-            if pending and (plain or anchor is None or not _joins(anchor, p, self.state)):
+            size = 0 if plain else p.to_local().numel()
+            if pending and (
+                plain
+                or anchor is None
+                or (p.device.type == "cpu" and numel + size > CPU_RUN_MAX_NUMEL)
+                or not _joins(anchor, p, self.state)
+            ):
                 stepped.append(self._run_of(pending))
-                pending, anchor = [], None
+                pending, anchor, numel = [], None, 0
             if plain:
                 stepped.append(p)
                 self.plain.append(p)
-            elif p.to_local().numel() or pending:
+            elif size or pending:
                 pending.append(p)
-                anchor = p if p.to_local().numel() else anchor
+                anchor = p if size else anchor
+                numel += size
             else:
                 stepped.append(self._run_of([p]))
         if pending:
