@@ -332,13 +332,12 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class _Swap:
-    """What one step replaced: the param lists and the state, and the plan swapped in."""
+    """What one step replaced: the param lists, and the plan swapped in (it holds the state)."""
 
-    __slots__ = ("key", "params", "plan", "state")
+    __slots__ = ("key", "params", "plan")
 
-    def __init__(self, params: list[list[Any]], state: Any, plan: _Plan, key: Any) -> None:
+    def __init__(self, params: list[list[Any]], plan: _Plan, key: Any) -> None:
         self.params = params
-        self.state = state
         self.plan = plan
         self.key = key
 
@@ -363,7 +362,7 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     for group, stepped in zip(optimizer.param_groups, plan.stepped, strict=True):
         group["params"] = stepped
     optimizer.state = plan.local_state
-    setattr(optimizer, _SWAP_ATTR, _Swap(groups, state, plan, key))
+    setattr(optimizer, _SWAP_ATTR, _Swap(groups, plan, key))
 
 
 @torch.no_grad()
@@ -373,7 +372,7 @@ def exit_local_step(optimizer: torch.optim.Optimizer) -> None:
     if swap is None:
         return
     setattr(optimizer, _SWAP_ATTR, None)
-    plan, state = swap.plan, swap.state
+    plan, state = swap.plan, swap.plan.state
     local_state = optimizer.state
     for group, params in zip(optimizer.param_groups, swap.params, strict=True):
         group["params"] = params
