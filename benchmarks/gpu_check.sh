@@ -7,7 +7,7 @@ set -u
 export PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')src
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-parts=${*:-tests bench profile}
+parts=${*:-tests bench memory profile}
 exec > >(tee -a "$out/gpu.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -17,15 +17,13 @@ for part in $parts; do
   case $part in
     tests)
       timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/test_devices.py ;;
-    bench)
+    bench)  # the host-bound step
       $bench --presets 150m --micro-batch 4 --seq-len 512 --rounds ${ROUNDS:-2} --steps 20 --warmup 5 \
-        --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json"
+        --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json" ;;
+    memory)  # the compute-bound step, with issue 28's options beside FSDP2's
       $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 8 --warmup 3 \
-        --engines plain,fsdp2,mf-zero3 --optimizers adamw,adamw-fused --json "$out/bench-880m.json" ;;
-    memory)  # issue 28: the step inside the backward and host-side state against FSDP2's
-      $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 6 --warmup 2 \
-        --engines fsdp2,fsdp2-offload,mf-zero3,mf-zero3-bwd-step,mf-zero3-offload,mf-zero3-offload-bwd-step \
-        --json "$out/bench-880m-memory.json" ;;
+        --engines ${ENGINES_880M:-plain,fsdp2,fsdp2-offload,mf-zero3,mf-zero3-bwd-step,mf-zero3-offload,mf-zero3-offload-bwd-step} \
+        --json "$out/bench-880m.json" ;;
     profile)
       for engine in ${PROFILE_ENGINES:-mf-zero3}; do
         python3 benchmarks/step_profile.py --device cuda --engine $engine --preset 150m \
