@@ -1,9 +1,12 @@
 """Which of torch's optimizer kernels mf steps with when the user left the choice to torch.
 
-On CUDA, SGD, Adam and AdamW step with torch's fused kernels (``prefer_fast_kernels``);
-elsewhere every elementwise optimizer takes the multi-tensor path. The CUDA path is
-proven here on the CPU, whose fused kernels torch also has: the rank functions add
-``"cpu"`` to ``FUSED_DEVICES``. The GPU itself runs ``tests/fsdp/test_devices.py``.
+On CUDA, SGD, Adam and AdamW step with torch's fused kernels (``prefer_fast_kernels``),
+and so does the host-side state of an engine on an accelerator
+(``offload_optimizer_state``), with torch's fused CPU kernels; elsewhere every
+elementwise optimizer takes the multi-tensor path. Both fused paths are proven here
+on the CPU, whose fused kernels torch also has: the rank functions add ``"cpu"`` to
+``FUSED_DEVICES``, or take it out of ``HOST_DEVICES`` (so that this CPU engine counts
+as an accelerator's). The GPU itself runs ``tests/fsdp/test_devices.py``.
 """
 
 from __future__ import annotations
@@ -41,11 +44,11 @@ def _fused(name: str, params) -> torch.optim.Optimizer:
     return _optimizer(name, params, fused=True)
 
 
-def _wrapped(name: str, strategy: int = 3, **choice):
+def _wrapped(name: str, strategy: int = 3, options: dict | None = None, **choice):
     module = make_model()
     opt = _optimizer(name, module.parameters(), **choice)
     return mf_fsdp.fully_shard(
-        module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy
+        module, opt, fsdp_unit_modules=unit_classes(), zero_dp_strategy=strategy, **(options or {})
     )
 
 
@@ -121,3 +124,30 @@ def _copy(state: dict) -> dict:
 @pytest.mark.timeout(180)
 def test_a_users_choice_is_kept_and_a_loaded_choice_left_to_torch_steps_fused() -> None:
     run_on_ranks(_rank_choices, 2, timeout=150)
+
+
+def _rank_host_state(rank: int, world: int) -> None:
+    offload = {"offload_optimizer_state": True}
+    # A CPU engine's host-side state is its device's: plain PyTorch's kernels and result.
+    _, opt = _wrapped("adamw", options=offload)
+    assert all(group["foreach"] is True and not group["fused"] for group in opt.param_groups)
+    # An accelerator's: torch's fused CPU kernels, with and without the in-backward step.
+    kernel_choice.HOST_DEVICES = frozenset()
+    for name in ("sgd", "adamw"):
+        ref_losses, ref_params = reference_run(name, world, STEPS, optimizer=_fused)
+        for in_backward in (False, True):
+            options = {**offload, "optimizer_step_in_backward": in_backward}
+            model, opt = _wrapped(name, options=options)
+            assert all(group["fused"] is True for group in opt.param_groups)
+            losses = _train(model, opt, rank, world, range(STEPS))
+            label = f"{name} offloaded, in backward {in_backward}"
+            assert_matches_reference(
+                losses, full_params(model), ref_losses, ref_params, label, RTOL, ATOL
+            )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_host_side_state_of_an_accelerator_steps_fused_on_the_cpu() -> None:
+    """``offload_optimizer_state``: torch's fused CPU result where the engine is not the host."""
+    run_on_ranks(_rank_host_state, 2, timeout=150)

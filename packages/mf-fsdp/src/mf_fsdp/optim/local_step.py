@@ -74,11 +74,12 @@ ELEMENTWISE = (
 """torch's optimizers whose update of an element reads that element alone."""
 
 CPU_RUN_MAX_NUMEL = 1 << 20
-"""The most elements a run holds on the CPU. The step's temporaries are as large as
-its tensors, and glibc hands temporaries of many megabytes back to the system
-when freed, so each step would fault their pages in again: on the CPU a run
-stops at 4 MiB of fp32, about a large parameter's size (accelerators' caching
-allocators keep freed blocks, so runs there take whole buckets)."""
+"""The most elements a run holds on the CPU. The multi-tensor step's temporaries are
+as large as its tensors, and glibc hands temporaries of many megabytes back to
+the system when freed, so each step would fault their pages in again: on the
+CPU a run stops at 4 MiB of fp32, about a large parameter's size. Groups on
+fused kernels, which make no temporaries, and accelerators, whose caching
+allocators keep freed blocks, take whole buckets."""
 
 _SWAP_ATTR = "_mf_fsdp_local_step"
 _PLANS_ATTR = "_mf_fsdp_local_plans"
@@ -145,14 +146,16 @@ class _Plan:
         "values",
     )
 
-    def __init__(self, groups: list[list[Any]], state: defaultdict[Any, State]) -> None:
+    def __init__(
+        self, groups: list[list[Any]], fused: list[bool], state: defaultdict[Any, State]
+    ) -> None:
         self.state = state
         self.params = [p for params in groups for p in params]
         self.grads = [p.grad for p in self.params]
         self.runs: list[_Run] = []
         self.plain: list[Any] = []
         self.moved = False  # state tensors were moved into run buffers (see _lay_out_state)
-        self.stepped = [self._swap_in(params) for params in groups]
+        self.stepped = [self._swap_in(*args) for args in zip(groups, fused, strict=True)]
         self.dicts = [state.get(p) for p in self.params]
         self.values = [() if d is None else tuple(d.values()) for d in self.dicts]
         self.local_state: defaultdict[Any, State] = defaultdict(dict)
@@ -184,7 +187,7 @@ class _Plan:
             for d, kept in zip(dicts, self.values, strict=True)
         )
 
-    def _swap_in(self, params: list[Any]) -> list[Any]:
+    def _swap_in(self, params: list[Any], fused: bool) -> list[Any]:
         """The tensors stepped for one param group: runs' flat tensors and plain parameters.
 
         A run starts with a piece that has elements; a piece with none (the
@@ -201,7 +204,7 @@ class _Plan:
             if pending and (
                 plain
                 or anchor is None
-                or (p.device.type == "cpu" and numel + size > CPU_RUN_MAX_NUMEL)
+                or (not fused and p.device.type == "cpu" and numel + size > CPU_RUN_MAX_NUMEL)
                 or not _joins(anchor, p, self.state)
             ):
                 stepped.append(self._run_of(pending))
@@ -351,11 +354,12 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     if all(p.grad is None for params in groups for p in params):
         return  # nothing to step (``step()`` after a backward that stepped every bucket)
     state = optimizer.state
-    key = tuple(tuple(map(id, params)) for params in groups)
+    fused = [bool(group.get("fused")) for group in optimizer.param_groups]
+    key = (tuple(fused), tuple(tuple(map(id, params)) for params in groups))
     plans: dict[Any, _Plan] = optimizer.__dict__.setdefault(_PLANS_ATTR, {})
     plan = plans.get(key)
     if plan is None or not plan.valid(state):
-        plan = _Plan(groups, state)
+        plan = _Plan(groups, fused, state)
         if plan.moved or any(kept.state is not state for kept in plans.values()):
             plans.clear()  # the others hold state tensors that are no longer the state
         plans[key] = plan
