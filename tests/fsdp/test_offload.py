@@ -19,10 +19,15 @@ Memory: after the backward, with bf16 compute, the device holds 2 bytes per
 param / N of model state and the engine's report agrees with every live CPU
 tensor. Checkpoints round-trip (``save_checkpoint`` / ``load_checkpoint``, and
 torch's DSD + DCP into a model with and without the option).
+Inside the backward the host steps run on a worker thread, and a step that raises
+there raises from the backward, the next backward starting clean.
 Errors: ZeRO-0, a non-bool, tensor parallelism, shape-aware optimizers.
 """
 
 from __future__ import annotations
+
+import math
+import threading
 
 import pytest
 import torch
@@ -129,6 +134,38 @@ def test_zero1_zero2_world2() -> None:
 def test_with_step_in_backward_world2() -> None:
     cases = [(3, "adam", 1), (3, "sgd", MICRO), (2, "adamw", 1)]
     run_on_ranks(_rank_parity, 2, cases, {"optimizer_step_in_backward": True}, timeout=360)
+
+
+def _rank_worker(rank: int, world: int) -> None:
+    model, opt = _build(3, "adamw", True, optimizer_step_in_backward=True)
+    threads: list[str] = []
+    hook = opt.register_step_pre_hook(lambda *_: threads.append(threading.current_thread().name))
+    model(*batch(0, rank)).backward()
+    hook.remove()
+    assert threads, "no bucket stepped inside the backward"
+    assert all(name.startswith("mf-fsdp-host-step") for name in threads), threads
+    opt.step()
+    opt.zero_grad()
+
+    def fail(*_) -> None:
+        if threading.current_thread().name.startswith("mf-fsdp-host-step"):
+            raise RuntimeError("host step failed")
+
+    hook = opt.register_step_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="host step failed"):
+        model(*batch(1, rank)).backward()
+    hook.remove()
+    opt.zero_grad()
+    loss = model(*batch(2, rank))
+    loss.backward()
+    opt.step()
+    assert math.isfinite(model(*batch(3, rank)).item())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_host_steps_in_the_backward_run_on_a_worker_and_raise_from_it() -> None:
+    run_on_ranks(_rank_worker, 2, timeout=150)
 
 
 def _rank_hsdp(rank: int, world: int) -> None:

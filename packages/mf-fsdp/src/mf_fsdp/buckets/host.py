@@ -13,9 +13,13 @@ whole bucket) and the gradient buffers the reduction writes.
 When the grads are handed to the optimizer (the step, or a bucket's step
 inside the backward) the reduced store is copied to the host grads
 (``non_blocking`` from the device; one device sync before the host reads
-them); the optimizer steps the host tensors with torch's multi-tensor CPU
-kernels; ``install`` copies the stepped main weights into the device's
-compute weights, cast to the compute dtype, before the next forward.
+them); the optimizer steps the host tensors on the CPU (torch's fused CPU
+kernels for an accelerator's state, see ``optim/kernel_choice.py``);
+``install`` copies the stepped main weights into the device's compute
+weights, cast to the compute dtype, before the next forward. Inside the
+backward the host steps run on a worker thread instead, each once its
+bucket's copy is done, while the device goes on with the backward (see
+``engine/backward_step.py``).
 
 On a CPU-only machine host and device are the same memory, yet the buffers
 are separate ones and every copy runs: the CPU tests exercise the same path.
@@ -23,9 +27,11 @@ are separate ones and every copy runs: the CPU tests exercise the same path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["host_zeros", "wait_for_device_copies"]
+__all__ = ["device_copies_mark", "host_zeros", "wait_for_device_copies"]
 
 
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -41,3 +47,20 @@ def wait_for_device_copies(device: torch.device) -> None:
     """Block until ``device``'s pending copies into host buffers are done (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def device_copies_mark(device: torch.device) -> Callable[[], None]:
+    """A wait, callable from any thread, for the copies ``device`` has been given so far.
+
+    On CUDA an event recorded now (waiting on it blocks that thread only, not the
+    device's queue); on the CPU the copies are done already.
+    """
+    if device.type != "cuda":
+        return _done
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.synchronize
+
+
+def _done() -> None:
+    pass

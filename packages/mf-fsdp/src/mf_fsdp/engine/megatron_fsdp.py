@@ -579,11 +579,16 @@ class MegatronFSDP(nn.Module):
             return
         groups = self.groups
         if self._backward_step is not None:  # stepped ones had their grads already
+            self._backward_step.settle()  # host steps a backward that raised left running
             groups = self._backward_step.unstepped(groups)
         self.hand_out_grads(groups)
 
-    def hand_out_grads(self, groups: list[ParamGroup]) -> None:
-        """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads."""
+    def hand_out_grads(self, groups: list[ParamGroup], wait: bool = True) -> None:
+        """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads.
+
+        With ``offload_optimizer_state`` those are host copies; ``wait=False`` leaves
+        the wait for the copies to the caller (``buckets/host.py``).
+        """
         for group in groups:  # dropped by an optimizer's zero_grad, no backward since
             group.forget_dropped_grads()
         # A bucket no backward reached since its grads were zeroed (a unit called by
@@ -612,7 +617,7 @@ class MegatronFSDP(nn.Module):
             if group.replicated and not group.main_is_separate:
                 group.attach_local_grads()
             group.grads_handed_out = group.requires_grad
-        if self.ddp_config.offload_optimizer_state:
+        if self.ddp_config.offload_optimizer_state and wait:
             wait_for_device_copies(self.device)  # the host step reads what they wrote
         if self.ddp_config.find_unused_parameters:
             self._withhold_unused_grads(groups)
