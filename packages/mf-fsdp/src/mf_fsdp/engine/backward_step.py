@@ -56,10 +56,13 @@ if TYPE_CHECKING:
     from mf_fsdp.engine.hooks import Unit
     from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 
-__all__ = ["BackwardStep", "HostSteps", "StepSome"]
+__all__ = ["BackwardStep", "HandOut", "HostSteps", "StepSome"]
 
 StepSome = Callable[[torch.optim.Optimizer, set[int]], None]
 """Step ``optimizer`` on those of its parameters whose ``id`` is in the set, once."""
+
+HandOut = Callable[[list[ParamGroup], bool], None]
+"""The engine's ``hand_out_grads``, told whether to wait for copies into host grads."""
 
 
 class BackwardStep:
@@ -67,10 +70,12 @@ class BackwardStep:
 
     Args:
         engine: the engine whose buckets it steps (held weakly).
+        hand_out: the engine's way of handing out grads (see ``HandOut``).
     """
 
-    def __init__(self, engine: MegatronFSDP) -> None:
+    def __init__(self, engine: MegatronFSDP, hand_out: HandOut) -> None:
         self._engine = weakref.ref(engine)
+        self._hand_out = hand_out
         self.step_some: StepSome | None = None
         self.stepped: set[int] = set()  # ids of the groups stepped since the backward began
         self._host_steps = HostSteps()
@@ -132,7 +137,7 @@ class BackwardStep:
         for group in groups:
             group.reduce_outer()  # the dp_outer stage (HSDP); nothing without dp_outer
         on_host = engine.offloads_optimizer_state
-        engine.hand_out_grads(groups, wait=not on_host)
+        self._hand_out(groups, not on_host)
         ids = {id(fp.sharded) for group in groups for fp in group.fsdp_params}
         optimizers = list(engine.optimizers())
         step_some = self.step_some

@@ -242,7 +242,9 @@ class MegatronFSDP(nn.Module):
         self._awaiting_to_empty = False  # see [Note: meta-device flows]
         self._install_pending = False
         self._backward_step = (
-            BackwardStep(self) if self.ddp_config.optimizer_step_in_backward else None
+            BackwardStep(self, self._hand_out)
+            if self.ddp_config.optimizer_step_in_backward
+            else None
         )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
@@ -583,12 +585,16 @@ class MegatronFSDP(nn.Module):
             groups = self._backward_step.unstepped(groups)
         self.hand_out_grads(groups)
 
-    def hand_out_grads(self, groups: list[ParamGroup], wait: bool = True) -> None:
+    def hand_out_grads(self, groups: list[ParamGroup]) -> None:
         """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads.
 
-        With ``offload_optimizer_state`` those are host copies; ``wait=False`` leaves
-        the wait for the copies to the caller (``buckets/host.py``).
+        With ``offload_optimizer_state`` those are host copies, whose copying has
+        ended when this returns.
         """
+        self._hand_out(groups, wait=True)
+
+    def _hand_out(self, groups: list[ParamGroup], wait: bool) -> None:
+        """``hand_out_grads``; ``wait=False`` leaves the wait for host copies to the caller."""
         for group in groups:  # dropped by an optimizer's zero_grad, no backward since
             group.forget_dropped_grads()
         # A bucket no backward reached since its grads were zeroed (a unit called by
