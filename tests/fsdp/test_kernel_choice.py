@@ -56,18 +56,23 @@ def _train(model, opt, rank: int, world: int, steps: range) -> list[float]:
     return [optimizer_step(model(*batch(step, rank)), opt, world) for step in steps]
 
 
+def _assert_trains_like_torch_fused(name: str, rank: int, world: int, runs: dict) -> None:
+    """Every run (label: ``_wrapped`` keywords) steps fused, with torch's ``fused=True`` result."""
+    ref_losses, ref_params = reference_run(name, world, STEPS, optimizer=_fused)
+    for label, wrapping in runs.items():
+        model, opt = _wrapped(name, **wrapping)
+        assert all(group["fused"] is True for group in opt.param_groups), label
+        losses = _train(model, opt, rank, world, range(STEPS))
+        assert_matches_reference(
+            losses, full_params(model), ref_losses, ref_params, f"{name} {label}", RTOL, ATOL
+        )
+
+
 def _rank_fused_parity(rank: int, world: int) -> None:
     kernel_choice.FUSED_DEVICES = frozenset({"cpu", "cuda"})
+    runs = {f"ZeRO-{strategy} fused": {"strategy": strategy} for strategy in (1, 3)}
     for name in ("sgd", "adam", "adamw"):
-        ref_losses, ref_params = reference_run(name, world, STEPS, optimizer=_fused)
-        for strategy in (1, 3):
-            model, opt = _wrapped(name, strategy)
-            assert all(group["fused"] is True for group in opt.param_groups)
-            losses = _train(model, opt, rank, world, range(STEPS))
-            label = f"{name} ZeRO-{strategy} fused"
-            assert_matches_reference(
-                losses, full_params(model), ref_losses, ref_params, label, RTOL, ATOL
-            )
+        _assert_trains_like_torch_fused(name, rank, world, runs)
 
 
 @pytest.mark.multiprocess
@@ -133,17 +138,12 @@ def _rank_host_state(rank: int, world: int) -> None:
     assert all(group["foreach"] is True and not group["fused"] for group in opt.param_groups)
     # An accelerator's: torch's fused CPU kernels, with and without the in-backward step.
     kernel_choice.HOST_DEVICES = frozenset()
+    runs = {
+        f"offloaded, in backward {on}": {"options": {**offload, "optimizer_step_in_backward": on}}
+        for on in (False, True)
+    }
     for name in ("sgd", "adamw"):
-        ref_losses, ref_params = reference_run(name, world, STEPS, optimizer=_fused)
-        for in_backward in (False, True):
-            options = {**offload, "optimizer_step_in_backward": in_backward}
-            model, opt = _wrapped(name, options=options)
-            assert all(group["fused"] is True for group in opt.param_groups)
-            losses = _train(model, opt, rank, world, range(STEPS))
-            label = f"{name} offloaded, in backward {in_backward}"
-            assert_matches_reference(
-                losses, full_params(model), ref_losses, ref_params, label, RTOL, ATOL
-            )
+        _assert_trains_like_torch_fused(name, rank, world, runs)
 
 
 @pytest.mark.multiprocess
