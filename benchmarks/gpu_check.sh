@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU machine call (world 1, NCCL, the image's torch, no install): the CUDA tests,
-# then issue 27's measurements. 150m at 4 x 512 is the host-bound step; 880m at
-# 4 x 2048 the compute-bound one. Every log line also lands in $OUT/gpu.log.
-# Run from the checkout's root: bash benchmarks/gpu_check.sh [tests|bench|memory|profile ...]
+# then issues 27's and 28's measurements. 150m at 4 x 512 is the host-bound step; 880m at
+# 4 x 2048 the compute-bound one; 880m at 1 x 2048 a step whose peak is in the backward;
+# 4b at 4 x 2048 a model whose FSDP2 state alone (16 B/param) nears an 80 GB H100.
+# Every log line also lands in $OUT/gpu.log.
+# Run from the checkout's root:
+#   bash benchmarks/gpu_check.sh [tests|bench|memory|overlap|bwd-peak|large|profile ...]
 set -u
 export PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')src
 export PYTHONUNBUFFERED=1
@@ -24,6 +27,19 @@ for part in $parts; do
       $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 8 --warmup 3 \
         --engines ${ENGINES_880M:-plain,fsdp2,fsdp2-offload,mf-zero3,mf-zero3-bwd-step,mf-zero3-offload,mf-zero3-offload-bwd-step} \
         --json "$out/bench-880m.json" ;;
+    overlap)  # host-side state, its steps in the backward on a worker thread, beside FSDP2
+      timeout 200 $bench --presets 880m --micro-batch 4 --seq-len 2048 --rounds 1 --steps 8 \
+        --warmup 3 --no-reference --engines fsdp2,mf-zero3-offload,mf-zero3-offload-bwd-step \
+        --json "$out/bench-880m-overlap.json" ;;
+    bwd-peak)  # one sequence: the peak falls in the backward, where the in-backward step frees
+      timeout 150 $bench --presets 880m --micro-batch 1 --seq-len 2048 --rounds 1 --steps 6 \
+        --warmup 2 --no-reference --engines fsdp2,mf-zero3,mf-zero3-bwd-step \
+        --json "$out/bench-880m-b1.json" ;;
+    large)  # built on the meta device: no full fp32 copy on the GPU before sharding
+      timeout ${LARGE_TIMEOUT:-330} $bench --presets 4b --micro-batch 4 --seq-len 2048 \
+        --rounds 1 --steps 3 --warmup 1 --no-reference --meta-init \
+        --engines ${ENGINES_4B:-fsdp2,mf-zero3-offload,mf-zero3-offload-bwd-step} \
+        --json "$out/bench-4b.json" ;;
     profile)
       for engine in ${PROFILE_ENGINES:-mf-zero3}; do
         python3 benchmarks/step_profile.py --device cuda --engine $engine --preset 150m \

@@ -58,3 +58,35 @@ def test_bad_world_and_peak_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--peak-tflops=-3"])
     assert "--peak-tflops must be positive, got -3.0" in capsys.readouterr().err
+
+
+def _throughput_rows(out: str, engines: tuple[str, ...]) -> dict[str, list[str]]:
+    """The first (throughput) row of each engine."""
+    rows: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and fields[0] in engines:
+            rows.setdefault(fields[0], fields)
+    return rows
+
+
+def test_meta_init_gives_every_engine_the_single_process_init(capsys) -> None:
+    engines = ("plain", "fsdp2", "mf-zero3-offload")
+    argv = [
+        "--presets=tiny",
+        "--world=1",
+        f"--engines={','.join(engines)}",
+        "--rounds=1",
+        "--steps=2",
+        "--warmup=1",
+        "--seq-len=32",
+        "--device=cpu",
+        "--meta-init",
+    ]
+    assert main(argv) == 0
+    rows = _throughput_rows(capsys.readouterr().out, engines)
+    # The reference builds on the device, the sharded engines on the meta device
+    # (to_empty, then GPT.reset_parameters): the same losses, tied head included.
+    assert {name: row[-3] for name, row in rows.items()} == dict.fromkeys(engines, "0.00e+00")
+    assert main([*argv[:2], "--engines=mf-zero3", *argv[3:], "--no-reference"]) == 0
+    assert _throughput_rows(capsys.readouterr().out, ("mf-zero3",))["mf-zero3"][-3] == "-"

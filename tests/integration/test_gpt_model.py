@@ -6,11 +6,11 @@ import torch
 from mf.models import GPT, PRESETS, GPTConfig
 
 
-# The 150m preset is left out: building it takes seconds; the formula is the same code.
-@pytest.mark.parametrize("name", ["tiny", "small", "25m"])
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_parameter_count_formula(name: str) -> None:
     config = PRESETS[name]
-    model = GPT(config)
+    with torch.device("meta"):  # no storage: the large presets build in no time
+        model = GPT(config)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
 
 

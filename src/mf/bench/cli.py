@@ -93,6 +93,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="the device's peak TFLOP/s for MFU (default: mf.mfu's table for known GPUs)",
     )
+    parser.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build each model on the meta device; sharding engines wrap it, then to_empty and "
+        "the model's own init (for a model whose fp32 copy does not fit one device)",
+    )
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the single-process run of the global batch (no max dloss column)",
+    )
     parser.add_argument("--json", default=None, help="also write every run's results here")
     args = parser.parse_args(argv)
     for preset in args.presets.split(","):
@@ -138,7 +149,7 @@ def _share(value: float, minimum: float, width: int) -> str:
 def _summarise(
     preset: str,
     runs: Runs,
-    references: dict[str, list[float]],
+    references: dict[str, list[float] | None],
     seq_len: int,
     device_peak: tuple[float, str] | None,
 ) -> list[str]:
@@ -160,10 +171,13 @@ def _summarise(
         sent = first["bytes_sent_per_step"]
         ideal_sent = 3 * params * (world - 1) / world * 4
         reference = references[recipe]
-        dloss = max(
-            max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True)) for r in results
-        )
-        dloss_text = f"{'-':>10}" if engine.startswith("plain") and world > 1 else f"{dloss:10.2e}"
+        dloss_text = f"{'-':>10}"
+        if reference is not None and not (engine.startswith("plain") and world > 1):
+            dloss = max(
+                max(abs(a - b) for a, b in zip(r["losses"], reference, strict=True))
+                for r in results
+            )
+            dloss_text = f"{dloss:10.2e}"
         tokens_per_second = first["tokens_per_step"] / step
         flops = flops_per_token(PRESETS[preset], seq_len) * tokens_per_second
         mfu = f"{flops / (device_peak[0] * world):6.3f}" if device_peak else f"{'-':>6}"
@@ -246,10 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer=recipe,
                 device=args.device,
                 precision=args.precision,
+                meta_init=args.meta_init,
             )
 
         references = {
-            recipe: _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
+            recipe: None
+            if args.no_reference
+            else _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
             for recipe in recipes
         }
         cases = [(engine, recipe) for recipe in recipes for engine in engines]

@@ -91,7 +91,7 @@ def _fsdp2_api(front_end: str, offload: bool = False) -> Builder:
             if bf16
             else MixedPrecisionPolicy()
         )
-        pinned = model.lm_head.weight.device.type == "cuda"
+        pinned = mesh is not None and mesh.device_type == "cuda"
         options = {
             "mesh": mesh,
             "reshard_after_forward": True,

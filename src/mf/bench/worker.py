@@ -22,7 +22,7 @@ from torch import nn
 from mf.bench.comm_counter import CommCounter
 from mf.bench.engines import AUTOCAST, build_engine
 from mf.launch import leave_process_group
-from mf.models import GPT, PRESETS, Block
+from mf.models import GPT, PRESETS, Block, GPTConfig
 
 __all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run", "train_step"]
 
@@ -45,6 +45,7 @@ class RunSpec:
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"
+    meta_init: bool = False
 
 
 @dataclass
@@ -208,13 +209,16 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmRSS")
     torch.manual_seed(spec.seed)
-    model = GPT(config).to(device)
+    name, _, mode = spec.engine.partition("+")
+    unsharded = name in AUTOCAST
+    model = _built_model(config, device, spec.meta_init, unsharded, spec.seed)
     result = RunResult(
         spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
     )
-    name, _, mode = spec.engine.partition("+")
     bf16 = spec.precision == "bf16"
     model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer, bf16)
+    if spec.meta_init and not unsharded:
+        _materialise(model, device, spec.seed)
     autocast = bf16 and name in AUTOCAST
     result.tokens_per_step = world_size * spec.micro_batch * spec.seq_len
     if mode == COMPILED:  # torchtitan's recipe: each block on its own, the rest eager
@@ -281,6 +285,39 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         peak = _rss_bytes("VmHWM") - baseline
     result.peak_bytes = int(_max_over_ranks(float(peak), device))
     return result
+
+
+def _built_model(
+    config: GPTConfig, device: torch.device, meta_init: bool, unsharded: bool, seed: int
+) -> GPT:
+    """The preset's model on ``device``, or on the meta device for an engine to shard first.
+
+    With ``meta_init`` (a model too large for one device's fp32 copy) a sharding
+    engine wraps the model built on the meta device, then it gets storage and
+    its own init's values (``_materialise``: FSDP2's flow, also mf's); an
+    ``unsharded`` engine gets the same init on the device itself (``to_empty``
+    would untie the tied head).
+    """
+    if not meta_init:
+        return GPT(config).to(device)
+    with torch.device(device if unsharded else "meta"):
+        model = GPT(config)
+    if unsharded:
+        _initialise(model, seed)
+    return model
+
+
+def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Storage on ``device`` for a wrapped meta model, then its own init's values."""
+    model.to_empty(device=device)
+    _initialise(model, seed)
+
+
+def _initialise(model: nn.Module, seed: int) -> None:
+    """The model's own ``reset_parameters()``, drawn from ``seed``."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.reset_parameters()
 
 
 def train_step(

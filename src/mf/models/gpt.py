@@ -70,6 +70,7 @@ PRESETS: dict[str, GPTConfig] = {
     "25m": GPTConfig(vocab_size=8192, seq_len=256, d_model=512, n_layers=7, n_heads=8),
     "150m": GPTConfig(vocab_size=32768, seq_len=512, d_model=896, n_layers=12, n_heads=14),
     "880m": GPTConfig(vocab_size=32768, seq_len=2048, d_model=2048, n_layers=16, n_heads=16),
+    "4b": GPTConfig(vocab_size=32768, seq_len=2048, d_model=4096, n_layers=20, n_heads=32),
 }
 
 
