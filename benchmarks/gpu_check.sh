@@ -19,7 +19,7 @@ bench="python3 -m mf.bench.cli --device cuda --world 1 --precision bf16 --optimi
 for part in $parts; do
   case $part in
     tests)
-      timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/test_devices.py ;;
+      timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/test_devices.py ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)  # the host-bound step
       $bench --presets 150m --micro-batch 4 --seq-len 512 --rounds ${ROUNDS:-2} --steps 20 --warmup 5 \
         --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json" ;;
@@ -36,7 +36,7 @@ for part in $parts; do
         --warmup 2 --no-reference --engines fsdp2,mf-zero3,mf-zero3-bwd-step \
         --json "$out/bench-880m-b1.json" ;;
     large)  # built on the meta device: no full fp32 copy on the GPU before sharding
-      timeout ${LARGE_TIMEOUT:-330} $bench --presets 4b --micro-batch 4 --seq-len 2048 \
+      timeout ${LARGE_TIMEOUT:-330} $bench --presets 4b --micro-batch ${LARGE_BATCH:-8} --seq-len 2048 \
         --rounds 1 --steps 3 --warmup 1 --no-reference --meta-init \
         --engines ${ENGINES_4B:-fsdp2,mf-zero3-offload,mf-zero3-offload-bwd-step} \
         --json "$out/bench-4b.json" ;;
