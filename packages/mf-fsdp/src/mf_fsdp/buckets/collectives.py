@@ -54,7 +54,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -379,26 +379,28 @@ class _Deferred:
         return self.issued.wait()
 
 
-@dataclass(slots=True)
 class _Call:
-    """One recorded call: ``output`` receives, ``input`` is sent (one tensor for an all-reduce)."""
+    """One recorded call: ``output`` receives, ``input`` is sent (one tensor for an all-reduce).
 
-    kind: str
-    output: torch.Tensor
-    input: torch.Tensor
-    op: ReduceOp | None
-    group: dist.ProcessGroup
-    handle: _Deferred = field(default_factory=_Deferred)
+    ``key``: calls with equal keys can share one collective. ``numel``: the
+    call's size, its whole bucket (the gathered output, the reduced input).
+    Both are fixed at recording: packing reads them several times per call.
+    """
 
-    @property
-    def key(self) -> tuple[object, ...]:
-        """Calls with equal keys can share one collective."""
-        return (self.kind, self.group, self.input.dtype, self.input.device, self.op)
+    __slots__ = ("group", "handle", "input", "key", "kind", "numel", "op", "output")
 
-    @property
-    def numel(self) -> int:
-        """The call's size: its whole bucket (the gathered output, the reduced input)."""
-        return max(self.output.numel(), self.input.numel())
+    def __init__(
+        self,
+        kind: str,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp | None,
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.kind, self.output, self.input, self.op, self.group = kind, output, input, op, group
+        self.handle = _Deferred()
+        self.key = (kind, group, input.dtype, input.device, op)
+        self.numel = max(output.numel(), input.numel())
 
 
 class _Batch:
@@ -526,8 +528,7 @@ def _run_pack(pack: list[_Call]) -> Handle:
         dtype=first.input.dtype,
         device=first.input.device,
     )
-    for column, call in zip(packed_in.split_with_sizes(widths, dim=1), pack, strict=True):
-        column.copy_(call.input.view(column.shape))
+    torch.cat([call.input.view(len(packed_in), -1) for call in pack], dim=1, out=packed_in)
     if first.kind == "all_gather":
         packed_out = packed_in.new_empty((rows, total))
         work = _all_gather_now(packed_out, packed_in, group, True)
@@ -539,8 +540,10 @@ def _run_pack(pack: list[_Call]) -> Handle:
         work = _all_reduce_now(packed_in, op, group, True)
 
     def copy_out() -> None:
-        for column, call in zip(packed_out.split_with_sizes(widths, dim=1), pack, strict=True):
-            call.output.view(column.shape).copy_(column)
+        columns = packed_out.split_with_sizes(widths, dim=1)
+        torch._foreach_copy_(
+            [c.output.view(s.shape) for c, s in zip(pack, columns, strict=True)], columns
+        )
 
     return _Then([cast(Handle, work)], copy_out)
 
