@@ -168,6 +168,38 @@ def test_host_steps_in_the_backward_run_on_a_worker_and_raise_from_it() -> None:
     run_on_ranks(_rank_worker, 2, timeout=150)
 
 
+def _rank_one_fails(rank: int, world: int) -> None:
+    model, opt = _build(2, "sgd", True, optimizer_step_in_backward=True)
+
+    def fail(*_) -> None:
+        if rank == 1 and threading.current_thread().name.startswith("mf-fsdp-host-step"):
+            raise RuntimeError("host step failed on rank 1")
+
+    hook = opt.register_step_pre_hook(fail)
+    loss = model(*batch(0, rank))
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="host step failed on rank 1"):
+            loss.backward()
+    else:  # its install all-gather is matched by rank 1's
+        loss.backward()
+    hook.remove()
+    opt.step()
+    opt.zero_grad()
+    model(*batch(1, rank)).backward()  # the ranks go on together
+    opt.step()
+    mine = torch.cat([value.flatten() for value in full_params(model).values()])
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=0)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)  # one model on every rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_host_step_failing_on_one_rank_raises_there_and_hangs_no_other() -> None:
+    """ZeRO-2: the failing rank still joins the install's all-gather, then raises."""
+    run_on_ranks(_rank_one_fails, 2, timeout=150)
+
+
 def _rank_hsdp(rank: int, world: int) -> None:
     mesh = dist.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     dims = {"device_mesh": mesh, "dp_shard_dim": "dp_shard", "dp_outer_dim": "dp_outer"}

@@ -32,7 +32,9 @@ weights are installed (the ZeRO-1/2 all-gather, the ZeRO-3 copy into the
 compute shard) once every host step is done, at the backward's end, on the
 backward's thread, so every collective stays on one thread in one order. Only
 the worker touches the optimizer until then; a backward that raised leaves its
-steps to be settled when the next backward begins.
+steps to be settled when the next backward begins. A host step that raises on
+one rank has its buckets installed all the same before its error is raised
+there, so the other ranks' install collectives are matched, not left waiting.
 
 This module knows the engine and takes the optimizers' partial step from the
 optimizer side (``optim/optimizer.py`` registers it when it binds an
@@ -120,9 +122,18 @@ class BackwardStep:
         self.settle()
 
     def settle(self) -> None:
-        """Wait for the host steps still running, then install their weights."""
+        """Wait for the host steps still running, install their weights, raise their error.
+
+        The buckets of a step that raised are installed too (their main weights as
+        the step left them): the install's collectives (ZeRO-1/2's all-gather) then
+        match those of ranks whose steps all succeeded, which would otherwise wait
+        in them for good. The error is raised after.
+        """
         if self._host_steps.pending:
-            self._install(self._host_steps.wait())
+            groups, error = self._host_steps.wait()
+            self._install(groups)
+            if error is not None:
+                raise error
 
     def step(self, groups: list[ParamGroup]) -> None:
         """Step the bound optimizers on ``groups``' parameters; install, free their grads.
@@ -186,15 +197,9 @@ class HostSteps:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="mf-fsdp-host-step")
         self.pending.append((self._worker.submit(step), groups))
 
-    def wait(self) -> list[ParamGroup]:
-        """Wait for every submitted step; the groups they stepped.
-
-        Raises:
-            Exception: the first error a step raised (after every step has ended).
-        """
+    def wait(self) -> tuple[list[ParamGroup], BaseException | None]:
+        """Wait for every submitted step: the groups they stepped, and the first error raised."""
         pending, self.pending = self.pending, []
         errors = [future.exception() for future, _ in pending]
         first = next((error for error in errors if error is not None), None)
-        if first is not None:
-            raise first
-        return [group for _, groups in pending for group in groups]
+        return [group for _, groups in pending for group in groups], first
