@@ -18,6 +18,16 @@ from mf.bench.cli import main
 pytestmark = pytest.mark.multiprocess
 
 
+def _rows(out: str, engines: tuple[str, ...]) -> dict[str, list[list[str]]]:
+    """Each engine's rows, split into fields: its throughput row, then its host-cost row."""
+    rows: dict[str, list[list[str]]] = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and fields[0] in engines:
+            rows.setdefault(fields[0], []).append(fields)
+    return rows
+
+
 def test_world_one_bf16_prints_throughput_and_host_cost(capsys) -> None:
     argv = [
         "--presets=tiny",
@@ -35,11 +45,7 @@ def test_world_one_bf16_prints_throughput_and_host_cost(capsys) -> None:
     assert "world 1" in out
     assert "bf16" in out
     assert "MFU: no known peak for this device" in out
-    rows = {}
-    for line in out.splitlines():
-        fields = line.split()
-        if fields and fields[0] in ("plain", "mf-zero3"):
-            rows.setdefault(fields[0], []).append(fields)
+    rows = _rows(out, ("plain", "mf-zero3"))
     # One row per engine in each table: throughput, then host cost.
     assert len(rows["plain"]) == 2
     assert len(rows["mf-zero3"]) == 2
@@ -62,16 +68,6 @@ def test_bad_world_and_peak_are_refused(capsys) -> None:
     assert "--peak-tflops must be positive, got -3.0" in capsys.readouterr().err
 
 
-def _throughput_rows(out: str, engines: tuple[str, ...]) -> dict[str, list[str]]:
-    """The first (throughput) row of each engine."""
-    rows: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        fields = line.split()
-        if fields and fields[0] in engines:
-            rows.setdefault(fields[0], fields)
-    return rows
-
-
 def test_meta_init_gives_every_engine_the_single_process_init(capsys) -> None:
     engines = ("plain", "mf-zero3-offload")
     argv = [
@@ -86,9 +82,10 @@ def test_meta_init_gives_every_engine_the_single_process_init(capsys) -> None:
         "--meta-init",
     ]
     assert main(argv) == 0
-    rows = _throughput_rows(capsys.readouterr().out, engines)
+    rows = _rows(capsys.readouterr().out, engines)
     # The reference builds on the device, the sharded engines on the meta device
     # (to_empty, then GPT.reset_parameters): the same losses, tied head included.
-    assert {name: row[-3] for name, row in rows.items()} == dict.fromkeys(engines, "0.00e+00")
+    dloss = {name: engine_rows[0][-3] for name, engine_rows in rows.items()}
+    assert dloss == dict.fromkeys(engines, "0.00e+00")
     assert main([*argv[:2], "--engines=mf-zero3", *argv[3:], "--no-reference"]) == 0
-    assert _throughput_rows(capsys.readouterr().out, ("mf-zero3",))["mf-zero3"][-3] == "-"
+    assert _rows(capsys.readouterr().out, ("mf-zero3",))["mf-zero3"][0][-3] == "-"

@@ -219,7 +219,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer, bf16)
     if spec.meta_init and not unsharded:
         _materialise(model, device, spec.seed)
-    autocast = bf16 and name in AUTOCAST
+    autocast = bf16 and unsharded  # engines with no mixed-precision policy of their own
     result.tokens_per_step = world_size * spec.micro_batch * spec.seq_len
     if mode == COMPILED:  # torchtitan's recipe: each block on its own, the rest eager
         for module in model.modules():
