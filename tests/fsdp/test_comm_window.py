@@ -67,16 +67,17 @@ def _rank_same_bits_fewer_collectives(rank: int, world: int) -> None:
                 assert torch.equal(packed_params[name], value), (label, name)
             # Collectives of a steady step (the last): one per bucket and pass alone
             # (ZeRO-3: the last block is gathered once, it stays gathered into its
-            # backward), one per pass when the whole model fits in the window.
+            # backward), one per pass when the whole model fits in the window (on gloo a
+            # packed reduce-scatter is an all-reduce of the pack, see collectives._run_pack).
             if strategy == 0:
                 alone_want, packed_want = {"all_reduce": buckets}, {"all_reduce": 1}
             elif strategy in (1, 2):
                 alone_want = {"reduce_scatter_single": buckets, "all_gather_single": buckets}
-                packed_want = {"reduce_scatter_single": 1, "all_gather_single": 1}
+                packed_want = {"all_reduce": 1, "all_gather_single": 1}
             else:
                 gathers = 2 * buckets - 2  # the root once, the last block once
                 alone_want = {"reduce_scatter_single": buckets, "all_gather_single": gathers}
-                packed_want = {"reduce_scatter_single": 1, "all_gather_single": 1}
+                packed_want = {"all_reduce": 1, "all_gather_single": 1}
             assert alone_calls == alone_want, (label, alone_calls)
             assert packed_calls == packed_want, (label, packed_calls)
 

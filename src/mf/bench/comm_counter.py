@@ -19,9 +19,12 @@ torch defines each one with (``mf_utils.collective_name``: the deprecated
 aliases delegate to the wrapped ones, so nothing is counted twice); they are
 counted under the newest torch's names. A coalesced batch (torch's
 ``_coalescing_manager``: one NCCL group, or one gloo coalesced call) counts as
-one collective of each kind it holds, with the bytes of all. DDP reduces in
-C++ and is not seen here: its traffic (one all-reduce of every gradient) is
-reported by the benchmark from its bucket sizes.
+one collective of each kind it holds, with the bytes of all. A process
+group's own coalesced all-gather (``ProcessGroup.allgather_into_tensor_coalesced``,
+which mf calls directly on gloo) counts as one all-gather of all its outputs,
+unless a ``_coalescing_manager`` batch made it (its calls were counted). DDP
+reduces in C++ and is not seen here: its traffic (one all-reduce of every
+gradient) is reported by the benchmark from its bucket sizes.
 """
 
 from __future__ import annotations
@@ -96,6 +99,17 @@ class CommCounter:
 
         return batched
 
+    def _wrap_group_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def counted(group: dist.ProcessGroup, outputs: list[Any], *args: Any) -> Any:
+            world = group.size()
+            if self.enabled and self._batch is None and world > 1:
+                total = sum(_nbytes(t) for t in outputs)
+                self.record("all_gather_single", total * (world - 1) / world)
+            return original(group, outputs, *args)
+
+        return counted
+
     def reset(self) -> None:
         """Forget everything counted so far."""
         self.calls.clear()
@@ -149,6 +163,9 @@ class CommCounter:
             if coalescing is not None:
                 saved.append((module, "_coalescing_manager", coalescing))
                 module._coalescing_manager = self._wrap_coalescing(coalescing)
+        group_gather = dist.ProcessGroup.allgather_into_tensor_coalesced
+        saved.append((dist.ProcessGroup, "allgather_into_tensor_coalesced", group_gather))
+        dist.ProcessGroup.allgather_into_tensor_coalesced = self._wrap_group_gather(group_gather)
         try:
             yield self
         finally:
