@@ -219,7 +219,10 @@ def test_a_frozen_rank_ends_the_run_within_the_timeout_in_one_line(tmp_path: Pat
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 1, err
-    assert waited < 10 + 15, waited  # the timeout, the step in flight, the exit (loaded CPU)
+    # Rank 0's collective times out (10 s, after the step in flight). The woken rank may
+    # then wait out a timeout of its own before it sees its peer gone (measured on this
+    # 2-core machine: 12.7 to 29.3 s in all); the agent's SIGKILL path took 44 s.
+    assert waited < 2 * 10 + 15, waited
     lines = [line for line in err.splitlines() if not line.startswith("train: ")]
     assert len(lines) == 1, err
     assert re.fullmatch(
