@@ -115,9 +115,6 @@ def _rank_coalescing(rank: int, world: int) -> None:
     summed = [torch.full((n,), float("nan")) for n in shards]
     averaged = [torch.full((n,), float("nan")) for n in shards]
     reduced = [source.clone() for source in sources]
-    kept = [source.clone() for source in sources]
-    consumed = [source.clone() for source in sources[1:3]]  # summed in place, same pack
-    summed_consumed = [torch.full((n,), float("nan")) for n in shards[1:3]]
     counter = CommCounter()
     with counter.installed():
         counter.enabled = True
@@ -132,12 +129,6 @@ def _rank_coalescing(rank: int, world: int) -> None:
                 handles.append(
                     collectives.reduce_scatter_into(out, source, dist.ReduceOp.SUM, group, True)
                 )
-            for out, source in zip(summed_consumed, consumed, strict=True):
-                handles.append(
-                    collectives.reduce_scatter_into(
-                        out, source, dist.ReduceOp.SUM, group, True, consume_input=True
-                    )
-                )
             # A synchronous call issues what was recorded first (program order kept).
             collectives.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)
             for out, source in zip(averaged, sources, strict=True):
@@ -151,10 +142,6 @@ def _rank_coalescing(rank: int, world: int) -> None:
             assert handle is not None
             handle.wait()
         counter.enabled = False
-    for source, before in zip(sources, kept, strict=True):
-        assert torch.equal(source, before), "an input not consumed was changed"
-    for out, expected in zip(summed_consumed, summed[1:3], strict=True):
-        assert torch.equal(out, expected)
     # Each call on 64 elements per rank alone (it flushes what was recorded), then one
     # pack per kind for 1, 7 and 40 (sums and averages apart); the synchronous all-reduce.
     # gloo's reduce-scatter packs run as all-reduces of the pack (see _run_pack).

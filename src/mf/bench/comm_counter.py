@@ -20,10 +20,9 @@ aliases delegate to the wrapped ones, so nothing is counted twice); they are
 counted under the newest torch's names. A coalesced batch (torch's
 ``_coalescing_manager``: one NCCL group, or one gloo coalesced call) counts as
 one collective of each kind it holds, with the bytes of all. A process
-group's own coalesced all-gather and all-reduce
-(``ProcessGroup.allgather_into_tensor_coalesced`` and ``allreduce_coalesced``,
-which mf calls directly on gloo) count as one collective of all their tensors,
-unless a ``_coalescing_manager`` batch made them (its calls were counted). DDP
+group's own coalesced all-gather (``ProcessGroup.allgather_into_tensor_coalesced``,
+which mf calls directly on gloo) counts as one all-gather of all its outputs,
+unless a ``_coalescing_manager`` batch made it (its calls were counted). DDP
 reduces in C++ and is not seen here: its traffic (one all-reduce of every
 gradient) is reported by the benchmark from its bucket sizes.
 """
@@ -64,13 +63,6 @@ _EXACT_BYTES: dict[str, Callable[[list[Any]], int]] = {
     "batch_isend_irecv": lambda a: sum(_nbytes(op.tensor) for op in a[0] if op.op is dist.isend),
 }
 
-# ProcessGroup's coalesced methods (their first argument: the gathered outputs, the
-# reduced tensors), counted as the collective they run.
-_GROUP_METHODS = {
-    "allgather_into_tensor_coalesced": "all_gather_single",
-    "allreduce_coalesced": "all_reduce",
-}
-
 
 @dataclass
 class CommCounter:
@@ -107,17 +99,14 @@ class CommCounter:
 
         return batched
 
-    def _wrap_group_method(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Count a coalesced method of ``ProcessGroup`` as the collective ``name``."""
-        byte_model = _BYTE_MODEL[name]
-
+    def _wrap_group_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def counted(group: dist.ProcessGroup, tensors: list[Any], *args: Any) -> Any:
+        def counted(group: dist.ProcessGroup, outputs: list[Any], *args: Any) -> Any:
             world = group.size()
             if self.enabled and self._batch is None and world > 1:
-                total = sum(byte_model([t]) for t in tensors)
-                self.record(name, total * (world - 1) / world)
-            return original(group, tensors, *args)
+                total = sum(_nbytes(t) for t in outputs)
+                self.record("all_gather_single", total * (world - 1) / world)
+            return original(group, outputs, *args)
 
         return counted
 
@@ -174,10 +163,9 @@ class CommCounter:
             if coalescing is not None:
                 saved.append((module, "_coalescing_manager", coalescing))
                 module._coalescing_manager = self._wrap_coalescing(coalescing)
-        for method, name in _GROUP_METHODS.items():
-            original = getattr(dist.ProcessGroup, method)
-            saved.append((dist.ProcessGroup, method, original))
-            setattr(dist.ProcessGroup, method, self._wrap_group_method(name, original))
+        group_gather = dist.ProcessGroup.allgather_into_tensor_coalesced
+        saved.append((dist.ProcessGroup, "allgather_into_tensor_coalesced", group_gather))
+        dist.ProcessGroup.allgather_into_tensor_coalesced = self._wrap_group_gather(group_gather)
         try:
             yield self
         finally:

@@ -31,9 +31,9 @@ coalesced all-gather), where the backend packs and unpacks in its own thread
 and nothing is copied on the main thread; else (gloo's reductions, whose
 coalesced forms run one collective per tensor, and packs gloo sends point to
 point, see above) mf packs the tensors into one flat buffer, runs one
-collective and copies out; a small gloo reduce-scatter pack is one coalesced
-all-reduce (``_sum_pack_in_place``). Measured on 2 gloo ranks, three small
-buckets, main-thread CPU / wall: all-gather 129 / 1046 us coalesced against
+collective and copies out (a gloo reduce-scatter pack runs as an all-reduce of
+the pack, as gloo's own reduce-scatter does, see ``_run_pack``). Measured on 2
+gloo ranks, three small buckets, main-thread CPU / wall: all-gather 129 / 1046 us coalesced against
 299 / 1443 us packed by mf; reduce-scatter 314 / 4657 against 470 / 1962 us;
 all-reduce 108 / 2771 against 268 / 1581 us. A synchronous call, or one on a
 larger tensor, first issues what was recorded, so calls still go out in
@@ -220,7 +220,7 @@ def all_gather_into(
     """
     if _alone(group):
         return _copy_alone(output, shard, async_op)
-    recorded = _record_or_flush("all_gather", output, shard, None, group, async_op, False)
+    recorded = _record_or_flush("all_gather", output, shard, None, group, async_op)
     if recorded is not None:
         return recorded
     return _all_gather_now(output, shard, group, async_op)
@@ -252,21 +252,17 @@ def reduce_scatter_into(
     op: ReduceOp,
     group: dist.ProcessGroup,
     async_op: bool = False,
-    *,
-    consume_input: bool = False,
 ) -> Handle | None:
     """Sum (or average) ``input`` over the ranks; this rank's shard lands in ``output``.
 
     Like ``reduce_scatter_tensor``: ``input`` has ``N x output.numel()`` elements and
     rank ``i`` gets the reduction of every rank's piece ``i``. ``input`` is not
-    changed, unless ``consume_input`` says the caller is done with it: a gloo
-    pack may then sum in it in place (see ``_sum_pack_in_place``). On gloo the
-    peers' pieces are summed in rank order, so every rank's result is bitwise
-    reproducible.
+    changed. On gloo the peers' pieces are summed in rank order, so every rank's
+    result is bitwise reproducible.
     """
     if _alone(group) and op in _SUMMING:
         return _copy_alone(output, input, async_op)
-    recorded = _record_or_flush("reduce_scatter", output, input, op, group, async_op, consume_input)
+    recorded = _record_or_flush("reduce_scatter", output, input, op, group, async_op)
     if recorded is not None:
         return recorded
     return _reduce_scatter_now(output, input, op, group, async_op)
@@ -331,7 +327,7 @@ def all_reduce(
     """Reduce ``tensor`` in place over ``group`` (the native call on every backend)."""
     if _alone(group):
         return _DONE if async_op else None
-    recorded = _record_or_flush("all_reduce", tensor, tensor, op, group, async_op, False)
+    recorded = _record_or_flush("all_reduce", tensor, tensor, op, group, async_op)
     if recorded is not None:
         return recorded
     return _all_reduce_now(tensor, op, group, async_op)
@@ -390,10 +386,9 @@ class _Call:
     ``key``: calls with equal keys can share one collective. ``numel``: the
     call's size, its whole bucket (the gathered output, the reduced input).
     Both are fixed at recording: packing reads them several times per call.
-    ``consumes``: the input may be overwritten (``consume_input``).
     """
 
-    __slots__ = ("consumes", "group", "handle", "input", "key", "kind", "numel", "op", "output")
+    __slots__ = ("group", "handle", "input", "key", "kind", "numel", "op", "output")
 
     def __init__(
         self,
@@ -402,10 +397,8 @@ class _Call:
         input: torch.Tensor,
         op: ReduceOp | None,
         group: dist.ProcessGroup,
-        consumes: bool,
     ) -> None:
         self.kind, self.output, self.input, self.op, self.group = kind, output, input, op, group
-        self.consumes = consumes
         self.handle = _Deferred()
         self.key = (kind, group, input.dtype, input.device, op)
         self.numel = max(output.numel(), input.numel())
@@ -465,13 +458,12 @@ def _record_or_flush(
     op: ReduceOp | None,
     group: dist.ProcessGroup,
     async_op: bool,
-    consumes: bool,
 ) -> Handle | None:
     """Record the call in the open batch and return its handle; else issue what was recorded."""
     batch = _OPEN.batch
     if batch is None:
         return None
-    call = _Call(kind, output, input, op, group, consumes)
+    call = _Call(kind, output, input, op, group)
     if async_op and call.numel < batch.max_numel:
         batch.calls.append(call)
         return call.handle
@@ -523,11 +515,10 @@ def _run_pack(pack: list[_Call]) -> Handle:
             handle = _all_reduce_now(first.output, op, group, True)
         return cast(Handle, handle)
     numel = sum(call.numel for call in pack)
-    point_to_point = _point_to_point(first.input, numel, group)
-    if (first.kind == "all_gather" or not _facts(group).gloo) and not point_to_point:
+    if (first.kind == "all_gather" or not _facts(group).gloo) and not _point_to_point(
+        first.input, numel, group
+    ):
         return _run_coalesced(pack)
-    if first.kind == "reduce_scatter" and not point_to_point:
-        return _sum_pack_in_place(pack)
     # Packed buffers are fresh, not pooled: packs vary in size, and a pool would keep
     # one of each size for good (they are under the window: cheap for the allocator).
     rows = 1 if first.kind == "all_reduce" else len(_facts(group).ranks)
@@ -539,54 +530,37 @@ def _run_pack(pack: list[_Call]) -> Handle:
         device=first.input.device,
     )
     torch.cat([call.input.view(len(packed_in), -1) for call in pack], dim=1, out=packed_in)
+    divisor = 1
     if first.kind == "all_gather":
         packed_out = packed_in.new_empty((rows, total))
         work = _all_gather_now(packed_out, packed_in, group, True)
-    elif first.kind == "reduce_scatter":
+    elif first.kind == "reduce_scatter" and _point_to_point(first.input, numel, group):
         packed_out = packed_in.new_empty((1, total))
         work = _reduce_scatter_now(packed_out, packed_in, op, group, True)
+    elif first.kind == "reduce_scatter":
+        # gloo's reduce_scatter_tensor clones its input, all-reduces the clone and
+        # copies the rank's piece out. The pack is mf's own copy already: all-reduce
+        # it in place and copy out this rank's row. The same bytes go over the wire,
+        # and gloo's clone, output and completion callback go (2 gloo ranks, 3 small
+        # buckets: 115 us less of the main thread's CPU per step on the tiny preset).
+        me = _facts(group).me
+        packed_out = packed_in[me : me + 1]
+        if op == dist.ReduceOp.AVG:  # gloo has no AVG: sum, then divide
+            op, divisor = dist.ReduceOp.SUM, rows
+        work = _all_reduce_now(packed_in, op, group, True)
     else:
         packed_out = packed_in
         work = _all_reduce_now(packed_in, op, group, True)
 
     def copy_out() -> None:
+        if divisor != 1:
+            packed_out.div_(divisor)
         columns = packed_out.split_with_sizes(widths, dim=1)
         torch._foreach_copy_(
             [c.output.view(s.shape) for c, s in zip(pack, columns, strict=True)], columns
         )
 
     return _Then([cast(Handle, work)], copy_out)
-
-
-def _sum_pack_in_place(pack: list[_Call]) -> Handle:
-    """A gloo reduce-scatter pack as one coalesced all-reduce of the inputs; each keeps its row.
-
-    gloo's ``reduce_scatter_tensor`` clones its input, all-reduces the clone and
-    copies the rank's piece out, and its coalesced form runs one collective per
-    tensor. One coalesced all-reduce (gloo packs and unpacks in its own thread)
-    sends the same bytes as gloo's reduce-scatter, in one collective, with no
-    pack copied on the main thread: inputs the caller consumes are summed in
-    place, the others in a clone. Measured on 2 gloo ranks, 3 small buckets,
-    main-thread CPU: 151-155 us, against 223-258 us packed into one all-reduce
-    and 314 us for gloo's coalesced reduce-scatter.
-    """
-    first = pack[0]
-    group, op = first.group, cast(ReduceOp, first.op)
-    facts = _facts(group)
-    summed = [call.input if call.consumes else call.input.clone() for call in pack]
-    options = dist.AllreduceCoalescedOptions()
-    average = op == dist.ReduceOp.AVG
-    options.reduceOp = dist.ReduceOp.SUM if average else op  # gloo has no AVG
-    work = group.allreduce_coalesced(summed, options)
-    size = len(facts.ranks)
-
-    def keep_rows() -> None:
-        rows = [tensor.view(size, -1)[facts.me] for tensor in summed]
-        if average:
-            torch._foreach_div_(rows, size)
-        torch._foreach_copy_([call.output.view(-1) for call in pack], rows)
-
-    return _Then([work], keep_rows)
 
 
 def _run_coalesced(pack: list[_Call]) -> Handle:

@@ -645,15 +645,8 @@ class ParamGroup:
                 if direct
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
-            # The local grads are cleared after the reduction unless the store is a
-            # view of them: then they must survive it.
             work = collectives.reduce_scatter_into(
-                out,
-                src,
-                spec.op,
-                index.fsdp_group,
-                async_op=async_op,
-                consume_input=src is not local or not buffers.aliases_local,
+                out, src, spec.op, index.fsdp_group, async_op=async_op
             )
         self._pending = (work, src, out)
         self.grads.launch()
