@@ -3,15 +3,18 @@
 Hooks (per unit, registered once):
 
 - forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next
-  units in last iteration's forward order, and thread the unit's inputs
-  through ``RegisterFSDPBackwardFunction`` so its backward end is observable;
+  units in last iteration's forward order, and (ZeRO-0/1, and the walk's first
+  unit) thread the unit's inputs through ``RegisterFSDPBackwardFunction`` so its
+  backward end is observable;
 - forward post-hook: release the bucket (ZeRO-3; not the units the backward
   starts with, which it would gather again at once: the last unit, and those
   before it that fit in the communication window with it) and hook the
   outputs' grads (pre-backward: gather again, prefetch the previous
   units, get the grad buffer);
-- post-backward (the identity function's backward): reduce the unit's grads
-  (overlapped with the rest of backward) and release its bucket;
+- post-backward (the identity function's backward, or under ZeRO-2/3 the
+  pre-backward of the unit before it, see [Note: where a unit's backward ends]):
+  reduce the unit's grads (overlapped with the rest of backward) and release
+  its bucket;
 - a callback queued on the autograd engine at the first pre-backward finishes
   the root and any unit whose post-backward did not fire, then hands over to
   the engine's end-of-backward step (micro-batch count, auto-sync).
@@ -23,6 +26,21 @@ order starts as the registration order; a unit called before units the walk
 has passed makes the ranks agree on a new one (``_reorder``,
 ``engine/unit_order.py``); an order they cannot agree on stops every rank
 (``engine/rank_paths.py``).
+
+[Note: where a unit's backward ends] Under ZeRO-2/3 a unit's backward ends
+where the backward reaches the unit before it in the walk (that unit's
+pre-backward finishes it, ``_finish_before``), or at the backward's end. On one
+device autograd runs the nodes of a graph in the reverse order of their
+creation (its ready queue takes the latest-created node first, and the leaves'
+grad accumulation as soon as it is ready), so every node of a unit, its weight
+grads included, has run before the first node of a unit that ran before it in
+the forward. That spares each unit an identity node in the graph and a Python
+call in the backward (FSDP2 threads every unit's inputs through one): a fifth
+of a unit's hook cost on the host (tiny preset, world 2). The walk's first
+unit keeps its identity: no unit's pre-backward comes after its backward, and
+its reduction should overlap the rest (the embedding's, say). ZeRO-0/1 units
+have no pre-backward hook and may run again after other units
+(``_may_run_again``): they keep theirs too.
 
 A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
@@ -112,8 +130,9 @@ class Unit:
     has hooks on each. A unit may run more than once per forward while it is still
     gathered (a group's members, a layer applied twice in a row); its post-backward
     waits until the backward of every forward call of the iteration has run
-    (``pending``), or until the backward's end when one of them had no input
-    requiring grad. ``reshard_after_forward=False`` keeps the unit gathered from
+    (``pending``, where its inputs are threaded, see [Note: where a unit's backward
+    ends]), or until the backward's end when one of them had no input requiring
+    grad. ``reshard_after_forward=False`` keeps the unit gathered from
     its forward to its backward, ``reshard_after_backward=False`` after its
     backward, and ``requires_gradient_sync=False`` keeps its grads local
     (unreduced, accumulating) across backwards (FSDP2's per-module options).
@@ -388,8 +407,8 @@ class UnitHooks:
             self._forward_collectives(unit)
         if not unit.members:
             self._last = unit
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or (self._strategy.shards_grads and unit.index > 0):
+            return None  # see [Note: where a unit's backward ends]
         unit.pending += 1  # undone by this call's backward, if its inputs thread one
         return _thread_inputs(functools.partial(self._call_post_backward, unit), args, kwargs)
 
@@ -750,10 +769,11 @@ class UnitHooks:
         A unit this rank skipped, or whose backward did not reach it (its output
         was unused), is stood in for: gathered, given zero grads, reduced and
         released where a rank that ran it does that (see [Note: ranks that skip
-        units]). A unit whose backward started and whose post-backward cannot
-        fire (no input requires grad) is finished here on every rank alike: its
-        grads are complete, since autograd runs a later unit's backward before
-        an earlier unit's.
+        units]). A unit whose backward started and whose post-backward has not
+        fired (none is threaded, or no input requires grad) is finished here on
+        every rank alike: its grads are complete, since autograd runs a later
+        unit's backward before an earlier unit's (see [Note: where a unit's
+        backward ends]).
         """
         while self._back < place:
             unit = self._reversed[self._back]
