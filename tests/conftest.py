@@ -1,8 +1,11 @@
-"""Shared pytest configuration: keep multi-rank tests on one xdist worker; no example deadlines.
+"""Shared pytest configuration: multi-rank tests in two xdist groups; no example deadlines.
 
-Multi-rank tests (marked ``multiprocess``) spawn gloo ranks; grouping them
-on one xdist worker keeps the ranks from oversubscribing the 2 cores, while
-single-process tests fill the other worker.
+Multi-rank tests (marked ``multiprocess``) spawn gloo ranks. They run one
+after another within two groups, each on one xdist worker at a time: the
+launcher runs of ``tests/integration`` (``mf-train``, torchrun, the bench
+CLI, whole models) and the rest (``run_on_ranks`` bodies). In one group they
+were the suite's critical path (13.3 of its 13.8 minutes, the other worker
+idle two thirds of the time); in two, at most two tests' ranks share the cores.
 
 hypothesis fails an example that runs past its 200 ms deadline, which on a
 loaded 2-core machine a first example can (a layout case once took 675 ms and
@@ -23,4 +26,5 @@ settings.load_profile("mf")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("multiprocess") is not None:
-            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+            launches = item.nodeid.startswith("tests/integration/")
+            item.add_marker(pytest.mark.xdist_group("launches" if launches else "multiprocess"))
