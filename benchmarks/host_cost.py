@@ -17,12 +17,16 @@ profiler). With ``--world 2`` each rank trains on its own batch of the same
 size, and ``plain`` is the bare model on that batch: what a step costs the host
 beyond it is the engine's and its communication's.
 
-Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200 [--world 2]``
+``--layers N`` gives the preset N blocks, so N FSDP units: what one unit costs
+the host is the difference between two such runs over the blocks added.
+
+Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200 [--world 2] [--layers 16]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -36,6 +40,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from mf.bench.engines import AUTOCAST, build_engine
+from mf.models import GPTConfig
 
 __all__ = ["ENGINES", "EngineCost", "main", "measure"]
 
@@ -61,15 +66,15 @@ class EngineCost:
         return sum(self.median(p) for p in PHASES)
 
 
-def _build(name: str, preset: str, bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """``mf-bench``'s engine ``name`` on a fresh model, over a one-rank "dp" mesh."""
+def _build(name: str, config: GPTConfig, bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``mf-bench``'s engine ``name`` on a fresh model, over a "dp" mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mf.models import GPT, PRESETS
+    from mf.models import GPT
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    model, optimizers = build_engine(name, GPT(PRESETS[preset]), mesh, 1e-3, "adam", bf16)
+    model, optimizers = build_engine(name, GPT(config), mesh, 1e-3, "adam", bf16)
     optimizer = optimizers[0]
     # What torch picks on a GPU (and mf everywhere): the multi-tensor kernels. On the
     # CPU torch's default is the per-parameter loop, which would charge the baselines
@@ -105,16 +110,20 @@ def measure(
     steps: int = 200,
     warmup: int = 20,
     bf16: bool = False,
+    layers: int | None = None,
 ) -> list[EngineCost]:
     """Interleave ``steps`` training steps of every engine; return this rank's costs.
 
     Needs an initialised gloo process group (every rank calls this); each rank
-    trains on its own batch.
+    trains on its own batch. ``layers``: the preset with that many blocks (more
+    blocks, more FSDP units: what one unit costs the host shows in the difference).
     """
     from mf.models import PRESETS
 
-    built = {name: _build(name, preset, bf16) for name in engines}
     config = PRESETS[preset]
+    if layers is not None:
+        config = dataclasses.replace(config, n_layers=layers)
+    built = {name: _build(name, config, bf16) for name in engines}
     seed = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=seed)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -172,12 +181,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         engines = args.engines.split(",")
-        costs = measure(engines, args.preset, args.steps, args.warmup, args.precision == "bf16")
+        costs = measure(
+            engines, args.preset, args.steps, args.warmup, args.precision == "bf16", args.layers
+        )
     finally:
         dist.destroy_process_group()
     if rank == 0:
         print(
-            f"host cost per step: torch {torch.__version__}, preset {args.preset}, world "
+            f"host cost per step: torch {torch.__version__}, preset {args.preset}"
+            f"{'' if args.layers is None else f' with {args.layers} blocks'}, world "
             f"{world}, {args.precision}, {args.steps} steps interleaved, CPU ms of rank 0's "
             "main thread"
         )
@@ -193,12 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--world", type=int, default=1, help="gloo ranks on this machine")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
     if unknown:
         parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
     if args.world < 1:
         parser.error(f"--world: expected a positive number of ranks, got {args.world}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers: expected a positive number of blocks, got {args.layers}")
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

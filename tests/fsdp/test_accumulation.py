@@ -196,3 +196,53 @@ def test_bf16_micro_batches_accumulate_in_the_reduction_dtype() -> None:
     ``reduce_dtype``, Megatron's main grads), not in bf16, which rounds away what each
     adds: the reduced grads equal each micro-batch's bf16 grads summed in fp32."""
     run_on_ranks(_rank_bf16_accumulation, 2, timeout=150)
+
+
+FROZEN = ("blocks.1.attn.qkv.weight", "wte.weight")  # a unit's parameter, a root one
+
+
+def _freeze(named: dict[str, torch.Tensor]) -> None:
+    """Replace the grads of ``FROZEN`` with new zero tensors (gradient surgery)."""
+    for name in FROZEN:
+        named[name].grad = torch.zeros_like(named[name].grad)
+
+
+def _rank_replaced_grads(rank: int, world: int) -> None:
+    reference = make_model()
+    reference_opt = make_optimizer("sgd", reference.parameters())
+    for step in range(STEPS):
+        for r in range(world):
+            (reference(*batch(step, r)) / world).backward()
+        _freeze(dict(reference.named_parameters()))
+        reference_opt.step()
+        reference_opt.zero_grad()
+    mesh = cpu_mesh((world,), ("dp",))
+    for strategy in range(4):
+        module = make_model()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            make_optimizer("sgd", module.parameters()),
+            device_mesh=mesh,
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+        )
+        for step in range(STEPS):
+            model(*batch(step, rank)).backward()
+            _freeze(dict(model.named_parameters()))
+            with count_collectives() as counts:
+                opt.step()
+            assert counts["all_reduce"] + counts["reduce_scatter_into"] == 0, counts
+            opt.zero_grad()
+        got = full_params(model)
+        for name, expected in reference.named_parameters():
+            torch.testing.assert_close(
+                got[name], expected.detach(), rtol=RTOL, atol=ATOL, msg=f"z{strategy} {name}"
+            )
+
+
+@pytest.mark.multiprocess
+def test_grads_replaced_between_backward_and_step_are_what_the_step_uses() -> None:
+    """Gradient surgery: ``p.grad = new`` after the backward (here zeros for one unit's
+    parameter and one root parameter) is what ``step()`` uses, as in torch; the step
+    reduces nothing again after a backward that did (SGD: a lost surgery moves them)."""
+    run_on_ranks(_rank_replaced_grads, 2, timeout=150)

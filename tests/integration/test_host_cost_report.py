@@ -19,6 +19,8 @@ def _rank_report(rank: int, world: int) -> None:
     assert lines[0].split()[:5] == ["engine", "fwd", "ms", "bwd", "ms"]
     assert lines[1].split()[5] == "1.00"  # plain against itself
     assert len(lines) == 5
+    deeper = measure(["plain"], steps=1, warmup=0, bf16=True, layers=4)  # the preset: 2 blocks
+    assert deeper[0].ops > costs[0].ops
 
 
 @pytest.mark.multiprocess

@@ -236,6 +236,7 @@ class MegatronFSDP(nn.Module):
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zero_pending = False
         self._zero_releases = True  # every zero_grad since the last zeroing set grads to None
+        self._grads_final = False  # see finish_grad_sync
         self._pool = BufferPool()
         self._sharded_registered = False
         self._gradient_divide_factor: float | None = None
@@ -479,6 +480,7 @@ class MegatronFSDP(nn.Module):
 
     def _on_backward_start(self) -> None:
         """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
+        self._grads_final = False
         self._register_compute()
         if self._backward_step is not None:
             self._backward_step.begin(self._optimizers)
@@ -512,6 +514,7 @@ class MegatronFSDP(nn.Module):
             for group in self.groups:
                 (group.reduce_outer if outer else group.finish_reduce)()
             self.attach_grad_to_optimizer_state()
+            self._grads_final = outer or all(group.outer is None for group in self.groups)
 
     # ------------------------------------------------------------------ sync control
     @contextlib.contextmanager
@@ -564,11 +567,20 @@ class MegatronFSDP(nn.Module):
         so no strategy ever steps on unreduced gradients. Units left gathered
         (FSDP2's ``reshard_after_backward=False``, ``unshard``) are released: the
         step changes their shards.
+
+        After a backward that reduced, waited and handed out every grad (auto-sync,
+        the last micro-batch), or a call of this since, with no backward, zeroing
+        or scaling after it, the grads are final: nothing is reduced, waited or
+        handed out again (per bucket a few host ops, and with
+        ``find_unused_parameters`` a device sync, each step), and a ``.grad`` the
+        user replaced since stays replaced, as torch leaves it.
         """
         self._unit_hooks.release_held()
-        self.start_grad_sync()
-        self.synchronize_gradient_reduce()
-        self.attach_grad_to_optimizer_state()
+        if not self._grads_final:
+            self.start_grad_sync()
+            self.synchronize_gradient_reduce()
+            self.attach_grad_to_optimizer_state()
+            self._grads_final = True
         self.sync_policy.step_finished()
 
     def attach_grad_to_optimizer_state(self) -> None:
@@ -641,6 +653,7 @@ class MegatronFSDP(nn.Module):
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held by the engine by ``scaling_factor``."""
+        self._grads_final = False
         for group in self.groups:
             group.scale_gradients(scaling_factor)
 
@@ -661,6 +674,7 @@ class MegatronFSDP(nn.Module):
         optimizer state only, as with FSDP2.
         """
         self._zero_pending = False
+        self._grads_final = False
         self._zero_releases = True
         self._zeroed_by = weakref.WeakSet()
         for group in self.groups:
@@ -704,6 +718,7 @@ class MegatronFSDP(nn.Module):
         the latest until the next backward starts.
         """
         self._zeroed_by.add(optimizer)
+        self._grads_final = False
         self._zero_releases = self._zero_releases and set_to_none
         if all(o in self._zeroed_by for o in self._optimizers):
             self.zero_grad_buffer(release=self._zero_releases)
