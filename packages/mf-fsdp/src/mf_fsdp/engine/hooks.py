@@ -35,12 +35,13 @@ creation (its ready queue takes the latest-created node first, and the leaves'
 grad accumulation as soon as it is ready), so every node of a unit, its weight
 grads included, has run before the first node of a unit that ran before it in
 the forward. That spares each unit an identity node in the graph and a Python
-call in the backward (FSDP2 threads every unit's inputs through one): a fifth
-of a unit's hook cost on the host (tiny preset, world 2). The walk's first
-unit keeps its identity: no unit's pre-backward comes after its backward, and
-its reduction should overlap the rest (the embedding's, say). ZeRO-0/1 units
-have no pre-backward hook and may run again after other units
-(``_may_run_again``): they keep theirs too.
+call in the backward (FSDP2 threads every unit's inputs through one): about
+45 of the 230 us a unit cost the host at world 1 (``benchmarks/host_cost.py
+--layers 16``, this project's CPU). The walk's first unit keeps its identity:
+no unit's pre-backward comes after its backward, and its reduction should
+overlap the rest (the embedding's, say). ZeRO-0/1 units have no pre-backward
+hook and may run again after other units (``_may_run_again``): they keep
+theirs too.
 
 A forward seen while a unit is already in backward is activation
 recomputation: the gathered weights are reused, nothing is released, so
