@@ -139,8 +139,11 @@ def _rank_contract(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_reduction_contract_all_strategies() -> None:
-    run_on_ranks(_rank_contract, 2, timeout=240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_reduction_contract_all_strategies(world: int) -> None:
+    """World 1 too: there ZeRO-2/3 keep fp32 grads in one buffer (the reduction over a
+    group of one is the local grads), and micro-batches must still add up."""
+    run_on_ranks(_rank_contract, world, timeout=240)
 
 
 def _plain_bf16_micro_grads(rank: int, micro: int) -> dict[str, torch.Tensor]:
@@ -241,8 +244,9 @@ def _rank_replaced_grads(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_grads_replaced_between_backward_and_step_are_what_the_step_uses() -> None:
+@pytest.mark.parametrize("world", [1, 2])
+def test_grads_replaced_between_backward_and_step_are_what_the_step_uses(world: int) -> None:
     """Gradient surgery: ``p.grad = new`` after the backward (here zeros for one unit's
     parameter and one root parameter) is what ``step()`` uses, as in torch; the step
     reduces nothing again after a backward that did (SGD: a lost surgery moves them)."""
-    run_on_ranks(_rank_replaced_grads, 2, timeout=150)
+    run_on_ranks(_rank_replaced_grads, world, timeout=150)

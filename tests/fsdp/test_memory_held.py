@@ -169,3 +169,32 @@ def _rank_bf16_zero3_sees_rounded_main_weights(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_bf16_zero3_gathers_the_stepped_fp32_weights_rounded() -> None:
     run_on_ranks(_rank_bf16_zero3_sees_rounded_main_weights, 2)
+
+
+def _rank_one_grad_buffer(rank: int, world: int) -> None:
+    for strategy in (0, 1, 2, 3):
+        module = make_model()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            torch.optim.SGD(module.parameters(), lr=0.1),
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+        )
+        for step in range(2):
+            model(*batch(step, rank)).backward()
+            for group in model.groups:
+                local, store = group.grad_local, group.grad_store
+                assert local is not None, (strategy, group.name)
+                assert store is not None, (strategy, group.name)
+                same = local.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+                assert same, f"ZeRO-{strategy}, {group.name}: the store copies the local grads"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.multiprocess
+def test_world1_fp32_grads_are_reduced_where_autograd_put_them() -> None:
+    """[Note: a group of one] At world 1 the reduction of fp32 grads is the grads
+    themselves: every strategy keeps them in one buffer (the store is the local
+    buffer), so a backward neither zeroes a second buffer nor copies into it."""
+    run_on_ranks(_rank_one_grad_buffer, 1)

@@ -4,9 +4,10 @@
 buffers                local grads (``local``)             reduced grads (``store``)
 =====================  ==================================  ================================
 ``PersistentGrads``    the whole bucket, from the first    this rank's owned part: a view
-(ZeRO-0/1)             backward until the grads are        of ``local`` when the dtypes
-                       dropped; the parameters' ``.grad``  agree (ZeRO-0: ``local``
-                       are views of it                     itself), else its own buffer
+(ZeRO-0/1; ZeRO-2/3    backward until the grads are        of ``local`` when the dtypes
+over a group of one    dropped; the parameters' ``.grad``  agree (ZeRO-0, and ZeRO-2/3
+in one dtype)          are views of it                     here: ``local`` itself), else
+                                                           its own buffer
 ``TransientGrads``     a whole bucket from a unit's        its own buffer (this rank's
 (ZeRO-2/3)             backward until its reduction (its   shard), whose bytes are freed
                        own, released between uses; a       by ``release_store`` until the
@@ -357,6 +358,14 @@ class TransientGrads(GradBuffers):
                 p.grad.mul_(factor)
 
 
-def grad_buffers_for(strategy: ZeroDPStrategy) -> type[GradBuffers]:
-    """The buffer class of ``strategy`` (see the module table)."""
-    return TransientGrads if strategy.shards_grads else PersistentGrads
+def grad_buffers_for(strategy: ZeroDPStrategy, store_is_local: bool) -> type[GradBuffers]:
+    """The buffer class of ``strategy`` (see the module table).
+
+    ``store_is_local``: the grads are reduced over a group of one in the dtype
+    autograd makes them in (world 1, fp32 grads), so the reduced grads are the
+    local ones. ZeRO-2/3 then keep them in one buffer, as ZeRO-0/1 do, instead of
+    a local buffer per backward copied into a store that holds the same values:
+    each backward saves a zeroing and a copy of every bucket, and the peak one
+    bucket (see [Note: a group of one] in ``collectives.py``).
+    """
+    return TransientGrads if strategy.shards_grads and not store_is_local else PersistentGrads

@@ -327,7 +327,10 @@ class ParamGroup:
         if self.offload and self.requires_grad:
             self.host_grads = host_zeros(self.main_layout.shard_size, d.grads, dev)
         if self.requires_grad:
-            self.buffers = grad_buffers_for(self.strategy)(
+            store_is_local = (
+                self.whole_on_every_rank and self.outer is None and d.grads == d.compute
+            )
+            self.buffers = grad_buffers_for(self.strategy, store_is_local)(
                 self.geometry,
                 d.compute,
                 d.grads,
@@ -634,8 +637,10 @@ class ParamGroup:
             work = collectives.all_reduce(src, spec.op, index.fsdp_group, async_op=async_op)
             out = src
         else:
+            # A store that views the local buffer takes the result there only over a
+            # group of one (the result is then the local grads themselves).
             direct = (
-                not buffers.aliases_local
+                (not buffers.aliases_local or self.whole_on_every_rank)
                 and self.grads.reduced is Reduced.NONE
                 and not self.hybrid
                 and buffers.store_dtype == src.dtype
@@ -683,7 +688,7 @@ class ParamGroup:
             else:
                 self.pending_inner.add_(out)
         elif buffers.aliases_local:
-            if out is not local:  # ZeRO-1: the reduced shard arrived in a temporary
+            if out is not local and out is not store:  # ZeRO-1: it arrived in a temporary
                 store.copy_(out)
         else:
             if self.grads.reduced is Reduced.FULL and self.outer is not None:
