@@ -194,11 +194,14 @@ def _rank_bf16_accumulation(rank: int, world: int) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_bf16_micro_batches_accumulate_in_the_reduction_dtype() -> None:
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_micro_batches_accumulate_in_the_reduction_dtype(world: int) -> None:
     """bf16 compute: ``no_sync`` micro-batch grads are summed in fp32 (FSDP2's
     ``reduce_dtype``, Megatron's main grads), not in bf16, which rounds away what each
-    adds: the reduced grads equal each micro-batch's bf16 grads summed in fp32."""
-    run_on_ranks(_rank_bf16_accumulation, 2, timeout=150)
+    adds: the reduced grads equal each micro-batch's bf16 grads summed in fp32. At
+    world 1 the local grads are cast straight into the store (the reduction over a
+    group of one is the identity)."""
+    run_on_ranks(_rank_bf16_accumulation, world, timeout=150)
 
 
 FROZEN = ("blocks.1.attn.qkv.weight", "wte.weight")  # a unit's parameter, a root one

@@ -21,6 +21,7 @@ What each strategy must hold per rank, in bytes per parameter (``N`` ranks,
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 
 import pytest
@@ -172,29 +173,37 @@ def test_bf16_zero3_gathers_the_stepped_fp32_weights_rounded() -> None:
 
 
 def _rank_one_grad_buffer(rank: int, world: int) -> None:
-    for strategy in (0, 1, 2, 3):
+    for strategy, bf16 in itertools.product((0, 1, 2, 3), (False, True)):
+        what = f"ZeRO-{strategy}, {'bf16' if bf16 else 'fp32'}"
         module = make_model()
         model, opt = mf_fsdp.fully_shard(
             module,
             torch.optim.SGD(module.parameters(), lr=0.1),
             fsdp_unit_modules=unit_classes(),
             zero_dp_strategy=strategy,
+            mixed_precision_policy=mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            if bf16
+            else None,
         )
         for step in range(2):
             model(*batch(step, rank)).backward()
-            for group in model.groups:
+            # No temporary took part in a reduction (the pool keeps what it lent).
+            assert model.memory_footprint(opt)["pool"] == 0, what
+            for group in model.groups if not bf16 else ():
                 local, store = group.grad_local, group.grad_store
-                assert local is not None, (strategy, group.name)
-                assert store is not None, (strategy, group.name)
+                assert local is not None, (what, group.name)
+                assert store is not None, (what, group.name)
                 same = local.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
-                assert same, f"ZeRO-{strategy}, {group.name}: the store copies the local grads"
+                assert same, f"{what}, {group.name}: the store copies the local grads"
             opt.step()
             opt.zero_grad(set_to_none=True)
 
 
 @pytest.mark.multiprocess
-def test_world1_fp32_grads_are_reduced_where_autograd_put_them() -> None:
-    """[Note: a group of one] At world 1 the reduction of fp32 grads is the grads
-    themselves: every strategy keeps them in one buffer (the store is the local
-    buffer), so a backward neither zeroes a second buffer nor copies into it."""
+def test_world1_grads_are_reduced_where_autograd_put_them() -> None:
+    """[Note: a group of one] At world 1 the reduction is the grads themselves: with
+    fp32 grads every strategy keeps them in one buffer (the store is the local
+    buffer), so a backward neither zeroes a second buffer nor copies into it; with
+    bf16 compute ZeRO-2/3 cast the local grads straight into the fp32 store, through
+    no temporary."""
     run_on_ranks(_rank_one_grad_buffer, 1)

@@ -200,7 +200,10 @@ def _copy_alone(output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Ha
     At world 1, and along any mesh dimension of size 1 (an HSDP replica group of
     one, a one-rank expert group), every gather and reduction of one rank's data
     is that data: nothing is sent, no backend is called, and nothing is copied
-    when the two tensors are the same memory.
+    when the two tensors are the same memory. The engine arranges that they are:
+    a bucket sharded over one rank keeps its weights whole (``weight_storage``),
+    and its fp32 grads are reduced where autograd accumulated them
+    (``grad_buffers_for``).
     """
     if output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.view(-1))

@@ -622,10 +622,22 @@ class ParamGroup:
             return
         buffers = self._grad_buffers()
         local = buffers.local_for_reduction()
-        if self.dtypes.comm != local.dtype:
-            src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
-        else:
+        # The result may land in the store itself while it holds nothing: a store that
+        # views the local buffer only over a group of one (the result is the local grads).
+        into_store = (
+            (not buffers.aliases_local or self.whole_on_every_rank)
+            and self.grads.reduced is Reduced.NONE
+            and not self.hybrid
+            and buffers.store_dtype == self.dtypes.comm
+        )
+        if self.dtypes.comm == local.dtype:
             src = local
+        elif into_store and (self.replicated or self.whole_on_every_rank):
+            # The reduction runs in place (an all-reduce, or the identity over a group
+            # of one): cast the local grads into the store, not into a temporary.
+            src = buffers.store(zeroed=False).copy_(local)
+        else:
+            src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
         if self._folded is not None:
             src.add_(self._folded)
             self._drop_folded()
@@ -637,17 +649,9 @@ class ParamGroup:
             work = collectives.all_reduce(src, spec.op, index.fsdp_group, async_op=async_op)
             out = src
         else:
-            # A store that views the local buffer takes the result there only over a
-            # group of one (the result is then the local grads themselves).
-            direct = (
-                (not buffers.aliases_local or self.whole_on_every_rank)
-                and self.grads.reduced is Reduced.NONE
-                and not self.hybrid
-                and buffers.store_dtype == src.dtype
-            )
             out = (
                 buffers.store(zeroed=False)  # the reduction overwrites all of it
-                if direct
+                if into_store
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
             work = collectives.reduce_scatter_into(
