@@ -136,6 +136,15 @@ def test_with_step_in_backward_world2() -> None:
     run_on_ranks(_rank_parity, 2, cases, {"optimizer_step_in_backward": True}, timeout=360)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_world1() -> None:
+    """World 1, where ZeRO-1/2/3 reduce fp32 grads where autograd put them."""
+    cases = [(3, "adam", 1), (1, "sgd", MICRO)]
+    run_on_ranks(_rank_parity, 1, cases, {}, timeout=360)
+    run_on_ranks(_rank_parity, 1, [(2, "momentum", MICRO)], {"optimizer_step_in_backward": True})
+
+
 def _rank_worker(rank: int, world: int) -> None:
     model, opt = _build(3, "adamw", True, optimizer_step_in_backward=True)
     threads: list[str] = []

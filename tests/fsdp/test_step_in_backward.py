@@ -75,6 +75,14 @@ def test_zero3_sgd_adam_world2() -> None:
 
 
 @pytest.mark.multiprocess
+def test_world1() -> None:
+    """Over a group of one ZeRO-2/3 keep fp32 grads in one buffer (the store is the
+    local grads): a bucket stepped in the backward releases it all the same."""
+    cases = [(3, "adam", 1), (2, "momentum", MICRO)]
+    run_on_ranks(_rank_parity, 1, cases, {}, timeout=300)
+
+
+@pytest.mark.multiprocess
 def test_zero2_world2() -> None:
     cases = [(2, "sgd", MICRO), (2, "momentum", 1), (2, "adam", 1), (2, "adamw", 1)]
     run_on_ranks(_rank_parity, 2, cases, {}, timeout=300)
