@@ -340,6 +340,19 @@ def test_parameters_no_rank_used_get_no_grad() -> None:
     run_on_ranks(_check_runs, 2, runs, timeout=240)
 
 
+@pytest.mark.multiprocess
+def test_parameters_unused_at_world_1_get_no_grad() -> None:
+    """World 1, where ZeRO-2/3 reduce the grads where autograd put them (one buffer):
+    a parameter the backward did not reach still gets no grad, within and across
+    micro-batches (the plans' rank-0 entries)."""
+    runs = []
+    for strategy in (1, 2, 3):
+        kwargs = {"zero_dp_strategy": strategy, "find_unused_parameters": True}
+        runs.append((f"unused adam z{strategy}", kwargs, "adam", UNUSED_PARAMS, 1))
+        runs.append((f"unused no_sync z{strategy}", kwargs, "adam", UNUSED_IN_NO_SYNC, 2))
+    run_on_ranks(_check_runs, 1, runs, timeout=240)
+
+
 HSDP_PLAN: Plan = {  # one rank, different ranks, root, every rank, across both replicas
     (1, 3, 0): frozenset({1}),
     (2, 0, 0): frozenset({0, "wpe"}),
