@@ -4,10 +4,10 @@
 whole bucket) and all-gather with point-to-point transfers (buckets of 1 MiB
 and more; smaller ones keep the native calls, AVG summed then divided). Each must give
 what ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` give, for sum and
-avg, shards of any size (1 and odd ones: the tail of a bucket), in place or
-not, synchronous or not, on 2, 3 and 4 ranks. Inside ``collectives.coalescing``,
-small asynchronous calls share one collective: the same results, one
-``torch.distributed`` call per pack.
+avg, shards of any size (1 and odd ones: the tail of a bucket), in place (the
+output a view of the input) or not, synchronous or not, on 2, 3 and 4 ranks.
+Inside ``collectives.coalescing``, small asynchronous calls share one
+collective: the same results, one ``torch.distributed`` call per pack.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ def _check_against_torch(rank: int, world: int) -> None:
                 torch.testing.assert_close(got, expected / divisor, rtol=1e-12, atol=1e-15)
                 if source is exact:
                     assert torch.equal(got, expected / divisor)
+                # In place: the output is this rank's own piece of the input.
+                whole = source.clone()
+                own = whole[rank * shard : (rank + 1) * shard]
+                handle = collectives.reduce_scatter_into(own, whole, op, group, True)
+                assert handle is not None
+                handle.wait()
+                torch.testing.assert_close(own, expected / divisor, rtol=1e-12, atol=1e-15)
+                if source is exact:
+                    assert torch.equal(own, expected / divisor)
             assert torch.equal(source, kept)  # the input is not changed
             # All-gather: into a separate output, and in place (the shard is a view of it).
             mine = source[:shard]

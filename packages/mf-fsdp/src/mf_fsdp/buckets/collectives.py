@@ -259,8 +259,9 @@ def reduce_scatter_into(
     """Sum (or average) ``input`` over the ranks; this rank's shard lands in ``output``.
 
     Like ``reduce_scatter_tensor``: ``input`` has ``N x output.numel()`` elements and
-    rank ``i`` gets the reduction of every rank's piece ``i``. ``input`` is not
-    changed. On gloo the peers' pieces are summed in rank order, so every rank's
+    rank ``i`` gets the reduction of every rank's piece ``i``. ``output`` may be this
+    rank's own piece of ``input`` (in place, as NCCL allows); otherwise ``input`` is
+    not changed. On gloo the peers' pieces are summed in rank order, so every rank's
     result is bitwise reproducible.
     """
     if _alone(group) and op in _SUMMING:
@@ -294,10 +295,13 @@ def _reduce_scatter_now(
     flat = output.view(-1)
     peers = [(i, peer) for i, peer in enumerate(ranks) if i != me]
     # The first peer's piece lands in the output itself, the others in a reused
-    # workspace: (N - 2) / N of the bucket, none on 2 ranks.
-    extra = max(size - 2, 0)
+    # workspace: (N - 2) / N of the bucket, none on 2 ranks. An output that is this
+    # rank's own piece of the input (in place) holds that piece until the sum, so
+    # every peer's piece goes to the workspace.
+    in_place = flat.data_ptr() == pieces[me].data_ptr()
+    extra = size - 1 if in_place else max(size - 2, 0)
     spare = _WORKSPACES.take(extra * flat.numel(), input.dtype, input.device)
-    slots = [flat, *spare.view(extra, flat.numel()).unbind(0)]
+    slots = [*([] if in_place else [flat]), *spare.view(extra, flat.numel()).unbind(0)]
     received = {i: slot for (i, _), slot in zip(peers, slots, strict=False)}
     works = _exchange(
         [(pieces[i], peer) for i, peer in peers],
@@ -307,12 +311,15 @@ def _reduce_scatter_now(
 
     def combine() -> None:
         ordered = [pieces[i] if i == me else received[i] for i in range(size)]
-        if size == 1:
-            flat.copy_(ordered[0])
-        else:  # ``flat`` is one of the first two (elementwise, so in place is fine)
-            torch.add(ordered[0], ordered[1], out=flat)
-            for piece in ordered[2:]:
-                flat.add_(piece)
+        # Summed in rank order into ``flat``, which is one of the first two terms
+        # (elementwise, so in place is fine), or in place this rank's piece further
+        # on: the terms before it add up in the first peer's workspace slot first.
+        start = me if in_place and me >= 2 else 1
+        for piece in ordered[1:start]:
+            ordered[0].add_(piece)
+        torch.add(ordered[0], ordered[start], out=flat)
+        for piece in ordered[start + 1 :]:
+            flat.add_(piece)
         if op == dist.ReduceOp.AVG:
             flat.div_(size)
         _WORKSPACES.give(spare)

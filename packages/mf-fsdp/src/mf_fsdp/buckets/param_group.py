@@ -622,11 +622,10 @@ class ParamGroup:
             return
         buffers = self._grad_buffers()
         local = buffers.local_for_reduction()
-        # The result may land in the store itself while it holds nothing: a store that
-        # views the local buffer only over a group of one (the result is the local grads).
+        # The result may land in the store itself while it holds nothing (a store that
+        # views the local buffer is this rank's piece of it: an in-place reduce-scatter).
         into_store = (
-            (not buffers.aliases_local or self.whole_on_every_rank)
-            and self.grads.reduced is Reduced.NONE
+            self.grads.reduced is Reduced.NONE
             and not self.hybrid
             and buffers.store_dtype == self.dtypes.comm
         )
@@ -692,7 +691,7 @@ class ParamGroup:
             else:
                 self.pending_inner.add_(out)
         elif buffers.aliases_local:
-            if out is not local and out is not store:  # ZeRO-1: it arrived in a temporary
+            if out is not local and out is not store:  # it arrived in a temporary
                 store.copy_(out)
         else:
             if self.grads.reduced is Reduced.FULL and self.outer is not None:
