@@ -202,8 +202,8 @@ def _copy_alone(output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Ha
     is that data: nothing is sent, no backend is called, and nothing is copied
     when the two tensors are the same memory. The engine arranges that they are:
     a bucket sharded over one rank keeps its weights whole (``weight_storage``),
-    and its fp32 grads are reduced where autograd accumulated them
-    (``grad_buffers_for``).
+    and its grads, when kept in the compute dtype, are reduced where autograd
+    accumulated them (``grad_buffers_for``).
     """
     if output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.view(-1))

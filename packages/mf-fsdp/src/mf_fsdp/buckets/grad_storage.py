@@ -361,11 +361,11 @@ class TransientGrads(GradBuffers):
 def grad_buffers_for(strategy: ZeroDPStrategy, store_is_local: bool) -> type[GradBuffers]:
     """The buffer class of ``strategy`` (see the module table).
 
-    ``store_is_local``: the grads are reduced over a group of one in the dtype
-    autograd makes them in (world 1, fp32 grads), so the reduced grads are the
-    local ones. ZeRO-2/3 then keep them in one buffer, as ZeRO-0/1 do, instead of
-    a local buffer per backward copied into a store that holds the same values:
-    each backward saves a zeroing and a copy of every bucket, and the peak one
-    bucket (see [Note: a group of one] in ``collectives.py``).
+    ``store_is_local``: the grads are reduced over a group of one and kept in the
+    dtype autograd makes them in (world 1 with fp32 compute and grads), so the
+    reduced grads are the local ones. ZeRO-2/3 then keep them in one buffer, as
+    ZeRO-0/1 do, instead of a local buffer per backward copied into a store that
+    holds the same values: each backward saves a zeroing and a copy of every
+    bucket, and the peak one bucket (see [Note: a group of one] in ``collectives.py``).
     """
     return TransientGrads if strategy.shards_grads and not store_is_local else PersistentGrads
