@@ -3,9 +3,11 @@
 # then issues 27's and 28's measurements. 150m at 4 x 512 is the host-bound step; 880m at
 # 4 x 2048 the compute-bound one; 880m at 1 x 2048 a step whose peak is in the backward;
 # 4b at 4 x 2048 a model whose FSDP2 state alone (16 B/param) nears an 80 GB H100.
+# "host" is issue 27's CPU criterion on that machine's 16 cores (gloo, tiny preset): on a
+# 2-vCPU machine two ranks' main and gloo threads share the CPUs, and world 2 measures that.
 # Every log line also lands in $OUT/gpu.log.
 # Run from the checkout's root:
-#   bash benchmarks/gpu_check.sh [tests|bench|memory|overlap|bwd-peak|large|profile ...]
+#   bash benchmarks/gpu_check.sh [tests|bench|memory|overlap|bwd-peak|large|profile|host ...]
 set -u
 export PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')src
 export PYTHONUNBUFFERED=1
@@ -40,6 +42,11 @@ for part in $parts; do
         --rounds 1 --steps 3 --warmup 1 --no-reference --meta-init \
         --engines ${ENGINES_4B:-fsdp2,mf-zero3-offload,mf-zero3-offload-bwd-step} \
         --json "$out/bench-4b.json" ;;
+    host)  # CPU ms per step against plain PyTorch, world 1 and 2, no GPU involved
+      for world in 1 2; do
+        CUDA_VISIBLE_DEVICES= timeout 150 python3 benchmarks/host_cost.py --world $world \
+          --steps ${HOST_STEPS:-200} --engines plain,ddp,fsdp2,mf-zero3
+      done ;;
     profile)
       for engine in ${PROFILE_ENGINES:-mf-zero3}; do
         python3 benchmarks/step_profile.py --device cuda --engine $engine --preset 150m \

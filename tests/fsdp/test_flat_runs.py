@@ -2,7 +2,9 @@
 
 - A bound Adam steps one flat tensor per run of consecutive pieces, far fewer
   tensors than parameters; between steps every parameter's state entries are
-  parameter-shaped DTensors whose pieces lie end to end in one buffer per run.
+  parameter-shaped DTensors whose pieces lie end to end in one buffer per run,
+  and every parameter's step counter holds the steps taken (a run's counters
+  are views of one buffer).
 - Parity with one process at 1e-6 over 5 steps, world 2, ZeRO-3, where runs
   must break: two param groups whose members alternate (decayed matrices,
   undecayed vectors and norms), SGD with momentum (state the first step
@@ -93,14 +95,19 @@ def _rank_parity(rank: int, world: int, opt_name: str, reset_at: int | None) -> 
     assert_matches_reference(losses, full_params(model), *ref, label, RTOL, ATOL)
     params = [p for g in opt.param_groups for p in g["params"]]
     assert sum(stepped[:2]) < len(params), f"{label}: tensors stepped {stepped[:2]}"
-    # Between steps: parameter-shaped state, each run's pieces in one buffer.
-    buffers = set()
+    # Between steps: parameter-shaped state, each run's pieces in one buffer; every
+    # parameter's counter holds the steps taken, the counters of a run in one buffer.
+    buffers, counters = set(), set()
     for param in params:
         for key, value in opt.state[param].items():
             if value.dim():
                 assert value.shape == param.shape, (key, value.shape, param.shape)
                 buffers.add(value.to_local().untyped_storage().data_ptr())
+            else:
+                assert value.item() == STEPS, (label, key, value)
+                counters.add(value.untyped_storage().data_ptr())
     assert len(buffers) < len(params), f"{label}: {len(buffers)} state buffers"
+    assert len(counters) < len(params) or opt_name == "momentum", f"{label}: {len(counters)}"
 
 
 @pytest.mark.multiprocess

@@ -26,18 +26,19 @@ Megatron's distributed optimizer steps flat buffers: torch's per-parameter
 Python (``_init_group``, the step counters) and the per-tensor cost of its
 kernels shrink from a parameter count to a bucket count. The run's state
 holds flat views of its members' state tensors and the first member's step
-counter; after the step the others' counters get its value. State that is
-not laid out that way (created one parameter at a time, or loaded) is moved
-once into one buffer per run and key, whose views the parameters' state
-entries then wrap; state the step creates for a run is split into such views.
+counter; after the step the others' counters get its value (they are 0-d
+views of one buffer: one copy per run). State that is not laid out that way
+(created one parameter at a time, or loaded) is moved once into one buffer
+per run and key, whose views the parameters' state entries then wrap; state
+the step creates for a run is split into such views.
 Elementwise math does not care where an element sits, so the result is the
 per-parameter step's.
 
 What a step swaps in (a *plan*: the runs, their flat tensors and state) is
 kept from step to step, one per set of parameters stepped (the whole
 optimizer, or one bucket inside the backward), and rebuilt only when a
-parameter's gradient object, its state entries or the state dict itself are
-other objects than last time: building it is most of the swap's cost.
+parameter's gradient object, any entry of the state or the state dict itself
+are other objects than last time: building it is most of the swap's cost.
 
 Only optimizers bound by ``fully_shard_optimizer`` take this path (their
 ``step`` restores the swap even when it raises); others, and every optimizer
@@ -82,6 +83,7 @@ fused kernels, which make no temporaries, and accelerators, whose caching
 allocators keep freed blocks, take whole buckets."""
 
 _SWAP_ATTR = "_mf_fsdp_local_step"
+_GRAD = operator.attrgetter("grad")
 _PLANS_ATTR = "_mf_fsdp_local_plans"
 
 State = dict[str, Any]
@@ -136,6 +138,7 @@ class _Plan:
         "counter_copies",
         "dicts",
         "grads",
+        "keys",
         "local_state",
         "moved",
         "params",
@@ -156,8 +159,11 @@ class _Plan:
         self.plain: list[Any] = []
         self.moved = False  # state tensors were moved into run buffers (see _lay_out_state)
         self.stepped = [self._swap_in(*args) for args in zip(groups, fused, strict=True)]
-        self.dicts = [state.get(p) for p in self.params]
-        self.values = [() if d is None else tuple(d.values()) for d in self.dicts]
+        # What valid() compares: the whole state as it is once the swap is built (it
+        # may have moved state into run buffers), walked in C, with no parameter hashed.
+        self.keys = list(state.keys())
+        self.dicts = list(state.values())
+        self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
         self.local_state: defaultdict[Any, State] = defaultdict(dict)
         for p in self.plain:
             if p in state:
@@ -167,24 +173,41 @@ class _Plan:
         for run in self.runs:
             self.local_state[run.flat] = run.given
             for key, value in run.given.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0:
-                    for member in run.members[1:]:
-                        targets.append(state[member.param][key])
-                        sources.append(value)
+                if isinstance(value, torch.Tensor) and value.dim() == 0 and len(run.members) > 1:
+                    others = [state[member.param][key] for member in run.members[1:]]
+                    if _consecutive([value, *others]):  # one copy for the run (see _lay_out_state)
+                        span = _span(others[0], len(others))
+                        targets.append(span)
+                        sources.append(value.expand(span.shape))
+                    else:
+                        targets += others
+                        sources += [value] * len(others)
         self.counter_copies = (targets, sources)
 
     def valid(self, state: Any) -> bool:
-        """Whether nothing the plan was built from was replaced since."""
-        if state is not self.state:
-            return False
-        if not all(map(operator.is_, [p.grad for p in self.params], self.grads)):
-            return False
-        dicts = [state.get(p) for p in self.params]
-        if not all(map(operator.is_, dicts, self.dicts)):
-            return False
-        return all(
-            d is None or (len(d) == len(kept) and all(map(operator.is_, d.values(), kept)))
-            for d, kept in zip(dicts, self.values, strict=True)
+        """Whether nothing the plan was built from was replaced since.
+
+        That is: the parameters' gradient objects, and the whole state (its dict,
+        each parameter's entry dict and every value in it, by identity and in
+        order). A change anywhere in the state, even for a parameter outside the
+        plan, rebuilds it: rare (a user resetting a moment, a load), and checking
+        it all takes a few C loops where checking the plan's own entries would
+        hash every parameter in Python (a step's host cost grows with them).
+        """
+        return (
+            state is self.state
+            and all(map(operator.is_, map(_GRAD, self.params), self.grads))
+            and len(state) == len(self.keys)
+            and all(map(operator.is_, state.keys(), self.keys))
+            and all(map(operator.is_, state.values(), self.dicts))
+            and sum(map(len, self.dicts)) == len(self.values)
+            and all(
+                map(
+                    operator.is_,
+                    itertools.chain.from_iterable(map(dict.values, self.dicts)),
+                    self.values,
+                )
+            )
         )
 
     def _swap_in(self, params: list[Any], fused: bool) -> list[Any]:
@@ -304,18 +327,33 @@ def _flat_state(values: State, local: torch.Tensor) -> bool:
     )
 
 
+def _consecutive(tensors: list[torch.Tensor]) -> bool:
+    """Whether each of ``tensors`` starts in memory where the one before it ends."""
+    return all(_follows(a, b) for a, b in itertools.pairwise(tensors))
+
+
 def _lay_out_state(params: list[UnevenDTensor], state: Any) -> bool:
     """Put the run's state tensors end to end, one buffer per key; whether any moved.
 
     Tensors already laid out so are kept; others are copied into a new buffer
-    whose views the parameters' state entries wrap from then on.
+    whose views the parameters' state entries wrap from then on. The members'
+    counters (equal, see ``_joins``) become 0-d views of one buffer too, so that
+    handing the run's counter to the others after a step is one copy, not one
+    per parameter.
     """
     moved = False
     for key, value in (state.get(params[0]) or {}).items():
+        if isinstance(value, torch.Tensor) and type(value) is not UnevenDTensor:
+            if value.dim() == 0 and not _consecutive([state[p][key] for p in params]):
+                buffer = torch.stack([state[p][key] for p in params])
+                for index, p in enumerate(params):
+                    state[p][key] = buffer[index]
+                moved = True
+            continue
         if type(value) is not UnevenDTensor:
             continue
         pieces = [state[p][key].to_local() for p in params]
-        if all(_follows(a, b) for a, b in itertools.pairwise(pieces)):
+        if _consecutive(pieces):
             continue
         buffer = pieces[0].new_empty(sum(piece.numel() for piece in pieces))
         offset = 0
