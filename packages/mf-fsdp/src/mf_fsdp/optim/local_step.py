@@ -389,14 +389,14 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, _SWAP_ATTR, None) is not None or not _eligible(optimizer):
         return
     groups = [group["params"] for group in optimizer.param_groups]
-    if all(p.grad is None for params in groups for p in params):
-        return  # nothing to step (``step()`` after a backward that stepped every bucket)
     state = optimizer.state
     fused = [bool(group.get("fused")) for group in optimizer.param_groups]
     key = (tuple(fused), tuple(tuple(map(id, params)) for params in groups))
     plans: dict[Any, _Plan] = optimizer.__dict__.setdefault(_PLANS_ATTR, {})
     plan = plans.get(key)
-    if plan is None or not plan.valid(state):
+    if plan is None or not plan.valid(state):  # a kept plan was built with some grads
+        if all(p.grad is None for params in groups for p in params):
+            return  # nothing to step (``step()`` after a backward that stepped every bucket)
         plan = _Plan(groups, fused, state)
         if plan.moved or any(kept.state is not state for kept in plans.values()):
             plans.clear()  # the others hold state tensors that are no longer the state
