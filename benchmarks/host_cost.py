@@ -19,8 +19,12 @@ beyond it is the engine's and its communication's.
 
 ``--layers N`` gives the preset N blocks, so N FSDP units: what one unit costs
 the host is the difference between two such runs over the blocks added.
+``--d-model N`` narrows every block (the tiny preset's 64 to 16, say): the
+tensors shrink until copying them costs nothing, and what is left is the
+Python and dispatch that a GPU's host pays whatever the tensors' size.
 
-Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200 [--world 2] [--layers 16]``
+Run: ``uv run --no-sync python benchmarks/host_cost.py --steps 200 [--world 2] [--layers 16]
+[--d-model 16]``
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from mf.bench.engines import AUTOCAST, build_engine
-from mf.models import GPTConfig
+from mf.models import PRESETS, GPTConfig
 
-__all__ = ["ENGINES", "EngineCost", "main", "measure"]
+__all__ = ["ENGINES", "EngineCost", "config_of", "main", "measure"]
 
 ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
 PHASES = ("forward", "backward", "optimizer")
@@ -111,18 +115,16 @@ def measure(
     warmup: int = 20,
     bf16: bool = False,
     layers: int | None = None,
+    d_model: int | None = None,
 ) -> list[EngineCost]:
     """Interleave ``steps`` training steps of every engine; return this rank's costs.
 
     Needs an initialised gloo process group (every rank calls this); each rank
     trains on its own batch. ``layers``: the preset with that many blocks (more
-    blocks, more FSDP units: what one unit costs the host shows in the difference).
+    blocks, more FSDP units: what one unit costs the host shows in the difference);
+    ``d_model``: that wide (narrower tensors, nothing but the host's own work).
     """
-    from mf.models import PRESETS
-
-    config = PRESETS[preset]
-    if layers is not None:
-        config = dataclasses.replace(config, n_layers=layers)
+    config = config_of(preset, layers, d_model)
     built = {name: _build(name, config, bf16) for name in engines}
     seed = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=seed)
@@ -135,6 +137,16 @@ def measure(
             _step(model, opt, batch, autocast[name], None)
         costs[name].ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     return list(costs.values())
+
+
+def config_of(preset: str, layers: int | None = None, d_model: int | None = None) -> GPTConfig:
+    """``preset``'s model with ``layers`` blocks and ``d_model`` width, where given."""
+    config = PRESETS[preset]
+    if layers is not None:
+        config = dataclasses.replace(config, n_layers=layers)
+    if d_model is not None:
+        config = dataclasses.replace(config, d_model=d_model)
+    return config
 
 
 def _interleave(
@@ -182,14 +194,21 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     try:
         engines = args.engines.split(",")
         costs = measure(
-            engines, args.preset, args.steps, args.warmup, args.precision == "bf16", args.layers
+            engines,
+            args.preset,
+            args.steps,
+            args.warmup,
+            args.precision == "bf16",
+            args.layers,
+            args.d_model,
         )
     finally:
         dist.destroy_process_group()
     if rank == 0:
         print(
             f"host cost per step: torch {torch.__version__}, preset {args.preset}"
-            f"{'' if args.layers is None else f' with {args.layers} blocks'}, world "
+            f"{'' if args.layers is None else f' with {args.layers} blocks'}"
+            f"{'' if args.d_model is None else f' of width {args.d_model}'}, world "
             f"{world}, {args.precision}, {args.steps} steps interleaved, CPU ms of rank 0's "
             "main thread"
         )
@@ -200,12 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every engine interleaved on ``--world`` ranks and print rank 0's table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--world", type=int, default=1, help="gloo ranks on this machine")
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+    parser.add_argument("--d-model", type=int, default=None, help="width (default: the preset's)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
     if unknown:
@@ -214,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--world: expected a positive number of ranks, got {args.world}")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers: expected a positive number of blocks, got {args.layers}")
+    heads = PRESETS[args.preset].n_heads
+    if args.d_model is not None and (args.d_model < 1 or args.d_model % heads):
+        parser.error(
+            f"--d-model: expected a positive multiple of the preset's {heads} heads, "
+            f"got {args.d_model}"
+        )
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

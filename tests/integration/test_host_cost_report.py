@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.host_cost import PHASES, measure, report
+from benchmarks.host_cost import PHASES, config_of, measure, report
 from tests._multiprocess import run_on_ranks
 
 
@@ -21,6 +21,15 @@ def _rank_report(rank: int, world: int) -> None:
     assert len(lines) == 5
     deeper = measure(["plain"], steps=1, warmup=0, bf16=True, layers=4)  # the preset: 2 blocks
     assert deeper[0].ops > costs[0].ops
+    narrow = measure(["mf-zero3"], steps=1, warmup=0, layers=3, d_model=16)
+    assert narrow[0].total > 0
+
+
+def test_the_model_measured_is_the_preset_reshaped() -> None:
+    tiny = config_of("tiny")
+    assert (tiny.n_layers, tiny.d_model) == (2, 64)
+    narrow = config_of("tiny", layers=16, d_model=16)
+    assert (narrow.n_layers, narrow.d_model, narrow.vocab_size) == (16, 16, tiny.vocab_size)
 
 
 @pytest.mark.multiprocess
