@@ -162,3 +162,49 @@ def _rank_plans_kept(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_the_swap_is_built_once() -> None:
     run_on_ranks(_rank_plans_kept, 2, timeout=300)
+
+
+def _rank_plan_validity(rank: int, world: int) -> None:
+    """A kept swap stands while what it was built from stands, object for object.
+
+    Replacing a grad, a state value, a parameter's state dict, or adding state
+    for another tensor rebuilds it; changing values in place does not.
+    """
+    model, opt = _wrapped("adamw")
+    for step in range(2):
+        optimizer_step(model(*batch(step, rank)), opt, world)
+    model(*batch(2, rank)).backward()  # grads handed out; the kept plan was built with them
+    [plan] = opt._mf_fsdp_local_plans.values()
+    state = opt.state
+    param = opt.param_groups[0]["params"][1]
+    entry = state[param]
+    assert plan.valid(state)
+    entry["exp_avg"].add_(0.0)  # in place: the swap's views see it
+    assert plan.valid(state)
+    for key in ("exp_avg", "step"):
+        kept = entry[key]
+        entry[key] = kept.clone()
+        assert not plan.valid(state), key
+        entry[key] = kept
+        assert plan.valid(state), key
+    grad = param.grad
+    param.grad = grad.clone()
+    assert not plan.valid(state)
+    param.grad = grad
+    state[param] = dict(entry)
+    assert not plan.valid(state)
+    state[param] = entry
+    assert plan.valid(state)
+    other = torch.zeros(1)
+    state[other] = {}
+    assert not plan.valid(state)
+    del state[other]
+    assert plan.valid(state)
+    assert not plan.valid(copy.copy(state))
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.multiprocess
+def test_a_kept_swap_is_rebuilt_when_what_it_was_built_from_is_replaced() -> None:
+    run_on_ranks(_rank_plan_validity, 1)
