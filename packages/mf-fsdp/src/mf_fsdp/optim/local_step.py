@@ -343,17 +343,17 @@ def _lay_out_state(params: list[UnevenDTensor], state: Any) -> bool:
     """
     moved = False
     for key, value in (state.get(params[0]) or {}).items():
-        if isinstance(value, torch.Tensor) and type(value) is not UnevenDTensor:
-            if value.dim() == 0 and not _consecutive([state[p][key] for p in params]):
-                buffer = torch.stack([state[p][key] for p in params])
-                for index, p in enumerate(params):
-                    state[p][key] = buffer[index]
-                moved = True
+        counter = type(value) is not UnevenDTensor
+        if counter and not (isinstance(value, torch.Tensor) and value.dim() == 0):
             continue
-        if type(value) is not UnevenDTensor:
-            continue
-        pieces = [state[p][key].to_local() for p in params]
+        pieces = [state[p][key] if counter else state[p][key].to_local() for p in params]
         if _consecutive(pieces):
+            continue
+        moved = True
+        if counter:  # the stacked counters' 0-d views
+            buffer = torch.stack(pieces)
+            for index, p in enumerate(params):
+                state[p][key] = buffer[index]
             continue
         buffer = pieces[0].new_empty(sum(piece.numel() for piece in pieces))
         offset = 0
@@ -362,7 +362,6 @@ def _lay_out_state(params: list[UnevenDTensor], state: Any) -> bool:
             view.copy_(piece)
             state[p][key] = _like_param(view, p, view)
             offset += piece.numel()
-        moved = True
     return moved
 
 
