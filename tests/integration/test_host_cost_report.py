@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.host_cost import PHASES, config_of, measure, report
+from benchmarks.host_cost import PHASES, config_of, main, measure, report
 from tests._multiprocess import run_on_ranks
 
 
@@ -36,3 +36,21 @@ def test_the_model_measured_is_the_preset_reshaped() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_report_times_each_engine_interleaved(world: int) -> None:
     run_on_ranks(_rank_report, world)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--d-model", "15"],
+            "--d-model: expected a positive multiple of the preset's 4 heads, got 15",
+        ),
+        (["--d-model", "0"], "--d-model: expected a positive multiple"),
+        (["--preset", "huge"], "--preset: invalid choice: 'huge'"),
+    ],
+)
+def test_a_shape_the_preset_cannot_take_is_one_clear_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
