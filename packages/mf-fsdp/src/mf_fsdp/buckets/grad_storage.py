@@ -320,10 +320,13 @@ class TransientGrads(GradBuffers):
         if self._late and self.local is None:
             local = self.clear(self._whole_bucket())
             views = self._views(local, False, self._cache_views(local))
-            for p, view in zip(self._params, views, strict=True):
-                if p.grad is not None:
-                    view.copy_(local_grad(p, p.grad))
-                    p.grad = None
+            made = [
+                (view, p) for p, view in zip(self._params, views, strict=True) if p.grad is not None
+            ]
+            if made:  # one multi-tensor copy, not one op per parameter
+                torch._foreach_copy_([v for v, _ in made], [local_grad(p, p.grad) for _, p in made])
+            for _, p in made:
+                p.grad = None
             self.local = local
         return super().local_for_reduction()
 

@@ -68,7 +68,11 @@ def local_grad(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         and grad.placements != param.placements
     ):
         grad = grad.redistribute(param.device_mesh, param.placements)
-    return local_value(grad)
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
+    # A grad needs no detaching unless a double backward built a graph for it (an aten
+    # op saved per parameter and step).
+    return grad.detach() if grad.requires_grad else grad
 
 
 def local_shape(param: torch.Tensor) -> torch.Size:

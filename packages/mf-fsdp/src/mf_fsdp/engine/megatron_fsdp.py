@@ -339,11 +339,18 @@ class MegatronFSDP(nn.Module):
             self._fill(unit, meta_init)
 
     def _reduce_spec(self, index: FSDPDistributedIndex) -> ReduceSpec:
-        """How the gradients of buckets on ``index`` are reduced (the engine's options)."""
+        """How the gradients of buckets on ``index`` are reduced (the engine's options).
+
+        Over gloo the mean is taken in the collective whatever the option says
+        (the sum divided by the ranks: rounded once, not per rank), which spares
+        the main thread a pass over the whole bucket (see
+        ``collectives.divides_after_reduction``).
+        """
         return ReduceSpec.build(
             self.dist_index.dp_size,
             self.calculate_per_token_loss,
-            self.ddp_config.average_in_collective,
+            self.ddp_config.average_in_collective
+            or collectives.divides_after_reduction(index.fsdp_group),
             self._gradient_scaling_factor,
             reduce_size=index.dp_size,
             divide_factor=self._gradient_divide_factor,
