@@ -124,8 +124,6 @@ def _rank_coalescing(rank: int, world: int) -> None:
     summed = [torch.full((n,), float("nan")) for n in shards]
     averaged = [torch.full((n,), float("nan")) for n in shards]
     reduced = [source.clone() for source in sources]
-    spent = [source.clone() for source in sources]  # given up: reduced in place
-    summed_in_place = [torch.full((n,), float("nan")) for n in shards]
     counter = CommCounter()
     with counter.installed():
         counter.enabled = True
@@ -149,27 +147,20 @@ def _rank_coalescing(rank: int, world: int) -> None:
             handles += [
                 collectives.all_reduce(t, dist.ReduceOp.SUM, group, async_op=True) for t in reduced
             ]
-            for out, source in zip(summed_in_place, spent, strict=True):
-                handles.append(
-                    collectives.reduce_scatter_into(
-                        out, source, dist.ReduceOp.SUM, group, True, consumes_input=True
-                    )
-                )
         for handle in handles:
             assert handle is not None
             handle.wait()
         counter.enabled = False
     # Each call on 64 elements per rank alone (it flushes what was recorded), then one
-    # pack per kind for 1, 7 and 40 (sums, averages and sums of given-up inputs apart);
-    # the synchronous all-reduce. gloo's reduce-scatter packs run as all-reduces of the
-    # pack (see _run_pack), in place where the inputs were given up.
+    # pack per kind for 1, 7 and 40 (sums and averages apart); the synchronous all-reduce.
+    # gloo's reduce-scatter packs run as all-reduces of the pack (see _run_pack).
     assert counter.calls == {
         "all_gather_single": 2,
-        "reduce_scatter_single": 3,
-        "all_reduce": 6,
+        "reduce_scatter_single": 2,
+        "all_reduce": 5,
     }, counter.calls
-    for n, source, shard, out, total, mean, all_sum, in_place in zip(
-        shards, sources, mine, gathered, summed, averaged, reduced, summed_in_place, strict=True
+    for n, source, shard, out, total, mean, all_sum in zip(
+        shards, sources, mine, gathered, summed, averaged, reduced, strict=True
     ):
         expected_full = torch.empty(world * n)
         dist.all_gather_into_tensor(expected_full, shard, group=group)
@@ -177,7 +168,6 @@ def _rank_coalescing(rank: int, world: int) -> None:
         expected = torch.empty(n)
         dist.reduce_scatter_tensor(expected, source.clone(), group=group)
         assert torch.equal(total, expected)
-        assert torch.equal(in_place, expected)
         assert torch.equal(mean, expected / world)
         expected_all = source.clone()
         dist.all_reduce(expected_all)

@@ -20,9 +20,8 @@ aliases delegate to the wrapped ones, so nothing is counted twice); they are
 counted under the newest torch's names. A coalesced batch (torch's
 ``_coalescing_manager``: one NCCL group, or one gloo coalesced call) counts as
 one collective of each kind it holds, with the bytes of all. A process
-group's own coalesced all-gather or all-reduce
-(``ProcessGroup.allgather_into_tensor_coalesced`` and ``allreduce_coalesced``,
-which mf calls directly on gloo) counts as one collective of all its tensors,
+group's own coalesced all-gather (``ProcessGroup.allgather_into_tensor_coalesced``,
+which mf calls directly on gloo) counts as one all-gather of all its outputs,
 unless a ``_coalescing_manager`` batch made it (its calls were counted). DDP
 reduces in C++ and is not seen here: its traffic (one all-reduce of every
 gradient) is reported by the benchmark from its bucket sizes.
@@ -58,11 +57,6 @@ _BYTE_MODEL: dict[str, Callable[[list[Any]], int]] = {
     "all_gather": lambda a: sum(_nbytes(t) for t in a[0]),
     "reduce_scatter": lambda a: sum(_nbytes(t) for t in a[1]),
     "all_to_all_single": lambda a: _nbytes(a[1]),
-}
-# A process group's own coalesced calls (mf calls them directly on gloo): the kind each counts as.
-_GROUP_CALLS = {
-    "allgather_into_tensor_coalesced": "all_gather_single",
-    "allreduce_coalesced": "all_reduce",
 }
 # Counted exactly, not scaled: mf's gloo collectives are batches of sends and receives.
 _EXACT_BYTES: dict[str, Callable[[list[Any]], int]] = {
@@ -105,17 +99,14 @@ class CommCounter:
 
         return batched
 
-    def _wrap_group_call(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        """A process group's own coalesced call on ``tensors``: one collective ``name``."""
-        per_byte = 2 if name == "all_reduce" else 1  # an all-reduce sends its bytes twice
-
+    def _wrap_group_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def counted(group: dist.ProcessGroup, tensors: list[Any], *args: Any) -> Any:
+        def counted(group: dist.ProcessGroup, outputs: list[Any], *args: Any) -> Any:
             world = group.size()
             if self.enabled and self._batch is None and world > 1:
-                total = per_byte * sum(_nbytes(t) for t in tensors)
-                self.record(name, total * (world - 1) / world)
-            return original(group, tensors, *args)
+                total = sum(_nbytes(t) for t in outputs)
+                self.record("all_gather_single", total * (world - 1) / world)
+            return original(group, outputs, *args)
 
         return counted
 
@@ -172,10 +163,9 @@ class CommCounter:
             if coalescing is not None:
                 saved.append((module, "_coalescing_manager", coalescing))
                 module._coalescing_manager = self._wrap_coalescing(coalescing)
-        for method, name in _GROUP_CALLS.items():
-            original = getattr(dist.ProcessGroup, method)
-            saved.append((dist.ProcessGroup, method, original))
-            setattr(dist.ProcessGroup, method, self._wrap_group_call(name, original))
+        group_gather = dist.ProcessGroup.allgather_into_tensor_coalesced
+        saved.append((dist.ProcessGroup, "allgather_into_tensor_coalesced", group_gather))
+        dist.ProcessGroup.allgather_into_tensor_coalesced = self._wrap_group_gather(group_gather)
         try:
             yield self
         finally:

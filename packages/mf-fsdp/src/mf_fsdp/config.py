@@ -180,7 +180,9 @@ class DistributedDataParallelConfig:
             backward ends (else synchronously at that point).
         overlap_param_gather: prefetch the next unit's all-gather (ZeRO-3).
         average_in_collective: divide inside the collective (``ReduceOp.AVG``)
-            instead of before it; the result is the same.
+            instead of before it; the result is the same. Over gloo the engine
+            always does (gloo divides only what it keeps, never a whole bucket
+            on the main thread).
         grad_reduce_in_fp32: reduce gradients in fp32 whatever the compute dtype.
         suggested_communication_unit_size: the communication window, in elements of
             whole buckets (the reference's name). Units whose buckets fit in it

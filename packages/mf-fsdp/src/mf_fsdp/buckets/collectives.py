@@ -26,20 +26,21 @@ recorded calls of one kind, group, dtype and op run as one collective, so
 several small buckets cost one collective's latency instead of one each.
 That is what a small model's ZeRO-3 step is made of on gloo, where each
 collective costs a few hundred microseconds however few its bytes. A pack is
-one coalesced call where the backend can pack and unpack on its own thread, so
-nothing is copied on the main thread: torch's ``_coalescing_manager`` (one
-NCCL group), gloo's coalesced all-gather, and gloo's coalesced all-reduce, which
-reduces the tensors in place (an all-reduce pack, or a reduce-scatter pack
-whose callers give up their inputs, ``consumes_input``: each rank then copies
-its pieces out). Otherwise (a reduce-scatter pack whose inputs must stay, packs
+one coalesced call (torch's ``_coalescing_manager``: one NCCL group, gloo's
+coalesced all-gather), where the backend packs and unpacks in its own thread
+and nothing is copied on the main thread; else (gloo's reductions, and packs
 gloo sends point to point, see above) mf packs the tensors into one flat
 buffer, runs one collective and copies out (a gloo reduce-scatter pack runs as
 an all-reduce of the pack, as gloo's own reduce-scatter does, see
-``_run_pack``). Measured on 2 gloo ranks, three small buckets, main-thread CPU
-/ wall: all-gather 129 / 1046 us coalesced against 299 / 1443 us packed by mf;
-reduce-scatter 170 / 1137 us in place against 306 / 1017 us packed by mf. A
-synchronous call, or one on a larger tensor, first issues what was recorded,
-so calls still go out in program order.
+``_run_pack``; gloo averages it on its own thread). gloo's threads so touch
+mf's pack, never the engine's grad buffers: one coalesced all-reduce of those
+buffers in place would spare the main thread both copies, but a torch 2.11 CI
+run of it aborted with heap corruption (once, unexplained), so it is not
+done. Measured on 2 gloo ranks, three small buckets, main-thread CPU / wall:
+all-gather 129 / 1046 us coalesced against 299 / 1443 us packed by mf;
+reduce-scatter 314 / 4657 against 470 / 1962 us; all-reduce 108 / 2771
+against 268 / 1581 us. A synchronous call, or one on a larger tensor, first
+issues what was recorded, so calls still go out in program order.
 
 Under ``torch.compile`` these run eagerly (dynamo breaks the graph around
 each): they manage buffers and handles that a traced graph cannot hold, and
@@ -258,23 +259,18 @@ def reduce_scatter_into(
     op: ReduceOp,
     group: dist.ProcessGroup,
     async_op: bool = False,
-    consumes_input: bool = False,
 ) -> Handle | None:
     """Sum (or average) ``input`` over the ranks; this rank's shard lands in ``output``.
 
     Like ``reduce_scatter_tensor``: ``input`` has ``N x output.numel()`` elements and
     rank ``i`` gets the reduction of every rank's piece ``i``. ``output`` may be this
     rank's own piece of ``input`` (in place, as NCCL allows); otherwise ``input`` is
-    not changed, unless ``consumes_input`` (the caller drops its values after the
-    call): a gloo pack then reduces it in place (see ``_reduce_in_place``). On gloo
-    the peers' pieces are summed in rank order, so every rank's result is bitwise
-    reproducible.
+    not changed. On gloo the peers' pieces are summed in rank order, so every rank's
+    result is bitwise reproducible.
     """
     if _alone(group) and op in _SUMMING:
         return _copy_alone(output, input, async_op)
-    recorded = _record_or_flush(
-        "reduce_scatter", output, input, op, group, async_op, consumes_input
-    )
+    recorded = _record_or_flush("reduce_scatter", output, input, op, group, async_op)
     if recorded is not None:
         return recorded
     return _reduce_scatter_now(output, input, op, group, async_op)
@@ -394,11 +390,9 @@ class _Deferred:
 class _Call:
     """One recorded call: ``output`` receives, ``input`` is sent (one tensor for an all-reduce).
 
-    ``key``: calls with equal keys can share one collective (a reduction's
-    ``in_place``, whether its input may be overwritten, is part of it: one pack
-    is reduced one way). ``numel``: the call's size, its whole bucket (the
-    gathered output, the reduced input). Both are fixed at recording: packing
-    reads them several times per call.
+    ``key``: calls with equal keys can share one collective. ``numel``: the
+    call's size, its whole bucket (the gathered output, the reduced input).
+    Both are fixed at recording: packing reads them several times per call.
     """
 
     __slots__ = ("group", "handle", "input", "key", "kind", "numel", "op", "output")
@@ -410,11 +404,10 @@ class _Call:
         input: torch.Tensor,
         op: ReduceOp | None,
         group: dist.ProcessGroup,
-        in_place: bool,
     ) -> None:
         self.kind, self.output, self.input, self.op, self.group = kind, output, input, op, group
         self.handle = _Deferred()
-        self.key = (kind, group, input.dtype, input.device, op, in_place)
+        self.key = (kind, group, input.dtype, input.device, op)
         self.numel = max(output.numel(), input.numel())
 
 
@@ -472,16 +465,12 @@ def _record_or_flush(
     op: ReduceOp | None,
     group: dist.ProcessGroup,
     async_op: bool,
-    in_place: bool = False,
 ) -> Handle | None:
-    """Record the call in the open batch and return its handle; else issue what was recorded.
-
-    ``in_place``: the reduction may overwrite ``input`` (an all-reduce always does).
-    """
+    """Record the call in the open batch and return its handle; else issue what was recorded."""
     batch = _OPEN.batch
     if batch is None:
         return None
-    call = _Call(kind, output, input, op, group, in_place or kind == "all_reduce")
+    call = _Call(kind, output, input, op, group)
     if async_op and call.numel < batch.max_numel:
         batch.calls.append(call)
         return call.handle
@@ -533,16 +522,13 @@ def _run_pack(pack: list[_Call]) -> Handle:
             handle = _all_reduce_now(first.output, op, group, True)
         return cast(Handle, handle)
     numel = sum(call.numel for call in pack)
-    point_to_point = _point_to_point(first.input, numel, group)
-    if not _facts(group).gloo or (first.kind == "all_gather" and not point_to_point):
+    if (first.kind == "all_gather" or not _facts(group).gloo) and not _point_to_point(
+        first.input, numel, group
+    ):
         return _run_coalesced(pack)
-    if first.kind == "all_reduce" or (first.key[-1] and not point_to_point):
-        return _reduce_in_place(pack)  # every input of the pack may be overwritten
-    # What is left: gloo packs sent point to point, and reduce-scatter packs whose
-    # inputs must stay. Packed buffers are fresh, not pooled: packs vary in size, and
-    # a pool would keep one of each size for good (they are under the window: cheap
-    # for the allocator).
-    rows = len(_facts(group).ranks)
+    # Packed buffers are fresh, not pooled: packs vary in size, and a pool would keep
+    # one of each size for good (they are under the window: cheap for the allocator).
+    rows = 1 if first.kind == "all_reduce" else len(_facts(group).ranks)
     widths = [call.numel // rows for call in pack]
     total = sum(widths)
     packed_in = torch.empty(
@@ -554,18 +540,21 @@ def _run_pack(pack: list[_Call]) -> Handle:
     if first.kind == "all_gather":
         packed_out = packed_in.new_empty((rows, total))
         work = _all_gather_now(packed_out, packed_in, group, True)
-    elif point_to_point:
+    elif first.kind == "reduce_scatter" and _point_to_point(first.input, numel, group):
         packed_out = packed_in.new_empty((1, total))
         work = _reduce_scatter_now(packed_out, packed_in, op, group, True)
-    else:
+    elif first.kind == "reduce_scatter":
         # gloo's reduce_scatter_tensor clones its input, all-reduces the clone and
         # copies the rank's piece out. The pack is mf's own copy already: all-reduce
-        # (or average) it in place and copy out this rank's row. The same bytes go
-        # over the wire, and gloo's clone, output and completion callback go (2 gloo
-        # ranks, 3 small buckets: 115 us less of the main thread's CPU per step on
-        # the tiny preset).
+        # (or average, on gloo's thread) it in place and copy out this rank's row.
+        # The same bytes go over the wire, and gloo's clone, output and completion
+        # callback go (2 gloo ranks, 3 small buckets: 115 us less of the main
+        # thread's CPU per step on the tiny preset).
         me = _facts(group).me
         packed_out = packed_in[me : me + 1]
+        work = _all_reduce_now(packed_in, op, group, True)
+    else:
+        packed_out = packed_in
         work = _all_reduce_now(packed_in, op, group, True)
 
     def copy_out() -> None:
@@ -575,46 +564,6 @@ def _run_pack(pack: list[_Call]) -> Handle:
         )
 
     return _Then([cast(Handle, work)], copy_out)
-
-
-def _reduce_in_place(pack: list[_Call]) -> Handle:
-    """gloo: all-reduce every call's input in place, as one coalesced call of the group.
-
-    gloo packs the tensors, reduces (or averages) the pack and unpacks it on its
-    own thread, so the caller's thread copies nothing but, for a reduce-scatter,
-    this rank's piece of each input into its output (2 gloo ranks, the tiny
-    preset's 3 buckets: 170 against 305 us of the main thread's CPU for mf's own
-    pack). The same bytes go over the wire as gloo's own reduce-scatter, an
-    all-reduce too.
-    """
-    first = pack[0]
-    facts = _facts(first.group)
-    options = dist.AllreduceCoalescedOptions()
-    options.reduceOp = cast(ReduceOp, first.op)
-    work = first.group.allreduce_coalesced([call.input for call in pack], options)
-    if first.kind != "reduce_scatter":
-        return _Then([work], lambda: None)
-
-    def copy_out() -> None:
-        moved = [
-            (call.output.view(-1), call.input.view(len(facts.ranks), -1)[facts.me]) for call in pack
-        ]
-        moved = [(out, piece) for out, piece in moved if out.data_ptr() != piece.data_ptr()]
-        if moved:
-            torch._foreach_copy_([out for out, _ in moved], [piece for _, piece in moved])
-
-    return _Then([work], copy_out)
-
-
-def divides_after_reduction(group: dist.ProcessGroup) -> bool:
-    """Whether averaging in the reduction (``ReduceOp.AVG``) spares the caller a pass.
-
-    True on gloo: it divides after summing, on its own thread for the small
-    buckets it reduces in place (see ``_reduce_in_place``) and otherwise only this
-    rank's shard, where dividing the input first is a pass over the whole bucket
-    on the caller's thread.
-    """
-    return _facts(group).gloo
 
 
 def _run_coalesced(pack: list[_Call]) -> Handle:
@@ -640,3 +589,14 @@ def _run_coalesced(pack: list[_Call]) -> Handle:
             else:
                 dist.all_reduce(call.output, op=op, group=group, async_op=True)
     return _Then([manager], lambda: None)
+
+
+def divides_after_reduction(group: dist.ProcessGroup) -> bool:
+    """Whether averaging in the reduction (``ReduceOp.AVG``) spares the caller a pass.
+
+    True on gloo: it divides after summing, on its own thread for the packs of
+    small buckets (all-reduced whole, see ``_run_pack``) and otherwise only this
+    rank's shard, where dividing the input first is a pass over the whole bucket
+    on the caller's thread.
+    """
+    return _facts(group).gloo

@@ -653,15 +653,8 @@ class ParamGroup:
                 if into_store
                 else self.pool.take(self.layout.shard_size, src.dtype, self.device)
             )
-            # The reduction consumes ``src`` unless it is a local buffer that also
-            # holds the store (every other one is cleared or released after it).
             work = collectives.reduce_scatter_into(
-                out,
-                src,
-                spec.op,
-                index.fsdp_group,
-                async_op=async_op,
-                consumes_input=src is not local or not buffers.aliases_local,
+                out, src, spec.op, index.fsdp_group, async_op=async_op
             )
         self._pending = (work, src, out)
         self.grads.launch()
