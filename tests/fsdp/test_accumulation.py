@@ -117,6 +117,11 @@ def _rank_contract(rank: int, world: int) -> None:
 
         for in_collective in (False, True):
             model, opt = build(average_in_collective=in_collective)
+            # Over gloo the mean is taken in the collective either way: no bucket is
+            # multiplied by 1/N on the main thread before its reduction.
+            assert collectives.divides_after_reduction(dist.group.WORLD)
+            spec = [(g.reduce_spec.pre, g.reduce_spec.op) for g in model.groups]
+            assert all(pre == 1.0 and op == dist.ReduceOp.AVG for pre, op in spec), spec
             losses = _train(model, opt, rank, world, micro=1, no_sync=False)
             _check(model, losses, ref_one, f"z{strategy} average_in_collective={in_collective}")
 

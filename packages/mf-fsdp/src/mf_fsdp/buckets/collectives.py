@@ -283,9 +283,9 @@ def _reduce_scatter_now(
     group: dist.ProcessGroup,
     async_op: bool,
 ) -> Handle | None:
-    facts = _facts(group)
     if op not in _SUMMING or not uses_point_to_point(input, group):
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    facts = _facts(group)
     me, ranks = facts.me, facts.ranks
     size = len(ranks)
     pieces = input.view(size, -1).unbind(0)
