@@ -45,7 +45,7 @@ for part in $parts; do
     host)  # CPU ms per step against plain PyTorch, world 1 and 2, no GPU involved
       for world in 1 2; do
         CUDA_VISIBLE_DEVICES= timeout 150 python3 benchmarks/host_cost.py --world $world \
-          --steps ${HOST_STEPS:-200} --engines plain,ddp,fsdp2,mf-zero3
+          --steps ${HOST_STEPS:-200} --engines plain,comm-floor,ddp,fsdp2,mf-zero3
       done ;;
     profile)
       for engine in ${PROFILE_ENGINES:-mf-zero3}; do

@@ -17,6 +17,14 @@ profiler). With ``--world 2`` each rank trains on its own batch of the same
 size, and ``plain`` is the bare model on that batch: what a step costs the host
 beyond it is the engine's and its communication's.
 
+``comm-floor`` is a cost reference, not an engine: ``plain`` plus the bare
+collectives a ZeRO-3 step makes at least, one all-gather of the model's
+weights before the forward and one reduce-scatter of its grads after the
+backward, each a single ``torch.distributed`` call on a flat buffer of the
+model's size, waited on at once (nothing at world 1, where a sharded engine
+needs none). What an engine's step costs above it is the engine's own:
+its bookkeeping, and the copies in and out of its buffers.
+
 ``--layers N`` gives the preset N blocks, so N FSDP units: what one unit costs
 the host is the difference between two such runs over the blocks added.
 ``--d-model N`` narrows every block (the tiny preset's 64 to 16, say): the
@@ -41,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.profiler import ProfilerActivity, profile
 
 from mf.bench.engines import AUTOCAST, build_engine
@@ -48,7 +57,7 @@ from mf.models import PRESETS, GPTConfig
 
 __all__ = ["ENGINES", "EngineCost", "config_of", "main", "measure"]
 
-ENGINES = ("plain", "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
+ENGINES = ("plain", "comm-floor", "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -70,6 +79,39 @@ class EngineCost:
         return sum(self.median(p) for p in PHASES)
 
 
+class _BareCollectives(nn.Module):
+    """``model`` plus the bare collectives of a ZeRO-3 step (``comm-floor``, see the module doc).
+
+    The gathered and reduced values are thrown away: ``model`` trains as ``plain``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        world = dist.get_world_size()
+        numel = sum(p.numel() for p in model.parameters())
+        shard = -(-numel // world)
+        self._shard = torch.zeros(shard)
+        self._gathered = torch.empty(shard * world)
+        self._grads = torch.zeros(shard * world)
+        self._reduced = torch.empty(shard)
+        self._communicates = world > 1
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self._communicates:
+            dist.all_gather_into_tensor(self._gathered, self._shard)
+        loss = self.model(*args)
+        if self._communicates and loss.requires_grad:
+            loss.register_hook(self._queue_reduction)
+        return loss
+
+    def _queue_reduction(self, grad: torch.Tensor) -> None:
+        Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        dist.reduce_scatter_tensor(self._reduced, self._grads, op=dist.ReduceOp.AVG)
+
+
 def _build(name: str, config: GPTConfig, bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``mf-bench``'s engine ``name`` on a fresh model, over a "dp" mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,7 +120,12 @@ def _build(name: str, config: GPTConfig, bf16: bool) -> tuple[nn.Module, torch.o
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    model, optimizers = build_engine(name, GPT(config), mesh, 1e-3, "adam", bf16)
+    floor = name == "comm-floor"
+    model, optimizers = build_engine(
+        "plain" if floor else name, GPT(config), mesh, 1e-3, "adam", bf16
+    )
+    if floor:
+        model = _BareCollectives(model)
     optimizer = optimizers[0]
     # What torch picks on a GPU (and mf everywhere): the multi-tensor kernels. On the
     # CPU torch's default is the per-parameter loop, which would charge the baselines
@@ -130,7 +177,7 @@ def measure(
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=seed)
     batch = (tokens[:, :-1], tokens[:, 1:])
     costs = {name: EngineCost(name) for name in engines}
-    autocast = {name: bf16 and name in AUTOCAST for name in engines}
+    autocast = {name: bf16 and (name in AUTOCAST or name == "comm-floor") for name in engines}
     _interleave(built, batch, autocast, costs, warmup, steps)
     for name, (model, opt) in built.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.host_cost import PHASES, config_of, main, measure, report
+from benchmarks.host_cost import PHASES, _build, _step, config_of, main, measure, report
+from mf.bench import CommCounter
 from tests._multiprocess import run_on_ranks
 
 
@@ -23,6 +24,36 @@ def _rank_report(rank: int, world: int) -> None:
     assert deeper[0].ops > costs[0].ops
     narrow = measure(["mf-zero3"], steps=1, warmup=0, layers=3, d_model=16)
     assert narrow[0].total > 0
+
+
+def _rank_floor(rank: int, world: int) -> None:
+    import torch
+
+    floor, floor_opt = _build("comm-floor", config_of("tiny"), bf16=False)
+    plain, plain_opt = _build("plain", config_of("tiny"), bf16=False)
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    counter = CommCounter()
+    with counter.installed():
+        counter.enabled = True
+        for _ in range(2):
+            _step(floor, floor_opt, batch, False, None)
+    # Each step: one all-gather of the model's weights, one reduce-scatter of its grads;
+    # a group of one needs neither.
+    expected = {"all_gather_single": 2, "reduce_scatter_single": 2} if world > 1 else {}
+    assert counter.calls == expected
+    for _ in range(2):
+        _step(plain, plain_opt, batch, False, None)
+    for trained, reference in zip(floor.model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(trained, reference)  # the collectives leave the training alone
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_communication_floor_makes_a_zero3_steps_collectives_and_trains_as_plain(
+    world: int,
+) -> None:
+    run_on_ranks(_rank_floor, world)
 
 
 def test_the_model_measured_is_the_preset_reshaped() -> None:
