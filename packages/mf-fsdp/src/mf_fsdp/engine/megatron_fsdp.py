@@ -142,6 +142,24 @@ def check_gradient_factor(name: str, value: object) -> float:
     return float(value)
 
 
+class _StepFlags:
+    """The engine's flags that change every step, kept off the ``nn.Module``.
+
+    Setting an attribute of a module runs ``nn.Module.__setattr__``'s checks
+    (parameter? submodule? buffer?); these are set several times a step. A plain
+    class, not a dataclass: torch 2.11's dynamo takes a dataclass instance it
+    meets while tracing for a constant and fails to guard on it.
+    """
+
+    __slots__ = ("grads_final", "sharded_registered", "zero_pending", "zero_releases")
+
+    def __init__(self) -> None:
+        self.zero_pending = False  # an optimizer's zero_grad waits for the others'
+        self.zero_releases = True  # every zero_grad since the last zeroing set grads to None
+        self.grads_final = False  # see MegatronFSDP.finish_grad_sync
+        self.sharded_registered = False  # the modules hold the sharded forms
+
+
 class MegatronFSDP(nn.Module):
     """Fully sharded data parallelism over flat, bucketed buffers (ZeRO-0..3).
 
@@ -234,11 +252,8 @@ class MegatronFSDP(nn.Module):
         self.device = device or get_group_device(dist_index.fsdp_group)
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._zero_pending = False
-        self._zero_releases = True  # every zero_grad since the last zeroing set grads to None
-        self._grads_final = False  # see finish_grad_sync
+        self._flags = _StepFlags()
         self._pool = BufferPool()
-        self._sharded_registered = False
         self._gradient_divide_factor: float | None = None
         self._awaiting_to_empty = False  # see [Note: meta-device flows]
         self._install_pending = False
@@ -487,11 +502,11 @@ class MegatronFSDP(nn.Module):
 
     def _on_backward_start(self) -> None:
         """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
-        self._grads_final = False
+        self._flags.grads_final = False
         self._register_compute()
         if self._backward_step is not None:
             self._backward_step.begin(self._optimizers)
-        if not self._zero_pending:
+        if not self._flags.zero_pending:
             return
         kept = [type(o).__name__ for o in self._optimizers if o not in self._zeroed_by]
         if kept:
@@ -502,7 +517,7 @@ class MegatronFSDP(nn.Module):
                 "instead of accumulating",
                 stacklevel=2,
             )
-        self.zero_grad_buffer(release=self._zero_releases)
+        self.zero_grad_buffer(release=self._flags.zero_releases)
 
     def _on_backward_end(self) -> None:
         """Count the micro-batch; with auto-sync, wait for the reductions and attach grads.
@@ -521,7 +536,7 @@ class MegatronFSDP(nn.Module):
             for group in self.groups:
                 (group.reduce_outer if outer else group.finish_reduce)()
             self.attach_grad_to_optimizer_state()
-            self._grads_final = outer or all(group.outer is None for group in self.groups)
+            self._flags.grads_final = outer or all(group.outer is None for group in self.groups)
 
     # ------------------------------------------------------------------ sync control
     @contextlib.contextmanager
@@ -583,11 +598,11 @@ class MegatronFSDP(nn.Module):
         user replaced since stays replaced, as torch leaves it.
         """
         self._unit_hooks.release_held()
-        if not self._grads_final:
+        if not self._flags.grads_final:
             self.start_grad_sync()
             self.synchronize_gradient_reduce()
             self.attach_grad_to_optimizer_state()
-            self._grads_final = True
+            self._flags.grads_final = True
         self.sync_policy.step_finished()
 
     def attach_grad_to_optimizer_state(self) -> None:
@@ -596,7 +611,7 @@ class MegatronFSDP(nn.Module):
         A no-op while a zeroing is deferred (no backward since an optimizer's
         ``zero_grad``): the grads it dropped must stay dropped.
         """
-        if self._zero_pending:
+        if self._flags.zero_pending:
             return
         groups = self.groups
         if self._backward_step is not None:  # stepped ones had their grads already
@@ -660,7 +675,7 @@ class MegatronFSDP(nn.Module):
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held by the engine by ``scaling_factor``."""
-        self._grads_final = False
+        self._flags.grads_final = False
         for group in self.groups:
             group.scale_gradients(scaling_factor)
 
@@ -680,10 +695,10 @@ class MegatronFSDP(nn.Module):
         and so do the idle temporaries: between steps a rank holds its weights and
         optimizer state only, as with FSDP2.
         """
-        self._zero_pending = False
-        self._grads_final = False
-        self._zero_releases = True
-        self._zeroed_by = weakref.WeakSet()
+        self._flags.zero_pending = False
+        self._flags.grads_final = False
+        self._flags.zero_releases = True
+        self._zeroed_by.clear()
         for group in self.groups:
             group.zero_grad(release)
         if release:
@@ -724,13 +739,18 @@ class MegatronFSDP(nn.Module):
         zeroing then waits until every optimizer of the model asked for it, or at
         the latest until the next backward starts.
         """
+        self._flags.grads_final = False
+        self._flags.zero_releases = self._flags.zero_releases and set_to_none
+        if len(self._optimizers) == 1 and optimizer in self._optimizers:
+            # The usual case, one optimizer: no bookkeeping of who zeroed (a weak set's
+            # iteration and membership are Python loops, a per-step host cost).
+            self.zero_grad_buffer(release=self._flags.zero_releases)
+            return
         self._zeroed_by.add(optimizer)
-        self._grads_final = False
-        self._zero_releases = self._zero_releases and set_to_none
         if all(o in self._zeroed_by for o in self._optimizers):
-            self.zero_grad_buffer(release=self._zero_releases)
+            self.zero_grad_buffer(release=self._flags.zero_releases)
         else:
-            self._zero_pending = True
+            self._flags.zero_pending = True
 
     # ------------------------------------------------------------------ params
     def start_param_sync(
@@ -858,22 +878,22 @@ class MegatronFSDP(nn.Module):
 
     def _register_sharded(self) -> None:
         """Let every owning module hold the sharded form (between passes)."""
-        if not self._sharded_registered:
+        if not self._flags.sharded_registered:
             for parameters, attr, _, sharded in self._form_slots:
                 parameters[attr] = sharded
-            self._sharded_registered = True
+            self._flags.sharded_registered = True
 
     def _register_compute(self) -> None:
         """Let every owning module hold the compute form (forward and backward)."""
-        if self._sharded_registered:
+        if self._flags.sharded_registered:
             for parameters, attr, compute, _ in self._form_slots:
                 parameters[attr] = compute
-            self._sharded_registered = False
+            self._flags.sharded_registered = False
 
     @contextlib.contextmanager
     def _sharded_forms(self) -> Iterator[None]:
         """Register the sharded forms for the block, then restore what was registered."""
-        was_sharded = self._sharded_registered
+        was_sharded = self._flags.sharded_registered
         self._register_sharded()
         try:
             yield
