@@ -40,17 +40,17 @@ class ZeroDPStrategy(enum.StrEnum):
     @property
     def level(self) -> int:
         """The ZeRO stage number 0..3."""
-        return _LEVELS.index(self)
+        return _LEVEL_OF[self]
 
     @property
     def shards_grads(self) -> bool:
         """True when the persistent gradient store holds only this rank's shard."""
-        return self.level >= 2
+        return _LEVEL_OF[self] >= 2  # read several times a step: one lookup, no nested property
 
     @property
     def shards_params(self) -> bool:
         """True when model weights live sharded between forward/backward passes."""
-        return self.level == 3
+        return _LEVEL_OF[self] == 3
 
 
 _LEVELS = (
@@ -59,6 +59,7 @@ _LEVELS = (
     ZeroDPStrategy.OPTIM_GRADS,
     ZeroDPStrategy.OPTIM_GRADS_PARAMS,
 )
+_LEVEL_OF = {strategy: level for level, strategy in enumerate(_LEVELS)}
 
 
 def normalize_strategy(value: object, name: str = "zero_dp_strategy") -> ZeroDPStrategy:
