@@ -58,7 +58,9 @@ from mf.models import PRESETS, GPTConfig
 
 __all__ = ["ENGINES", "EngineCost", "config_of", "main", "measure"]
 
-ENGINES = ("plain", "comm-floor", "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
+COMM_FLOOR = "comm-floor"
+"""The cost reference of the module doc: ``plain`` plus a ZeRO-3 step's bare collectives."""
+ENGINES = ("plain", COMM_FLOOR, "ddp", "fsdp2", "mf-zero3", "mf-fsdp2", "mf-zero0")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -121,7 +123,7 @@ def _build(name: str, config: GPTConfig, bf16: bool) -> tuple[nn.Module, torch.o
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    floor = name == "comm-floor"
+    floor = name == COMM_FLOOR
     model, optimizers = build_engine(
         "plain" if floor else name, GPT(config), mesh, 1e-3, "adam", bf16
     )
@@ -178,7 +180,7 @@ def measure(
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=seed)
     batch = (tokens[:, :-1], tokens[:, 1:])
     costs = {name: EngineCost(name) for name in engines}
-    autocast = {name: bf16 and (name in AUTOCAST or name == "comm-floor") for name in engines}
+    autocast = {name: bf16 and (name in AUTOCAST or name == COMM_FLOOR) for name in engines}
     _interleave(built, batch, autocast, costs, warmup, steps)
     for name, (model, opt) in built.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -739,18 +739,17 @@ class MegatronFSDP(nn.Module):
         zeroing then waits until every optimizer of the model asked for it, or at
         the latest until the next backward starts.
         """
-        self._flags.grads_final = False
-        self._flags.zero_releases = self._flags.zero_releases and set_to_none
-        if len(self._optimizers) == 1 and optimizer in self._optimizers:
-            # The usual case, one optimizer: no bookkeeping of who zeroed (a weak set's
-            # iteration and membership are Python loops, a per-step host cost).
-            self.zero_grad_buffer(release=self._flags.zero_releases)
-            return
-        self._zeroed_by.add(optimizer)
-        if all(o in self._zeroed_by for o in self._optimizers):
-            self.zero_grad_buffer(release=self._flags.zero_releases)
-        else:
-            self._flags.zero_pending = True
+        flags = self._flags
+        flags.grads_final = False
+        flags.zero_releases = flags.zero_releases and set_to_none
+        # One optimizer (the usual case) needs no record of who zeroed: a weak set's
+        # iteration and membership tests are Python loops, a per-step host cost.
+        if len(self._optimizers) != 1 or optimizer not in self._optimizers:
+            self._zeroed_by.add(optimizer)
+            if not all(o in self._zeroed_by for o in self._optimizers):
+                flags.zero_pending = True
+                return
+        self.zero_grad_buffer(release=flags.zero_releases)
 
     # ------------------------------------------------------------------ params
     def start_param_sync(
