@@ -12,6 +12,8 @@ with) must never be used with stale weights when that backward never comes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ import mf_fsdp
 from mf.bench.comm_counter import CommCounter
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
+    CONFIG,
     batch,
     full_params,
     make_model,
@@ -29,8 +32,15 @@ from tests.fsdp._helpers import (
 STEPS = 3
 
 
-def _train(strategy: int, optimizer: str, window: int, rank: int):
-    module = make_model()
+def _train(strategy: int, optimizer: str, window: int, rank: int, config=CONFIG, probe=None):
+    """Train STEPS steps; the model, losses, full params and the last step's collectives.
+
+    ``probe(model)`` runs before every block's forward.
+    """
+    module = make_model(config=config)
+    if probe is not None:
+        for block in module.blocks:
+            block.register_forward_pre_hook(lambda *_: probe(model))
     model, opt = mf_fsdp.fully_shard(
         module,
         make_optimizer(optimizer, module.parameters()),
@@ -82,6 +92,30 @@ def _rank_same_bits_fewer_collectives(rank: int, world: int) -> None:
             assert packed_calls == packed_want, (label, packed_calls)
 
 
+def _rank_small_units_gather_in_chunks(rank: int, world: int) -> None:
+    # 8 blocks and a window of 4: sliding one block ahead per block run, the window
+    # would take in one block at a time, a collective each (9 all-gathers a step).
+    config = dataclasses.replace(CONFIG, n_layers=8)
+    model, alone, alone_params, _ = _train(3, "sgd", 0, rank, config)
+    root, block = (group.layout.padded_numel for group in model.groups[:2])
+    window = 4 * block
+    held: list[int] = []
+
+    def probe(model: mf_fsdp.MegatronFSDP) -> None:
+        held.append(sum(g.layout.padded_numel for g in model.groups if not g.released))
+
+    model, chunked, chunked_params, calls = _train(3, "sgd", window, rank, config, probe)
+    assert chunked == alone
+    for name, value in alone_params.items():
+        assert torch.equal(chunked_params[name], value), name
+    # Forward: the root with blocks 0-2, then 3-5 (due at block 1, when half the
+    # window is released), then 6-7 (at block 3); the backward walks back alike.
+    assert calls["all_gather_single"] == 6, calls
+    # Never more than the window ahead: the root, the running block and the window.
+    assert len(model.groups) == 9
+    assert max(held) <= root + block + window, (max(held), window)
+
+
 def _rank_kept_units_never_go_stale(rank: int, world: int) -> None:
     module = make_model()
     model, opt = mf_fsdp.fully_shard(
@@ -112,6 +146,11 @@ def _rank_kept_units_never_go_stale(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_packed_collectives_give_the_same_bits_in_fewer_calls() -> None:
     run_on_ranks(_rank_same_bits_fewer_collectives, 2, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_small_units_gather_in_chunks_of_half_a_window() -> None:
+    run_on_ranks(_rank_small_units_gather_in_chunks, 2, timeout=240)
 
 
 @pytest.mark.multiprocess

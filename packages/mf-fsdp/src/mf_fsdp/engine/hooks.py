@@ -67,6 +67,17 @@ unit's reduction waits in a queue until the next unit's would overflow that
 window (or the backward ends), then the queue is reduced in one collective.
 Units bigger than the window gather one ahead and reduce at once, as without
 it; small ones (whose collectives cost their latency, not their bytes) share.
+The window slides by one unit per unit run, so gathering whatever entered it
+each time would still cost one collective per unit. A prefetch therefore
+waits until the released units in the window make up half of it, or the next
+unit is among them, or the window reaches the end of the order: each gather
+carries at least half a window (but the last), starts about half a window of
+units before it is needed, and nothing beyond the window is gathered (8
+blocks, a window of 4: 6 all-gathers per ZeRO-3 step instead of 9; 2 gloo
+ranks, the tiny preset with 16 blocks: 9 instead of 23, and the step's host
+time 1.27x plain's instead of 1.35x to 1.38x). The decision reads only the
+units' sizes and states, which every rank shares, so every rank issues the
+same collectives.
 
 This module owns only the per-iteration order and states; it does not build
 buckets, decide *whether* to reduce (the engine's ``SyncPolicy`` does),
@@ -656,6 +667,7 @@ class UnitHooks:
     def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
         """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction).
 
+        In chunks of at least half the window (see [Note: communication window]).
         A unit given its own list for that direction (FSDP2's
         ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) prefetches
         exactly those units instead.
@@ -668,7 +680,17 @@ class UnitHooks:
             position = order.index(unit) + step
         except ValueError:
             return
-        self._start_gathers(None, order, position, step)
+        ahead = self._window_of(order, position, step, self._window)
+        released = [u for u in ahead if any(group.released for group in u.groups)]
+        if not released:  # the usual case inside a window: all of it is gathered already
+            return
+        last = order[-1] if step > 0 else order[0]
+        if (
+            released[0] is ahead[0]
+            or ahead[-1] is last
+            or 2 * sum(u.numel for u in released) >= self._window
+        ):
+            self._unshard_coalesced(released)
 
     @staticmethod
     def _window_of(order: list[Unit], position: int, step: int, room: float) -> list[Unit]:
@@ -702,8 +724,12 @@ class UnitHooks:
         if room is None:
             room = self._window - sum(unit.numel for unit in chosen)
         chosen += self._window_of(order, position, step, room)
-        released = [group for unit in chosen for group in unit.groups if group.released]
-        if not released:  # the usual case inside a window: all of it is gathered already
+        self._unshard_coalesced(chosen)
+
+    def _unshard_coalesced(self, units: list[Unit]) -> None:
+        """Start the gathers of ``units``' released buckets, coalesced within the window."""
+        released = [group for unit in units for group in unit.groups if group.released]
+        if not released:
             return
         with collectives.coalescing(self._window):
             for group in released:
