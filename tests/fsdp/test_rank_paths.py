@@ -133,10 +133,10 @@ class SkippingGPTTensorParallel(_Skipping, GPTTensorParallel):
         )
 
 
-def make_skipping(tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+def make_skipping(tp_group: dist.ProcessGroup | None = None, blocks: int = BLOCKS) -> nn.Module:
     """The skipping GPT; with ``tp_group`` split over it, holding the same weights."""
     torch.manual_seed(0)
-    plain = SkippingGPT(dataclasses.replace(CONFIG, n_layers=BLOCKS))
+    plain = SkippingGPT(dataclasses.replace(CONFIG, n_layers=blocks))
     if tp_group is None:
         return plain
     # mf-tp layers allocate fp32: follow the default dtype (fp64 here) before loading.
@@ -145,14 +145,14 @@ def make_skipping(tp_group: dist.ProcessGroup | None = None) -> nn.Module:
     return model
 
 
-def reference(plan: Plan, opt: str, world: int, micro: int = 1):
+def reference(plan: Plan, opt: str, world: int, micro: int = 1, blocks: int = BLOCKS):
     """One process on the global batch, each rank's share skipping what ``plan`` says."""
     return reference_run(
         opt,
         world,
         STEPS,
         micro=micro,
-        make=make_skipping,
+        make=lambda: make_skipping(blocks=blocks),
         call_kwargs=lambda step, rank, m: {"skip": plan.get((step, rank, m), frozenset())},
     )
 
@@ -220,6 +220,7 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
     """Train each run (label, fully_shard kwargs, optimizer, plan, micro) against one process.
 
     A kwargs entry ``recompute=True`` runs the blocks under activation checkpointing;
+    ``blocks=N`` gives the GPT N blocks (``BLOCKS`` by default);
     ``mesh=(shape, names)`` builds the device mesh. With a ``tp_dim`` the model is the
     tensor-parallel GPT on that dim, and the plan's ranks are the ``dp_shard_dim`` ranks
     (both TP ranks of a dp rank compute one batch, so they take one path).
@@ -232,6 +233,7 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
     for label, kwargs, opt_name, plan, micro in runs:
         kwargs = dict(kwargs)
         recompute = kwargs.pop("recompute", False)
+        blocks = kwargs.pop("blocks", BLOCKS)
         data_rank, data_world, tp_group, units = rank, world, None, unit_classes()
         if "mesh" in kwargs:
             mesh = kwargs["device_mesh"] = cpu_mesh(*kwargs.pop("mesh"))
@@ -239,11 +241,11 @@ def _check_runs(rank: int, world: int, runs: list[tuple[str, dict, str, Plan, in
                 data_rank = mesh.get_local_rank(kwargs["dp_shard_dim"])
                 data_world = mesh.size(mesh.mesh_dim_names.index(kwargs["dp_shard_dim"]))
                 tp_group, units = mesh.get_group(kwargs["tp_dim"]), [TensorParallelBlock]
-        key = repr((sorted(plan.items(), key=repr), opt_name, data_world, micro))
+        key = repr((sorted(plan.items(), key=repr), opt_name, data_world, micro, blocks))
         if key not in refs:
-            refs[key] = reference(plan, opt_name, data_world, micro)
+            refs[key] = reference(plan, opt_name, data_world, micro, blocks)
         ref = refs[key]
-        module = make_skipping(tp_group)
+        module = make_skipping(tp_group, blocks)
         model, opt = mf_fsdp.fully_shard(
             module,
             make_optimizer(opt_name, module.parameters()),
@@ -296,6 +298,40 @@ def test_skipped_units_train_exactly_at_world_2() -> None:
     for strategy in (0, 3):  # activation checkpointing: the recomputation reuses the gather
         kwargs = {"zero_dp_strategy": strategy, "recompute": True}
         runs.append((f"recompute z{strategy}", kwargs, "adam", DIFFERENT, 1))
+    run_on_ranks(_check_runs, 2, runs, timeout=240)
+
+
+# 8 blocks, a window of about 4: ZeRO-3 prefetches in chunks of half a window (see
+# [Note: communication window]), deciding from which units are released, which the
+# skipped units' stand-ins keep equal on every rank.
+CHUNKED: Plan = {
+    (1, 0, 0): frozenset({2, 5}),
+    (1, 1, 0): frozenset({3}),
+    (2, 0, 0): frozenset({0, 1, 6, 7}),
+    (2, 1, 0): frozenset({4}),
+    (3, 1, 0): frozenset({"wpe", 5, 6, 7}),
+}
+
+
+@pytest.mark.multiprocess
+def test_skipped_units_prefetched_in_chunks_train_exactly() -> None:
+    block = sum(p.numel() for p in make_skipping(blocks=8).blocks[0].parameters())
+    window = 4 * block + 512  # room for each block's alignment padding
+    runs = [
+        (
+            f"chunked {opt_name}{' recompute' * recompute}",
+            {
+                "zero_dp_strategy": 3,
+                "blocks": 8,
+                "suggested_communication_unit_size": window,
+                "recompute": recompute,
+            },
+            opt_name,
+            CHUNKED,
+            1,
+        )
+        for opt_name, recompute in (("sgd", False), ("adam", False), ("adam", True))
+    ]
     run_on_ranks(_check_runs, 2, runs, timeout=240)
 
 
