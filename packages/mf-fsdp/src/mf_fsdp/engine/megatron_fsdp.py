@@ -56,6 +56,7 @@ from mf_fsdp.config import (
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.backward_step import BackwardStep, StepSome
+from mf_fsdp.engine.discover import check_disjoint_params, check_ranks_agree, classify_params
 from mf_fsdp.engine.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import (
@@ -265,6 +266,16 @@ class MegatronFSDP(nn.Module):
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
         ignored = _check_ignored(module, ignored_params)
+        named = list(_managed_named_params(module, ignored))
+        extension = classify_params(named)
+        check_disjoint_params(named)
+        check_ranks_agree(named, dist_index.get_dp_group() if dist.is_initialized() else None)
+        if extension:
+            first = next(name for name, p in named if id(p) in extension)
+            raise TypeError(
+                f"module: parameter {first!r} implements FSDP2's all-gather extension, which "
+                "mf-fsdp does not gather yet; expected plain or tensor-parallel parameters"
+            )
         index_of = _index_chooser(module, dist_index, ignored)
         validate_tp_params(
             _managed_named_params(module, ignored), index_of, init_model_with_meta_device

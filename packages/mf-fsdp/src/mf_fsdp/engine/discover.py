@@ -1,0 +1,179 @@
+"""Checks on the parameters a model hands the engine, before any of them moves into a bucket.
+
+Every parameter the engine cannot carry correctly is refused here, in one line
+that names it, on every rank: a silent wrong result (the weights a module sees
+no longer being the weights the optimizer steps) is the worst outcome.
+
+- **Tensor classes** (``classify_params``). A parameter's tensor (a DTensor's
+  local tensor for tensor parallelism) is either plain, or a subclass that
+  implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` and
+  ``fsdp_post_all_gather``, see ``buckets/extension.py``): torchao's float8
+  training weights and NF4 tensors. Any other subclass is refused: the engine
+  copies a parameter's values into flat buffers and back, which loses what a
+  subclass keeps beside them (a scale, a quantisation, the data itself).
+- **Shared memory** (``check_disjoint_params``). Two parameter objects whose
+  memory overlaps (views of one tensor) are two names for some of the same
+  numbers; the engine gives each its own buffer, so an update to one would
+  no longer reach the other. Tied weights are one ``Parameter`` object
+  registered twice, which the engine keeps as one.
+- **Ranks that disagree** (``check_ranks_agree``). Every rank of a data-parallel
+  group must hold the same parameters with the same dtypes and shapes: the
+  buckets, and every collective on them, are built from those facts on each
+  rank alone. A rank with another dtype would otherwise send other bytes than
+  its peers expect (gloo aborts the process in C++).
+
+Nothing here builds buckets or moves data; ``check_ranks_agree`` is the one
+collective (one ``all_gather_object`` when the engine is built).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["check_disjoint_params", "check_ranks_agree", "classify_params"]
+
+SUPPORTED = (
+    "plain tensors, DTensors on the tensor-parallel mesh, and tensor subclasses that implement "
+    "FSDP2's all-gather extension (fsdp_pre_all_gather and fsdp_post_all_gather: torchao's "
+    "float8 training weights, NF4)"
+)
+"""What the engine carries, for the errors that refuse anything else."""
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def classify_params(named_params: Iterable[tuple[str, nn.Parameter]]) -> set[int]:
+    """The ``id``s of the parameters gathered through FSDP2's extension; refuse other subclasses.
+
+    Raises:
+        TypeError: naming the first parameter whose tensor is a subclass the engine
+            cannot carry (a lazy module's uninitialised parameter among them), or that
+            defines only one of the two extension hooks, or a DTensor (tensor-parallel)
+            parameter whose local tensor implements the extension (not supported yet).
+    """
+    extension: set[int] = set()
+    for name, param in named_params:
+        local = _local(param)
+        kind = type(local)
+        if isinstance(param, nn.UninitializedParameter):
+            raise TypeError(
+                f"module: parameter {name!r} is an uninitialized parameter of a lazy module; "
+                "expected materialised parameters (run one forward of the plain model, or "
+                "give the module its input sizes, before sharding it)"
+            )
+        pre = callable(getattr(local, "fsdp_pre_all_gather", None))
+        post = callable(getattr(local, "fsdp_post_all_gather", None))
+        if pre != post:
+            which = "fsdp_pre_all_gather" if pre else "fsdp_post_all_gather"
+            raise TypeError(
+                f"module: parameter {name!r} ({kind.__qualname__}) defines {which} only; "
+                "FSDP2's all-gather extension needs both fsdp_pre_all_gather and "
+                "fsdp_post_all_gather"
+            )
+        if pre:
+            if isinstance(param, DTensor):
+                raise TypeError(
+                    f"module: parameter {name!r} is a tensor-parallel DTensor whose local tensor "
+                    f"is a {kind.__qualname__} with FSDP2's all-gather extension; mf-fsdp "
+                    "gathers such subclasses only for parameters without tensor parallelism"
+                )
+            extension.add(id(param))
+        elif kind not in (torch.Tensor, nn.Parameter):
+            raise TypeError(
+                f"module: parameter {name!r} is a {kind.__module__}.{kind.__qualname__}, a "
+                f"tensor subclass without FSDP2's all-gather extension; mf-fsdp carries "
+                f"{SUPPORTED}"
+            )
+    return extension
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[begin, end)`` of ``tensor``'s storage its elements can touch."""
+    pairs = zip(tensor.shape, tensor.stride(), strict=True)
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in pairs)
+    begin = tensor.storage_offset() * tensor.element_size()
+    return begin, begin + span * tensor.element_size()
+
+
+def check_disjoint_params(named_params: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Refuse two parameter objects whose memory overlaps (see the module docstring).
+
+    Parameters that are disjoint pieces of one buffer (a flat parameter buffer) are
+    fine. The check compares the byte ranges each parameter's strides can reach, so
+    two interleaved views that touch no common element (two columns of one matrix)
+    are refused too.
+
+    Raises:
+        ValueError: naming two overlapping parameters.
+    """
+    by_storage: dict[int, list[tuple[int, int, str]]] = {}
+    for name, param in named_params:
+        local = _local(param)
+        if type(local) not in (torch.Tensor, nn.Parameter) or local.is_meta or not local.numel():
+            continue
+        begin, end = _extent(local)
+        by_storage.setdefault(local.untyped_storage().data_ptr(), []).append((begin, end, name))
+    for spans in by_storage.values():
+        spans.sort()
+        for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+            if begin < end:
+                raise ValueError(
+                    f"module: parameters {first!r} and {second!r} share memory (overlapping "
+                    "views of one tensor); mf-fsdp gives every parameter a buffer of its own, "
+                    "so an update to one would no longer reach the other; expected distinct "
+                    "tensors (to tie weights, register one Parameter object under both names)"
+                )
+
+
+def _describe(name: str, param: nn.Parameter) -> str:
+    local = _local(param)
+    kind = type(local).__qualname__
+    return f"{name}: {kind} {local.dtype} {tuple(local.shape)} grad={param.requires_grad}"
+
+
+def check_ranks_agree(
+    named_params: Sequence[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None
+) -> None:
+    """Refuse ranks of ``group`` whose parameters differ in name, class, dtype, shape or grad.
+
+    One ``all_gather_object`` of a digest per rank; only when they differ is the whole
+    list exchanged, to name the first difference. A group of one (or no initialised
+    process group) has nothing to compare.
+
+    Raises:
+        ValueError: on every rank, naming the first parameter the ranks disagree on.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    if dist.get_backend(group) == "fake":  # a simulated rank: no peer holds anything
+        return
+    lines = [_describe(name, param) for name, param in named_params]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    every: list[list[str] | None] = [None] * len(digests)
+    dist.all_gather_object(every, lines, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    listed = [list(lines or []) for lines in every]
+    longest = max(len(lines) for lines in listed)
+    for position in range(longest):
+        seen = [lines[position] if position < len(lines) else "(none)" for lines in listed]
+        if len(set(seen)) > 1:
+            pairs = zip(ranks, seen, strict=True)
+            shown = "; ".join(f"rank {rank} has {line}" for rank, line in pairs)
+            raise ValueError(
+                f"module: the data-parallel ranks disagree on parameter #{position}: {shown}; "
+                "expected every rank to hold the same parameters with the same class, dtype, "
+                "shape and requires_grad (the buckets and their collectives are built from them)"
+            )
