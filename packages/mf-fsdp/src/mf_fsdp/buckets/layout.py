@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_ALIGNMENT",
     "SPLIT_COST_ELEMENTS",
     "BucketLayout",
+    "chunk_layout",
     "compute_bucket_layout",
     "partition_bucket",
     "row_numel",
@@ -263,6 +264,25 @@ def _smallest_shard(
         if packed is not None and packed[1] <= world_size * shard:
             return shard, packed[0]
         shard += multiple
+
+
+def chunk_layout(shape: Sequence[int], world_size: int) -> BucketLayout:
+    """One tensor cut as ``torch.chunk`` cuts dim 0, every piece padded to the first one's rows.
+
+    Rank ``r`` owns rows ``[r * c, min((r + 1) * c, rows))`` with ``c = ceil(rows /
+    world_size)`` (none past the end): the pieces FSDP2 gives a parameter, which a
+    tensor subclass's all-gather extension expects (see ``buckets/extension.py``).
+
+    Raises:
+        ValueError: on a non-positive ``world_size``, a 0-d shape or a negative dim.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    (norm,) = _normalize([shape])
+    if not norm:
+        raise ValueError("shape: a 0-d tensor has no rows to cut; expected at least one dim")
+    rows = -(-norm[0] // world_size)
+    return BucketLayout((norm,), world_size, 1, (0,), rows * row_numel(norm))
 
 
 def partition_bucket(

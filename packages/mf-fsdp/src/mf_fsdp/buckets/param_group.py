@@ -54,6 +54,7 @@ from torch import nn
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.buffer_pool import BufferPool
+from mf_fsdp.buckets.extension import ExtensionWeights, torch_policy
 from mf_fsdp.buckets.grad_state import Gather, GradState, Local, Reduced, check_invariant
 from mf_fsdp.buckets.grad_storage import GradBuffers, grad_buffers_for
 from mf_fsdp.buckets.host import host_zeros
@@ -66,7 +67,7 @@ from mf_fsdp.buckets.tp_params import (
     set_local_data,
     wrap_grad,
 )
-from mf_fsdp.buckets.weight_storage import BucketGeometry, weight_storage_for
+from mf_fsdp.buckets.weight_storage import BucketGeometry, WeightStorage, weight_storage_for
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 
@@ -192,8 +193,10 @@ class ParamGroup:
         late_grads: bool = False,
         mark_unused_params: bool = False,
         offload: bool = False,
+        extension: bool = False,
     ) -> None:
         self.params = params
+        self.extension = extension
         self.offload = offload
         self.late_grads = late_grads
         self.mark_unused_params = mark_unused_params
@@ -315,12 +318,15 @@ class ParamGroup:
 
     def _allocate(self) -> None:
         d, dev = self.dtypes, self.device
-        # Offloaded main weights are no source for the gather: ZeRO-3 keeps a compute shard.
-        cast_main = d.main != d.compute and not self.hybrid and not self.offload
-        storage = weight_storage_for(self.strategy, self.whole_on_every_rank, cast_main)
-        self.weights = storage(
-            self.geometry, d.compute, d.main, dev, self.dist_index, self.name, self.offload
-        )
+        if self.extension:
+            self.weights: WeightStorage = self._extension_weights()
+        else:
+            # Offloaded main weights are no source for the gather: ZeRO-3 keeps a compute shard.
+            cast_main = d.main != d.compute and not self.hybrid and not self.offload
+            storage = weight_storage_for(self.strategy, self.whole_on_every_rank, cast_main)
+            self.weights = storage(
+                self.geometry, d.compute, d.main, dev, self.dist_index, self.name, self.offload
+            )
         self.buffers: GradBuffers | None = None
         self.host_grads: torch.Tensor | None = None
         self._host_grads_current = False  # host_grads hold the store's current values
@@ -328,7 +334,10 @@ class ParamGroup:
             self.host_grads = host_zeros(self.main_layout.shard_size, d.grads, dev)
         if self.requires_grad:
             store_is_local = (
-                self.whole_on_every_rank and self.outer is None and d.grads == d.compute
+                self.whole_on_every_rank
+                and self.outer is None
+                and d.grads == d.compute
+                and not self.extension
             )
             self.buffers = grad_buffers_for(self.strategy, store_is_local)(
                 self.geometry,
@@ -343,6 +352,31 @@ class ParamGroup:
                 self.name,
                 self.mark_unused_params,
             )
+
+    def _extension_weights(self) -> ExtensionWeights:
+        """The subclass shard of this bucket's one parameter and its gather."""
+        index, fp = self.dist_index, self.fsdp_params[0]
+        mesh = index.get_submesh(index.dp_shard_dim) if index.dp_shard_dim else index.device_mesh
+        param_dtype = self.params[0].dtype
+        return ExtensionWeights(
+            self.geometry,
+            fp,
+            index,
+            mesh,
+            fp.slots[0][0],
+            torch_policy(self.dtypes.compute, self.dtypes.comm, param_dtype),
+            self.dtypes.compute,
+            keep=not self.strategy.shards_params,
+            adopt=self._adopt,
+            name=self.name,
+        )
+
+    def _adopt(self, compute: nn.Parameter) -> None:
+        """Make ``compute`` (what the first gather built) the parameter's compute form."""
+        fp = self.fsdp_params[0]
+        fp.compute = compute
+        self.params[0] = compute  # the grad buffers read this very list
+        self._view_cache.clear()
 
     def _grad_buffers(self) -> GradBuffers:
         self._check(self.buffers is not None, "the grad buffers are missing")
@@ -390,6 +424,9 @@ class ParamGroup:
 
     def copy_in(self, index: int, value: torch.Tensor) -> None:
         """Write parameter ``index``'s full value into this rank's buffers (init and load)."""
+        if isinstance(self.weights, ExtensionWeights):
+            self.weights.set_value(value)
+            return
         start, _, _ = self._slices[index]
         self.weights.copy_in(index, start, local_value(value).reshape(-1))
 
@@ -436,8 +473,13 @@ class ParamGroup:
         """Make every parameter's ``.data`` a view of the whole-bucket weights (once).
 
         A released bucket gets its bytes for the views; the caller releases them
-        again with ``reshard()``.
+        again with ``reshard()``. An extension bucket is gathered instead: that
+        builds its compute form (see [Note: the all-gather extension]).
         """
+        if self.extension:
+            self.weights.unshard(async_op=False)
+            self.weights.wait_unshard()
+            return
         self.weights.hold_full_bytes()
         for p, v in zip(self.params, self._views(self.weights.full), strict=True):
             set_local_data(p, v)
@@ -796,7 +838,7 @@ class ParamGroup:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        params = nbytes(self.weights.kept())
+        params = self.weights.kept_bytes()
         main = nbytes(self.weights.main) if self.main_is_separate else 0
         grads = 0 if self.buffers is None else self.buffers.held_bytes()
         grads += nbytes(self._folded)

@@ -11,7 +11,9 @@ are split by (dtype, requires_grad, expert or not) into buckets, keeping
 model order (expert parameters, marked with mf_utils'
 ``set_expert_parallel_attribute``, live on another process group); at a
 given world size ``lay_out`` may split a bucket further by row size (see
-``mf_fsdp.buckets.layout.partition_bucket``).
+``mf_fsdp.buckets.layout.partition_bucket``). A parameter that implements
+FSDP2's all-gather extension is a bucket of its own, cut as FSDP2 cuts it
+(``chunk_layout``, see ``buckets/extension.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout, partition_bucket
+from mf_fsdp.buckets.extension import has_extension
+from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout, chunk_layout, partition_bucket
 from mf_fsdp.buckets.tp_params import local_shape
 from mf_utils import is_expert_parallel_parameter
 
@@ -48,6 +51,8 @@ class BucketSpec:
             expert-data-parallel group).
         members: every module of the unit when it is a group of modules (``unit`` is
             the first of them); empty for a unit of one module and for the root.
+        extension: the one parameter implements FSDP2's all-gather extension (laid out
+            by ``chunk_layout``, gathered through its hooks).
     """
 
     unit: nn.Module | None
@@ -56,6 +61,7 @@ class BucketSpec:
     names: tuple[str, ...]
     expert: bool = False
     members: tuple[nn.Module, ...] = ()
+    extension: bool = False
 
 
 def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
@@ -222,13 +228,17 @@ def _split(
     members: tuple[nn.Module, ...] = (),
 ) -> list[BucketSpec]:
     by_key: dict[tuple[object, bool, bool], list[nn.Parameter]] = {}
+    specs = []
     for param in params:
+        if has_extension(param):
+            specs.append(BucketSpec(unit, qual, (param,), (names[param],), False, members, True))
+            continue
         key = (param.dtype, param.requires_grad, is_expert_parallel_parameter(param))
         by_key.setdefault(key, []).append(param)
     return [
         BucketSpec(unit, qual, tuple(group), tuple(names[p] for p in group), expert, members)
         for (_, _, expert), group in by_key.items()
-    ]
+    ] + specs
 
 
 def lay_out(
@@ -239,6 +249,8 @@ def lay_out(
     Usually one; several when row sizes whose LCM would cost too much padding are
     better apart (``partition_bucket``). Shapes are the tp-local ones.
     """
+    if spec.extension:
+        return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
     parts = partition_bucket([local_shape(p) for p in spec.params], world_size, alignment)
     return [
         (

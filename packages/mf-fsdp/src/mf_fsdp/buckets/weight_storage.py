@@ -184,6 +184,11 @@ class WeightStorage:
         """The compute weights this rank keeps between passes (None: only the main ones)."""
         return self.full
 
+    def kept_bytes(self) -> int:
+        """Bytes of what ``kept`` returns."""
+        kept = self.kept()
+        return 0 if kept is None else kept.numel() * kept.element_size()
+
     def install(self, async_op: bool) -> collectives.Handle | None:
         """Write the stepped main weights into the compute weights (see the module table)."""
         raise NotImplementedError

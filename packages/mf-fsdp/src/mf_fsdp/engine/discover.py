@@ -37,7 +37,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["check_disjoint_params", "check_ranks_agree", "classify_params"]
+from mf_fsdp.buckets.param_group import GroupDtypes
+from mf_fsdp.config import DistributedDataParallelConfig, MixedPrecisionPolicy, ZeroDPStrategy
+from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_utils import is_expert_parallel_parameter
+
+__all__ = [
+    "check_disjoint_params",
+    "check_extension_params",
+    "check_ranks_agree",
+    "classify_params",
+    "extension_dtypes",
+]
 
 SUPPORTED = (
     "plain tensors, DTensors on the tensor-parallel mesh, and tensor subclasses that implement "
@@ -94,6 +105,77 @@ def classify_params(named_params: Iterable[tuple[str, nn.Parameter]]) -> set[int
                 f"{SUPPORTED}"
             )
     return extension
+
+
+def check_extension_params(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    extension: set[int],
+    strategy: ZeroDPStrategy,
+    ddp_config: DistributedDataParallelConfig,
+    dist_index: FSDPDistributedIndex,
+) -> None:
+    """Refuse what the engine does not gather through the extension (``buckets/extension.py``).
+
+    Supported: ZeRO-2 and ZeRO-3, plain data parallelism or HSDP that replicates
+    across ``dp_outer``, dense (non-expert) parameters with real values.
+
+    Raises:
+        ValueError: naming the first extension parameter and the setting that excludes it.
+    """
+    if not extension:
+        return
+    first = next(name for name, p in named_params if id(p) in extension)
+    param = next(p for p in named_params if id(p[1]) in extension)[1]
+    refusal = None
+    if strategy.level < 2:
+        refusal = (
+            f"zero_dp_strategy={strategy.value!r}: expected 2 or 3 (the extension shards the "
+            "parameter and reduce-scatters its gradient, as FSDP2 does)"
+        )
+    elif ddp_config.offload_optimizer_state:
+        refusal = "offload_optimizer_state=True: expected False (the shard stays on the device)"
+    elif dist_index.hsdp_outer_dp_shard:
+        refusal = (
+            "hybrid-sharded HSDP (outer_dp_sharding_strategy=1): expected HSDP that replicates "
+            "across dp_outer, or none"
+        )
+    elif any(is_expert_parallel_parameter(p) for _, p in named_params if id(p) in extension):
+        refusal = "an expert parameter: expected dense parameters"
+    elif any(p.is_meta for _, p in named_params if id(p) in extension):
+        refusal = (
+            "the meta device: expected real values (build the subclass weights on a device, "
+            "then shard)"
+        )
+    if refusal is not None:
+        raise ValueError(
+            f"module: parameter {first!r} ({type(param).__qualname__}) implements FSDP2's "
+            f"all-gather extension, which mf-fsdp gathers only for some settings; got {refusal}"
+        )
+
+
+def extension_dtypes(name: str, param: nn.Parameter, policy: MixedPrecisionPolicy) -> GroupDtypes:
+    """The dtypes of an extension parameter's bucket.
+
+    Its shard is stepped in its own dtype, as FSDP2 steps the sharded subclass:
+    main weights and grads are the parameter's dtype; the compute dtype (what
+    ``fsdp_post_all_gather`` is given) and the reduction's follow the policy.
+
+    Raises:
+        ValueError: for a trainable parameter whose dtype is not the policy's
+            ``main_params_dtype``.
+    """
+    main = param.dtype
+    wanted = policy.main_params_dtype
+    if param.requires_grad and wanted is not None and wanted != main:
+        raise ValueError(
+            f"mixed_precision_policy: main_params_dtype={wanted} but parameter {name!r} "
+            f"({type(param).__qualname__}, {main}) implements FSDP2's all-gather extension, "
+            "whose shard the optimizer steps in its own dtype; expected main_params_dtype="
+            f"{main} or None (or the subclass built in {wanted})"
+        )
+    compute = policy.param_dtype or main
+    comm = policy.grad_comm_dtype or policy.main_grads_dtype or main
+    return GroupDtypes(compute, main, main, comm)
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from mf_dtensor import UnevenDTensor, uneven_local_piece
+from mf_fsdp.buckets.extension import in_layout_of
 
 if TYPE_CHECKING:
     from mf_fsdp.buckets.param import FSDPParam
@@ -46,6 +47,8 @@ __all__ = ["register_load_hooks"]
 def _in_engine_layout(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (the parameter's global shape, any layout) laid out like ``target``."""
     with torch.no_grad():
+        if isinstance(target, DTensor) and not isinstance(target, UnevenDTensor):
+            return in_layout_of(value, target)  # an extension parameter's torch.chunk pieces
         if not isinstance(target, UnevenDTensor):
             return value.full_tensor() if isinstance(value, DTensor) else value
         if isinstance(value, UnevenDTensor) and value.pieces == target.pieces:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.extension import ExtensionError
 from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
@@ -56,7 +57,13 @@ from mf_fsdp.config import (
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.backward_step import BackwardStep, StepSome
-from mf_fsdp.engine.discover import check_disjoint_params, check_ranks_agree, classify_params
+from mf_fsdp.engine.discover import (
+    check_disjoint_params,
+    check_extension_params,
+    check_ranks_agree,
+    classify_params,
+    extension_dtypes,
+)
 from mf_fsdp.engine.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import (
@@ -64,7 +71,7 @@ from mf_fsdp.engine.meta_init import (
     describe_meta_init,
     materialize_meta_params,
 )
-from mf_fsdp.engine.rank_paths import translated
+from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
 from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
@@ -270,12 +277,7 @@ class MegatronFSDP(nn.Module):
         extension = classify_params(named)
         check_disjoint_params(named)
         check_ranks_agree(named, dist_index.get_dp_group() if dist.is_initialized() else None)
-        if extension:
-            first = next(name for name, p in named if id(p) in extension)
-            raise TypeError(
-                f"module: parameter {first!r} implements FSDP2's all-gather extension, which "
-                "mf-fsdp does not gather yet; expected plain or tensor-parallel parameters"
-            )
+        check_extension_params(named, extension, self.strategy, self.ddp_config, dist_index)
         index_of = _index_chooser(module, dist_index, ignored)
         validate_tp_params(
             _managed_named_params(module, ignored), index_of, init_model_with_meta_device
@@ -417,6 +419,8 @@ class MegatronFSDP(nn.Module):
         """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
         policy = self._unit_policies.get(id(spec.unit), self.mixed_precision_policy)
         dtypes = GroupDtypes(*policy.resolve(spec.params[0].dtype))
+        if spec.extension:
+            dtypes = extension_dtypes(spec.names[0], spec.params[0], policy)
         if self.strategy.level > 0 and dtypes.grads != dtypes.main:
             raise ValueError(
                 f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
@@ -435,9 +439,10 @@ class MegatronFSDP(nn.Module):
             self.device,
             self._pool,
             reduce_spec,
-            late_grads=spec.unit is None and self.strategy.shards_grads,
+            late_grads=spec.extension or (spec.unit is None and self.strategy.shards_grads),
             mark_unused_params=self.ddp_config.find_unused_parameters,
             offload=self.ddp_config.offload_optimizer_state,
+            extension=spec.extension,
         )
 
     def _fill(self, unit: Unit, meta_init: bool) -> None:
@@ -456,7 +461,10 @@ class MegatronFSDP(nn.Module):
             for index, param in enumerate(group.params):
                 if id(param) not in awaiting:
                     group.copy_in(index, param)
-            group.point_params_at_buffer()
+            try:
+                group.point_params_at_buffer()
+            except ExtensionError as error:  # the peers may wait in a collective of its hooks
+                stop_every_rank(default_store(), str(error))
             group.reshard()
 
     # ------------------------------------------------------------------ forward / backward

@@ -35,6 +35,8 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
+from mf_fsdp.buckets.extension import ExtensionError
+
 __all__ = ["UnitOrderError", "default_store", "stop_every_rank", "translated"]
 
 _KEY = "mf_fsdp/unit_order_error"
@@ -122,6 +124,8 @@ def translated(store_of: Callable[[Any], dist.Store | None]) -> Callable[[F], F]
                 return method(self, *args, **kwargs)
             except UnitOrderError:
                 raise
+            except ExtensionError as error:  # found on this rank alone: stop the others too
+                stop_every_rank(store_of(self), str(error))
             except RuntimeError as error:
                 message = _posted(store_of(self), error)
                 if message is None:

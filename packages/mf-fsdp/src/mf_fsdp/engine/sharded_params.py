@@ -9,7 +9,11 @@ For each managed parameter (see [Note: parameter forms] in ``buckets/param.py``)
   ``dp_tp_mesh()``, for a TP parameter), and a gradient of the same kind over
   the reduced grad store;
 - ZeRO-0 without TP: the compute parameter itself, or a plain full-shaped
-  view of the main weights when they are a separate (mixed-precision) buffer.
+  view of the main weights when they are a separate (mixed-precision) buffer;
+- a parameter that implements FSDP2's all-gather extension: a DTensor of
+  ``torch.chunk`` pieces whose local tensor is the subclass shard itself, as
+  FSDP2 builds it (see [Note: the all-gather extension] in
+  ``buckets/extension.py``).
 
 Placements say which mesh dims split the parameter: ``Shard(0)`` on
 ``dp_shard`` (and on ``dp_outer`` when hybrid-sharded), ``Replicate()`` on
@@ -25,14 +29,16 @@ communicated here.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor import UnevenDTensor
+from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.param import FSDPParam, ParamPieces
 from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import ZeroDPStrategy
@@ -99,27 +105,54 @@ def build_sharded_params(
                 fp.sharded = fp.compute  # the model's own parameter; its bucket attaches grads
                 continue
             setattr(fp.compute, MANAGED_ATTR, True)
-            values = group.main_view(fp, group.weights.main)
             grad = group.main_view(fp, group.optimizer_grads) if group.requires_grad else None
-            if strategy.level > 0 or fp.tp is not None:
-                mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
-                placements, pieces = _placements_and_pieces(
-                    group, fp, tuple(mesh.shape), dp_placements, member_dims
-                )
-                shape = fp.global_shape
-                values = UnevenDTensor.from_local(
-                    values, mesh, placements, shape=shape, pieces=pieces
-                )
-                if grad is not None:
-                    grad = UnevenDTensor.from_local(
-                        grad, mesh, placements, shape=shape, pieces=pieces
+            if isinstance(group.weights, ExtensionWeights):
+                values, grad = _chunked(group.weights, fp, index.dp_mesh(), dp_placements, grad)
+            else:
+                values = group.main_view(fp, group.weights.main)
+                if strategy.level > 0 or fp.tp is not None:
+                    mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
+                    placements, pieces = _placements_and_pieces(
+                        group, fp, tuple(mesh.shape), dp_placements, member_dims
                     )
+                    shape = fp.global_shape
+                    values = UnevenDTensor.from_local(
+                        values, mesh, placements, shape=shape, pieces=pieces
+                    )
+                    if grad is not None:
+                        grad = UnevenDTensor.from_local(
+                            grad, mesh, placements, shape=shape, pieces=pieces
+                        )
             fp.sharded = nn.Parameter(values, requires_grad=fp.compute.requires_grad)
             fp.grad = grad
             setattr(fp.sharded, OWNER_ATTR, owner_ref)
             if is_expert_parallel_parameter(fp.compute):
                 set_expert_parallel_attribute(fp.sharded)
                 setattr(fp.sharded, SPREAD_ATTR, index.expert_parallel_groups)
+
+
+def _chunked(
+    weights: ExtensionWeights,
+    fp: FSDPParam,
+    mesh: DeviceMesh,
+    placements: list[Placement],
+    grad: torch.Tensor | None,
+) -> tuple[DTensor, DTensor | None]:
+    """An extension parameter's sharded form and grad: DTensors of ``torch.chunk`` pieces.
+
+    The local tensor is the subclass shard itself (FSDP2's form, which torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` recognises); the grad's is a view
+    of the bucket's grad store.
+    """
+    shape = fp.global_shape
+    stride = torch.empty(shape, device="meta").stride()
+
+    def form(local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+    return form(cast(torch.Tensor, weights.local)), None if grad is None else form(grad)
 
 
 def _placements_and_pieces(

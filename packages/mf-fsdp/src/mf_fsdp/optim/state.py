@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mf_dtensor import UnevenDTensor, uneven_local_piece
+from mf_fsdp.buckets.extension import in_layout_of
 from mf_fsdp.optim.shape_aware import init_served_state
 
 __all__ = [
@@ -191,6 +192,8 @@ def _in_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return UnevenDTensor.from_local(
             local, like.device_mesh, like.placements, shape=like.shape, pieces=like.pieces
         )
+    if isinstance(like, DTensor):  # an extension parameter's torch.chunk pieces
+        return in_layout_of(value, like)
     if isinstance(value, DTensor):
         return value.full_tensor().to(like.device)
     return value
