@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
-from mf_fsdp.buckets.extension import ExtensionError
 from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
@@ -71,7 +70,7 @@ from mf_fsdp.engine.meta_init import (
     describe_meta_init,
     materialize_meta_params,
 )
-from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
+from mf_fsdp.engine.rank_paths import default_store, translated
 from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params, owner_of
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
@@ -461,11 +460,20 @@ class MegatronFSDP(nn.Module):
             for index, param in enumerate(group.params):
                 if id(param) not in awaiting:
                     group.copy_in(index, param)
-            try:
+            if group.extension:
+                self._first_gather(group)
+            else:
                 group.point_params_at_buffer()
-            except ExtensionError as error:  # the peers may wait in a collective of its hooks
-                stop_every_rank(default_store(), str(error))
             group.reshard()
+
+    @translated(lambda self: default_store())
+    def _first_gather(self, group: ParamGroup) -> None:
+        """Gather an extension bucket once: that builds its compute form (``buckets/extension``).
+
+        A hook that fails on one rank stops every rank (the peers may be waiting in
+        a collective the hooks started, or in the gather).
+        """
+        group.point_params_at_buffer()
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
