@@ -35,8 +35,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
@@ -286,6 +292,57 @@ def test_float8_checkpoints_move_between_mf_and_fsdp2(tmp_path) -> None:
     run_on_ranks(_rank_float8_checkpoints, 2, str(tmp_path))
 
 
+def _rank_float8_mf_checkpoint(rank: int, world: int, root: str) -> None:
+    """mf's own checkpoints, with an optimizer built before wrapping (rebound by fully_shard)."""
+
+    def wrapped() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _float8_model(True)
+        optimizer = _optimizer("adamw", model.parameters())
+        return mf_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Float8Linear])
+
+    model, opt = wrapped()
+    _steps(model, opt, rank, 0, 2)
+    path = mf_fsdp.save_checkpoint(root, model, opt, step=2)
+    expected = _steps(model, opt, rank, 2, 2)
+    resumed, resumed_opt = wrapped()
+    mf_fsdp.load_checkpoint(path, resumed, resumed_opt)
+    assert _steps(resumed, resumed_opt, rank, 2, 2) == expected  # exact resume
+
+
+@needs_float8
+@pytest.mark.multiprocess
+def test_float8_mf_checkpoint_resumes_exactly(tmp_path) -> None:
+    run_on_ranks(_rank_float8_mf_checkpoint, 2, str(tmp_path))
+
+
+def _meta_float8(engine: str, world: int, values: dict[str, torch.Tensor]) -> nn.Module:
+    """FSDP2's (and torchtitan's) flow: build and shard on the meta device, then initialise."""
+    with torch.device("meta"):
+        model = _float8_model(engine != "torch")
+    model = _shard_float8(engine, model, world)
+    model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, dict(values), options=options)  # DSD writes into the dict
+    return model
+
+
+def _rank_float8_meta_flow(rank: int, world: int) -> None:
+    values = {name: v for name, v in _full_values(_float8_model(False)).items()}
+    results = {}
+    for engine in ("torch", "mf-fsdp2", "mf"):
+        model = _meta_float8(engine, world, values)
+        opt = _optimizer("adamw", model.parameters())
+        results[engine] = [_steps(model, opt, rank, step, 1) for step in range(3)]
+    assert results["mf-fsdp2"] == pytest.approx(results["torch"], rel=TOL["rtol"])
+    assert results["mf"] == pytest.approx(results["torch"], rel=TOL["rtol"])
+
+
+@needs_float8
+@pytest.mark.multiprocess
+def test_float8_built_on_the_meta_device_equals_fsdp2() -> None:
+    run_on_ranks(_rank_float8_meta_flow, 2)
+
+
 # ---------------------------------------------------------------------- NF4 QLoRA
 def _nf4() -> Any:
     try:
@@ -381,10 +438,14 @@ def _two_tensor_post(
     self: TwoTensor, outputs: tuple[torch.Tensor, ...], metadata: Any, dtype: Any, *, out=None
 ) -> Any:
     a, b = outputs
-    if out is not None:  # refilled in place: the gathered tensors are its own
+    if out is None:
+        return TwoTensor(a, b).to(dtype), (a, b)
+    if a.dtype == dtype:  # refilled in place: the gathered tensors are its own
         assert a.untyped_storage().data_ptr() == out.a.untyped_storage().data_ptr()
-        return None
-    return TwoTensor(a, b).to(dtype), (a, b)
+    else:  # cast into the parameter made by the first gather
+        out.a.copy_(a)
+        out.b.copy_(b)
+    return None
 
 
 @contextlib.contextmanager
@@ -450,6 +511,41 @@ def _rank_two_tensor(rank: int, world: int, version: int, reshard: bool) -> None
 @pytest.mark.parametrize(("version", "reshard"), [(1, True), (2, True), (2, False)])
 def test_two_tensor_extension_trains_as_one_process(version: int, reshard: bool) -> None:
     run_on_ranks(_rank_two_tensor, 2, version, reshard)
+
+
+def _rank_two_tensor_meta_bf16(rank: int, world: int) -> None:
+    """torch's end-to-end case: built on the meta device, bf16 compute, then initialised."""
+    with _two_tensor_extension(2):
+        values = {n: v.detach().clone() for n, v in _two_tensor_model().state_dict().items()}
+        results = {}
+        for engine in ("torch", "mf"):
+            with torch.device("meta"):
+                model = _two_tensor_model()
+            shard = torch_fully_shard if engine == "torch" else fsdp2.fully_shard
+            mesh = init_device_mesh("cpu", (world,))
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            for mlp in model:
+                shard(mlp, mesh=mesh, mp_policy=policy)
+            shard(model, mesh=mesh, mp_policy=policy)
+            model.to_empty(device="cpu")
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, dict(values), options=options)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+            losses = []
+            for _ in range(3):
+                loss = model(x).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(_mean_over_ranks(_plain(loss).float(), world))
+            results[engine] = losses
+        assert results["mf"] == pytest.approx(results["torch"], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_two_tensor_built_on_the_meta_device_in_bf16_equals_fsdp2() -> None:
+    run_on_ranks(_rank_two_tensor_meta_bf16, 2)
 
 
 class _Bf16Gathered(torch.Tensor):

@@ -240,6 +240,33 @@ class ExtensionWeights(WeightStorage):
         self.padded = padded
         self.local = padded.narrow(0, 0, rows)
 
+    def materialize(self, device: torch.device) -> None:
+        """Give a shard cut on the meta device storage on ``device`` (FSDP2's ``to_empty``).
+
+        The sharded form keeps its object (optimizers and the module hold it); its
+        local tensor becomes the new shard's rows, which the model's init then writes.
+        """
+        padded = cast(torch.Tensor, self.padded)
+        if not padded.is_meta:
+            return
+        self.padded = padded = torch.empty_like(padded, device=device)
+        self.local = local = padded.narrow(0, 0, cast(torch.Tensor, self.local).shape[0])
+        sharded = self._fp.sharded
+        if isinstance(sharded, DTensor):
+            form = DTensor.from_local(
+                local,
+                sharded.device_mesh,
+                sharded.placements,
+                run_check=False,
+                shape=sharded.shape,
+                stride=sharded.stride(),
+            )
+            fresh = nn.Parameter(form, requires_grad=sharded.requires_grad)
+            for key, value in vars(sharded).items():  # the engine's marks
+                if key not in vars(fresh):
+                    setattr(fresh, key, value)
+            torch.utils.swap_tensors(sharded, fresh)
+
     def owned_view(self, fp: FSDPParam, buffer: torch.Tensor) -> torch.Tensor:
         """``fp``'s rows of the grad store (the piece's rows, padding excluded)."""
         return self.geometry.owned_rows_view(fp, buffer)

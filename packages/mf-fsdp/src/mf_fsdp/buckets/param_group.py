@@ -45,6 +45,7 @@ handed to the optimizer (see [Note: optimizer state on the host] in
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import cast
 
@@ -197,6 +198,7 @@ class ParamGroup:
     ) -> None:
         self.params = params
         self.extension = extension
+        self.replaced: weakref.ref[nn.Parameter] | None = None  # see _adopt
         self.offload = offload
         self.late_grads = late_grads
         self.mark_unused_params = mark_unused_params
@@ -372,8 +374,13 @@ class ParamGroup:
         )
 
     def _adopt(self, compute: nn.Parameter) -> None:
-        """Make ``compute`` (what the first gather built) the parameter's compute form."""
+        """Make ``compute`` (what the first gather built) the parameter's compute form.
+
+        The parameter it replaces is remembered weakly (``replaced``): an optimizer
+        built on the model before wrapping holds it, and is rebound through it.
+        """
         fp = self.fsdp_params[0]
+        self.replaced = weakref.ref(fp.compute)
         fp.compute = compute
         self.params[0] = compute  # the grad buffers read this very list
         self._view_cache.clear()

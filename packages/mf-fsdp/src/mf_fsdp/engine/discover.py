@@ -113,11 +113,14 @@ def check_extension_params(
     strategy: ZeroDPStrategy,
     ddp_config: DistributedDataParallelConfig,
     dist_index: FSDPDistributedIndex,
+    meta_init: bool = False,
 ) -> None:
     """Refuse what the engine does not gather through the extension (``buckets/extension.py``).
 
     Supported: ZeRO-2 and ZeRO-3, plain data parallelism or HSDP that replicates
-    across ``dp_outer``, dense (non-expert) parameters with real values.
+    across ``dp_outer``, dense (non-expert) parameters, with real values or on the
+    meta device in FSDP2's flow (``to_empty()``, then the model's init), not with
+    ``init_model_with_meta_device`` (it rebuilds parameters as plain tensors).
 
     Raises:
         ValueError: naming the first extension parameter and the setting that excludes it.
@@ -141,10 +144,10 @@ def check_extension_params(
         )
     elif any(is_expert_parallel_parameter(p) for _, p in named_params if id(p) in extension):
         refusal = "an expert parameter: expected dense parameters"
-    elif any(p.is_meta for _, p in named_params if id(p) in extension):
+    elif meta_init and any(p.is_meta for _, p in named_params if id(p) in extension):
         refusal = (
-            "the meta device: expected real values (build the subclass weights on a device, "
-            "then shard)"
+            "init_model_with_meta_device=True on the meta device: expected real values, or "
+            "FSDP2's flow (wrap without it, then model.to_empty(device=...) and the init)"
         )
     if refusal is not None:
         raise ValueError(

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
@@ -71,7 +72,12 @@ from mf_fsdp.engine.meta_init import (
     materialize_meta_params,
 )
 from mf_fsdp.engine.rank_paths import default_store, translated
-from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params, owner_of
+from mf_fsdp.engine.sharded_params import (
+    MANAGED_ATTR,
+    OWNER_ATTR,
+    build_sharded_params,
+    owner_of,
+)
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_utils import get_group_device, is_expert_parallel_parameter
@@ -276,7 +282,10 @@ class MegatronFSDP(nn.Module):
         extension = classify_params(named)
         check_disjoint_params(named)
         check_ranks_agree(named, dist_index.get_dp_group() if dist.is_initialized() else None)
-        check_extension_params(named, extension, self.strategy, self.ddp_config, dist_index)
+        meta_init = init_model_with_meta_device
+        check_extension_params(
+            named, extension, self.strategy, self.ddp_config, dist_index, meta_init
+        )
         index_of = _index_chooser(module, dist_index, ignored)
         validate_tp_params(
             _managed_named_params(module, ignored), index_of, init_model_with_meta_device
@@ -297,16 +306,7 @@ class MegatronFSDP(nn.Module):
         build_sharded_params(self, self.groups, self.strategy)
         self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
-        self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
-        # Every registration of a parameter with two forms (ZeRO-0 without TP has one
-        # object for both, which never swaps): a swap is one store per slot, 4 x the
-        # parameters every step, so it must not cost more.
-        self._form_slots: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = [
-            (module._parameters, attr, fp.compute, fp.sharded)
-            for fp in self.fsdp_params
-            if fp.sharded is not fp.compute
-            for module, attr in fp.slots
-        ]
+        self._build_forms()
         self._register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
@@ -332,6 +332,44 @@ class MegatronFSDP(nn.Module):
         register_load_hooks(self)
 
     # ------------------------------------------------------------------ construction
+    def _build_forms(self) -> None:
+        """Index the parameters' forms: by compute form, and every slot holding two forms.
+
+        Built again when an extension parameter's compute form is made late (a model
+        wrapped on the meta device, see ``_gather_new_extensions``).
+        """
+        self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
+        # Extension parameters' compute forms replaced the originals (see ParamGroup._adopt).
+        self._replaced = {
+            id(original): (group.replaced, group.fsdp_params[0])
+            for group in self.groups
+            if group.replaced is not None and (original := group.replaced()) is not None
+        }
+        # Every registration of a parameter with two forms (ZeRO-0 without TP has one
+        # object for both, which never swaps): a swap is one store per slot, 4 x the
+        # parameters every step, so it must not cost more.
+        self._form_slots: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = [
+            (module._parameters, attr, fp.compute, fp.sharded)
+            for fp in self.fsdp_params
+            if fp.sharded is not fp.compute
+            for module, attr in fp.slots
+        ]
+
+    def _gather_new_extensions(self) -> None:
+        """Gather the extension buckets wrapped on the meta device once: that makes their forms.
+
+        Runs at the first forward after ``to_empty`` and the model's init (every rank).
+        """
+        fresh = [g for g in self.groups if g.extension and g.replaced is None]
+        for group in fresh:
+            self._first_gather(group)
+            group.reshard()
+            fp = group.fsdp_params[0]
+            setattr(fp.compute, OWNER_ATTR, weakref.ref(self))
+            setattr(fp.compute, MANAGED_ATTR, True)
+        if fresh:
+            self._build_forms()
+
     def _build_units(
         self,
         specs: list[BucketSpec],
@@ -454,14 +492,16 @@ class MegatronFSDP(nn.Module):
                 materialize_meta_params(self.module, root, params, self.device)
             else:  # FSDP2's flow: the values come from the model's init after to_empty()
                 awaiting = {id(p) for p in params if p.is_meta}
-                allocate_meta_params(params, self.device)
+                extensions = {id(g.params[0]) for g in unit.groups if g.extension}
+                allocate_meta_params([p for p in params if id(p) not in extensions], self.device)
                 self._awaiting_to_empty = True
         for group in unit.groups:
             for index, param in enumerate(group.params):
-                if id(param) not in awaiting:
-                    group.copy_in(index, param)
+                if id(param) not in awaiting or group.extension:  # a meta shard, materialised
+                    group.copy_in(index, param)  # by to_empty()
             if group.extension:
-                self._first_gather(group)
+                if id(group.params[0]) not in awaiting:
+                    self._first_gather(group)
             else:
                 group.point_params_at_buffer()
             group.reshard()
@@ -494,6 +534,7 @@ class MegatronFSDP(nn.Module):
             )
         if self._install_pending:  # the model's init wrote the sharded forms
             self._install_pending = False
+            self._gather_new_extensions()
             self.install_optimized_model_weights()
         self._pool.release_large()
         self._register_compute()
@@ -846,6 +887,9 @@ class MegatronFSDP(nn.Module):
         fp = self._by_compute.get(id(param))
         if fp is not None:
             return fp.sharded
+        ref, fp = self._replaced.get(id(param), (None, None))
+        if ref is not None and ref() is param and fp is not None:
+            return fp.sharded
         if owner_of(param) is self:
             return param
         raise ValueError(
@@ -898,6 +942,9 @@ class MegatronFSDP(nn.Module):
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_meta:
                     module._buffers[name] = torch.empty_like(buffer, device=self.device)
+        for group in self.groups:
+            if isinstance(group.weights, ExtensionWeights):
+                group.weights.materialize(self.device)
         self._awaiting_to_empty = False
         self._install_pending = True
         return self
