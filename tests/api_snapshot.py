@@ -15,6 +15,7 @@ change is never recorded without both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import re
@@ -35,12 +36,36 @@ def package_version(package: Path) -> str:
     return tomllib.loads((package / "pyproject.toml").read_text())["project"]["version"]
 
 
+class _ForeignDefault:
+    """Stands for a default value of a dataclass from outside mf, by its class alone."""
+
+    def __init__(self, value: object) -> None:
+        self._text = f"{type(value).__module__}.{type(value).__qualname__}(...)"
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _is_foreign_dataclass(value: object) -> bool:
+    module = type(value).__module__.split(".")[0]
+    return dataclasses.is_dataclass(value) and module not in ("mf", *_MEMBER_MODULES)
+
+
 def _signature(obj: object) -> str:
+    """The signature as text; a foreign dataclass default by its class alone.
+
+    torch's ``MixedPrecisionPolicy()`` shows a field more on torch 2.15 than on 2.11:
+    mf promises the default, not torch's fields.
+    """
     try:
-        text = str(inspect.signature(obj))  # type: ignore[arg-type]
+        signature = inspect.signature(obj)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return "(...)"
-    return _ADDRESS.sub("", text)
+    parameters = [
+        p.replace(default=_ForeignDefault(p.default)) if _is_foreign_dataclass(p.default) else p
+        for p in signature.parameters.values()
+    ]
+    return _ADDRESS.sub("", str(signature.replace(parameters=parameters)))
 
 
 def _constructor(cls: type) -> str:
@@ -70,19 +95,28 @@ def _class_lines(name: str, cls: type) -> list[str]:
 
 
 def api_lines(import_name: str) -> list[str]:
-    """One line per public name (and per public member of a public class), sorted."""
-    module = importlib.import_module(import_name)
+    """One line per public name (and per public member of a public class), sorted.
+
+    A public sub-module (``mf_fsdp.fsdp2``) is followed by its own public names,
+    indented and prefixed with its name (``  def fsdp2.fully_shard(...)``).
+    """
+    return _module_lines(importlib.import_module(import_name), "")
+
+
+def _module_lines(module: object, prefix: str) -> list[str]:
     lines: list[str] = []
     for name in sorted(module.__all__):
         obj = getattr(module, name)
+        qualified = prefix + name
         if inspect.isclass(obj):
-            lines.extend(_class_lines(name, obj))
+            lines.extend(_class_lines(qualified, obj))
         elif callable(obj):
-            lines.append(f"def {name}{_signature(obj)}")
+            lines.append(f"def {qualified}{_signature(obj)}")
         elif inspect.ismodule(obj):
-            lines.append(f"module {name}")
+            lines.append(f"module {qualified}")
+            lines.extend(f"  {line}" for line in _module_lines(obj, f"{qualified}."))
         else:
-            lines.append(f"value {name}: {type(obj).__name__}")
+            lines.append(f"value {qualified}: {type(obj).__name__}")
     return lines
 
 

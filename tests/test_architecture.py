@@ -35,6 +35,7 @@ FSDP_LAYERS = {
     "checkpoint": 4,
     "fully_shard": 5,
     "fsdp2": 5,
+    "fsdp2_state": 5,
 }
 
 

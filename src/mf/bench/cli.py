@@ -20,6 +20,12 @@ single-process run of the same recipe. Then tokens/s over all ranks and, on a
 GPU whose peak is known (``mf.mfu``, or ``--peak-tflops``), the model FLOPs
 utilisation.
 
+``--precision`` takes a list (``bf16,fp8``): one table per precision, and with
+both bf16 and fp8 a third that sets fp8 against bf16 for each engine: tokens/s
+and the weight bytes each rank sends in all-gathers per step (fp8: the blocks'
+linears in torchao float8; ``FP8 gather`` says whether the engine gathers them in
+FP8, see ``mf.bench.engines.gathers_float8``).
+
 A second table per preset shows the host's cost per step against ``plain``
 (the bare model, no wrapper, no communication): the main thread's CPU ms, the
 aten ops one step dispatches and, on CUDA, the kernels it launches. Run the
@@ -42,10 +48,14 @@ from mf.bench.worker import COMPILED, RunSpec, run
 from mf.launch import local_launch_config, new_run_id
 from mf.mfu import flops_per_token, peak_flops
 from mf.models import PRESETS
+from mf.models.float8 import float8_unavailable
 
 __all__ = ["main"]
 
 _MIB = 2**20
+PRECISIONS = ("fp32", "bf16", "fp8")
+_GATHERS = ("all_gather_single", "all_gather")
+"""The collectives that carry weights to the ranks (FSDP's all-gathers)."""
 
 
 def _launch(spec: RunSpec, world_size: int) -> dict[str, Any]:
@@ -83,9 +93,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
         "--precision",
-        choices=("fp32", "bf16"),
         default="fp32",
-        help="bf16: the FSDP engines' mixed precision (fp32 main weights), autocast elsewhere",
+        help="comma-separated, each of fp32, bf16, fp8. bf16: the FSDP engines' mixed "
+        "precision (fp32 main weights), autocast elsewhere; fp8: bf16 with the blocks' "
+        "linears in torchao float8 (mf[float8])",
     )
     parser.add_argument(
         "--peak-tflops",
@@ -126,6 +137,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.precisions = args.precision.split(",")
+    for precision in args.precisions:
+        if precision not in PRECISIONS:
+            parser.error(f"--precision: unknown {precision!r}; choose from {PRECISIONS}")
+    if "fp8" in args.precisions:
+        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+        problem = float8_unavailable(device)
+        if problem is not None:
+            parser.error(f"--precision fp8: {problem}")
     return args
 
 
@@ -229,62 +249,101 @@ def _host_cost(runs: Runs) -> list[str]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark and print one table per preset."""
-    args = _parse(argv)
-    engines = args.engines.split(",")
-    recipes = args.optimizers.split(",")
-    everything: list[dict[str, Any]] = []
-    print(
-        f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
-        f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
-        f"{args.rounds} rounds, optimizers {'/'.join(recipes)}, {args.precision}",
-        flush=True,
-    )
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+def _run_preset(
+    args: argparse.Namespace, preset: str, precision: str, everything: list[dict[str, Any]]
+) -> Runs:
+    """Every engine and recipe on ``preset`` at ``precision``, round after round; print its table.
+
+    Each run's result is also appended to ``everything`` (the ``--json`` file).
+    """
+    engines, recipes = args.engines.split(","), args.optimizers.split(",")
+
+    def spec(engine: str, recipe: str, micro_batch: int) -> RunSpec:
+        return RunSpec(
+            engine,
+            preset,
+            micro_batch,
+            args.seq_len,
+            args.steps,
+            args.warmup,
+            optimizer=recipe,
+            device=args.device,
+            precision=precision,
+            meta_init=args.meta_init,
+        )
+
+    references = {
+        recipe: None
+        if args.no_reference
+        else _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
+        for recipe in recipes
+    }
+    cases = [(engine, recipe) for recipe in recipes for engine in engines]
+    runs: Runs = {case: [] for case in cases}
+    for round_index in range(args.rounds):
+        shift = round_index % len(cases)
+        for engine, recipe in cases[shift:] + cases[:shift]:
+            result = _launch(spec(engine, recipe, args.micro_batch), args.world)
+            runs[(engine, recipe)].append(result)
+            everything.append({**result, "precision": precision})
+            print(
+                f"  round {round_index} {precision} {engine:<25} {recipe:<11} median step "
+                f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
+                flush=True,
+            )
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # fp8: the bf16 peak
     device_peak = (
         (args.peak_tflops * 1e12, f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)")
         if args.peak_tflops
         else peak_flops(torch.device(args.device), dtype)
     )
-    for preset in args.presets.split(","):
+    lines = _summarise(preset, runs, references, args.seq_len, device_peak)
+    print(f"-- {precision} --", *lines, sep="\n", flush=True)
+    return runs
 
-        def spec(engine: str, recipe: str, micro_batch: int, preset: str = preset) -> RunSpec:
-            return RunSpec(
-                engine,
-                preset,
-                micro_batch,
-                args.seq_len,
-                args.steps,
-                args.warmup,
-                optimizer=recipe,
-                device=args.device,
-                precision=args.precision,
-                meta_init=args.meta_init,
-            )
 
-        references = {
-            recipe: None
-            if args.no_reference
-            else _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
-            for recipe in recipes
-        }
-        cases = [(engine, recipe) for recipe in recipes for engine in engines]
-        runs: Runs = {case: [] for case in cases}
-        for round_index in range(args.rounds):
-            shift = round_index % len(cases)
-            for engine, recipe in cases[shift:] + cases[:shift]:
-                result = _launch(spec(engine, recipe, args.micro_batch), args.world)
-                runs[(engine, recipe)].append(result)
-                everything.append(result)
-                print(
-                    f"  round {round_index} {engine:<25} {recipe:<11} median step "
-                    f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
-                    flush=True,
-                )
-        print(
-            "\n".join(_summarise(preset, runs, references, args.seq_len, device_peak)), flush=True
+def _gathered(result: dict[str, Any]) -> float:
+    """Bytes this rank sent in all-gathers per step (the weights FSDP gathers)."""
+    return sum(result["bytes_by_kind"].get(kind, 0.0) for kind in _GATHERS)
+
+
+def _fp8_against_bf16(bf16: Runs, fp8: Runs) -> list[str]:
+    """Per engine and recipe: fp8's tokens/s and gathered bytes against bf16's."""
+    rows = [
+        "-- fp8 against bf16 --",
+        f"{'engine':<25} {'optim':<11} {'tok/s bf16':>10} {'tok/s fp8':>10} {'x bf16':>7} "
+        f"{'gather MiB bf16':>15} {'gather MiB fp8':>14} {'x bf16':>7} {'FP8 gather':>10}",
+    ]
+    for case, results in fp8.items():
+        base = bf16.get(case)
+        if not base:
+            continue
+        speed = [rs[0]["tokens_per_step"] / _median_step(rs) for rs in (base, results)]
+        gathered = [_gathered(rs[0]) / _MIB for rs in (base, results)]
+        ratio = f"{gathered[1] / gathered[0]:7.3f}" if gathered[0] else f"{'-':>7}"
+        rows.append(
+            f"{case[0]:<25} {case[1]:<11} {speed[0]:10.0f} {speed[1]:10.0f} "
+            f"{speed[1] / speed[0]:7.3f} {gathered[0]:15.2f} {gathered[1]:14.2f} {ratio} "
+            f"{'yes' if results[0]['gathers_fp8'] else 'no':>10}"
         )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print one table per preset and precision."""
+    args = _parse(argv)
+    everything: list[dict[str, Any]] = []
+    print(
+        f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
+        f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
+        f"{args.rounds} rounds, optimizers {args.optimizers.replace(',', '/')}, "
+        f"{args.precision.replace(',', '/')}",
+        flush=True,
+    )
+    for preset in args.presets.split(","):
+        runs = {p: _run_preset(args, preset, p, everything) for p in args.precisions}
+        if "bf16" in runs and "fp8" in runs:
+            print(*_fp8_against_bf16(runs["bf16"], runs["fp8"]), sep="\n", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(everything, out, indent=1)

@@ -66,10 +66,15 @@ _EXACT_BYTES: dict[str, Callable[[list[Any]], int]] = {
 
 @dataclass
 class CommCounter:
-    """Tally of collectives and ring-model bytes sent by this rank while :meth:`counting`."""
+    """Tally of collectives and ring-model bytes sent by this rank while :meth:`counting`.
+
+    ``bytes_by_kind`` splits ``bytes_sent`` by collective (``all_gather_single``: the
+    weights an FSDP engine gathers).
+    """
 
     calls: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
+    bytes_by_kind: dict[str, float] = field(default_factory=dict)
     enabled: bool = False
     _batch: set[str] | None = field(default=None, repr=False)  # kinds seen in an open batch
 
@@ -85,6 +90,7 @@ class CommCounter:
         if self._batch is not None:
             self._batch.add(name)
         self.bytes_sent += sent_bytes
+        self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0.0) + sent_bytes
 
     def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @contextlib.contextmanager
@@ -114,6 +120,7 @@ class CommCounter:
         """Forget everything counted so far."""
         self.calls.clear()
         self.bytes_sent = 0.0
+        self.bytes_by_kind.clear()
 
     @property
     def num_calls(self) -> int:
@@ -163,8 +170,11 @@ class CommCounter:
             if coalescing is not None:
                 saved.append((module, "_coalescing_manager", coalescing))
                 module._coalescing_manager = self._wrap_coalescing(coalescing)
-        group_gather = dist.ProcessGroup.allgather_into_tensor_coalesced
-        saved.append((dist.ProcessGroup, "allgather_into_tensor_coalesced", group_gather))
+        # Restored from the class's own dict: pybind11 keeps an instance-method descriptor
+        # there, and the function getattr gives instead would not bind to the group.
+        name = "allgather_into_tensor_coalesced"
+        saved.append((dist.ProcessGroup, name, vars(dist.ProcessGroup)[name]))
+        group_gather = getattr(dist.ProcessGroup, name)
         dist.ProcessGroup.allgather_into_tensor_coalesced = self._wrap_group_gather(group_gather)
         try:
             yield self

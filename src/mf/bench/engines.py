@@ -16,7 +16,9 @@ optimizer state on the host), beside ``fsdp2-offload`` (FSDP2's
 ``CPUOffloadPolicy``). With ``bf16`` the FSDP engines compute in bf16 through
 their mixed-precision policies (fp32 main weights and gradient reduction);
 engines without one (``AUTOCAST``) run their forward under ``torch.autocast``,
-as plain PyTorch users do.
+as plain PyTorch users do. ``fp8`` is ``bf16`` with the GPT's block linears
+converted to torchao's float8 first (``mf.models.float8``); which engines gather
+those weights in FP8 is ``gathers_float8``'s answer.
 
 Optimizer recipes (``OPTIMIZERS``): ``adam`` (torch.optim.Adam on every
 parameter, the default of the published tables), and ``mf.models``'
@@ -35,8 +37,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mf.models import OPTIMIZER_RECIPES, Block, build_optimizers
+from mf.models.float8 import FSDP_FLOAT8_ALL_GATHER
 
-__all__ = ["AUTOCAST", "ENGINES", "OPTIMIZERS", "build_engine", "make_optimizers"]
+__all__ = [
+    "AUTOCAST",
+    "ENGINES",
+    "OPTIMIZERS",
+    "build_engine",
+    "gathers_float8",
+    "make_optimizers",
+]
 
 OPTIMIZERS = ("adam", *OPTIMIZER_RECIPES, "adamw-fused")
 
@@ -146,6 +156,19 @@ ENGINES: dict[str, Builder] = {
         3, offload_optimizer_state=True, optimizer_step_in_backward=True
     ),
 }
+
+
+def gathers_float8(name: str, device_type: str) -> bool:
+    """Whether engine ``name`` gathers float8 weights in FP8 (1 byte per element plus a scale).
+
+    torch's FSDP2 does on CUDA (NCCL); on gloo it cannot (gloo has no float8 dtypes),
+    so there its float8 weights gather in bf16. mf's ZeRO-3 engines do when
+    ``FSDP_FLOAT8_ALL_GATHER`` says mf-fsdp carries the weights' protocol. Engines
+    that gather no weights never do.
+    """
+    if name in ("fsdp2", "fsdp2-offload"):
+        return device_type == "cuda"
+    return FSDP_FLOAT8_ALL_GATHER and (name == "mf-fsdp2" or name.startswith("mf-zero3"))
 
 
 def build_engine(

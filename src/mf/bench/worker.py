@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mf.bench.comm_counter import CommCounter
-from mf.bench.engines import AUTOCAST, build_engine
+from mf.bench.engines import AUTOCAST, build_engine, gathers_float8
 from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS, Block, GPTConfig
 
@@ -76,6 +76,8 @@ class RunResult:
     bytes_sent_per_step: float = 0.0
     wire_bytes_per_step: float | None = None
     calls_by_kind: dict[str, float] = field(default_factory=dict)
+    bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    gathers_fp8: bool = False
 
     @property
     def median_step(self) -> float:
@@ -215,8 +217,12 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     result = RunResult(
         spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
     )
-    bf16 = spec.precision == "bf16"
+    if spec.precision == "fp8":
+        result.gathers_fp8 = gathers_float8(name, device.type)
+        _to_float8(model, result.gathers_fp8)
+    bf16 = spec.precision in ("bf16", "fp8")  # fp8: float8 matmuls in a bf16 model
     model, optimizers = build_engine(name, model, mesh, spec.lr, spec.optimizer, bf16)
+    after_step = _float8_scales(model) if result.gathers_fp8 else None
     if spec.meta_init and not unsharded:
         _materialise(model, device, spec.seed)
     autocast = bf16 and unsharded  # engines with no mixed-precision policy of their own
@@ -248,6 +254,8 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
             optimizer_start = time.perf_counter()
             for optimizer in optimizers:
                 optimizer.step()
+            if after_step is not None:
+                after_step()
             _sync(device)
             optimizer_elapsed = time.perf_counter() - optimizer_start
             if step == spec.warmup + spec.steps - 1:
@@ -275,6 +283,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     result.calls_per_step = counter.num_calls / spec.steps
     result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps
+    result.bytes_by_kind = {k: v / spec.steps for k, v in counter.bytes_by_kind.items()}
     if distributed and bytes_written() is not None and device.type == "cpu":
         result.wire_bytes_per_step = _mean_over_ranks(wire_local / spec.steps, device)
     if name == "ddp":
@@ -285,6 +294,27 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         peak = _rss_bytes("VmHWM") - baseline
     result.peak_bytes = int(_max_over_ranks(float(peak), device))
     return result
+
+
+def _to_float8(model: nn.Module, gathers_fp8: bool) -> None:
+    """The GPT's block linears in float8 (torchao), FP8-gathering weights if ``gathers_fp8``.
+
+    ``mf-bench`` checked that the device has float8 matmuls. A meta-device model
+    converts too (torchao builds its linears on meta).
+    """
+    from mf.models.float8 import convert_gpt_to_float8
+
+    convert_gpt_to_float8(model, fsdp_float8_all_gather=gathers_fp8)
+
+
+def _float8_scales(model: nn.Module) -> Callable[[], None]:
+    """Torchao's step after the optimizers when weights gather in FP8, as torchtitan runs it.
+
+    ``precompute_float8_dynamic_scale_for_fsdp``: every weight's scale in one all-reduce.
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def _built_model(

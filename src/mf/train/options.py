@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 
 from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
+from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
 
@@ -170,10 +171,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--precision",
-        choices=("fp32", "bf16"),
+        choices=("fp32", "bf16", "fp8"),
         default=None,
         help="compute precision (default: bf16 on a GPU that has it, with fp32 main weights; "
-        "else fp32)",
+        "else fp32). fp8: the blocks' linears in float8 (torchao, tensorwise dynamic scaling, "
+        "mf[float8]), the rest in bf16, fp32 main weights; on the CPU from torch 2.11 and on "
+        "GPUs from sm_89; --tp 1 only",
     )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
@@ -290,6 +293,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "
             f"{preset.seq_len} positions"
         )
+    if options.precision == "fp8":
+        _check_float8(options, preset)
     if options.resume_from is not None:
         options = dataclasses.replace(options, resume=True)
     if options.resume:
@@ -319,6 +324,31 @@ def _hardware_defaults(options: TrainOptions) -> TrainOptions:
     return dataclasses.replace(
         options, seq_len=seq_len, micro_batch=micro_batch, precision=precision
     )
+
+
+def _check_float8(options: TrainOptions, preset: object) -> None:
+    """Refuse ``--precision fp8`` where torchao's float8 training cannot run it, in one line.
+
+    torchao's float8 replaces ``nn.Linear`` layers; the tensor-parallel GPT's are
+    mf-tp's column and row layers (torchao's float8 tensor parallelism takes torch's
+    DTensor layers instead), and the mixtures of experts keep their experts in
+    batched weights.
+    """
+    if options.tp > 1:
+        raise ValueError(
+            f"--precision fp8 with --tp {options.tp}: torchao's float8 converts nn.Linear "
+            "layers, and the tensor-parallel GPT's are mf-tp's column and row layers; "
+            "use --tp 1 (FSDP over every rank), or --precision bf16 with --tp"
+        )
+    if isinstance(preset, MoEGPTConfig):
+        raise ValueError(
+            f"--precision fp8 is for the dense GPT presets; --model {options.model!r} is a "
+            "mixture of experts"
+        )
+    device = torch.device("cuda", 0) if options.use_cuda else torch.device("cpu")
+    problem = float8_unavailable(device)
+    if problem is not None:
+        raise ValueError(f"--precision fp8: {problem}")
 
 
 def _check_experts(options: TrainOptions, preset: object) -> None:

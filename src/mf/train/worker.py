@@ -37,6 +37,7 @@ from mf.models import (
     build_optimizers,
     plain_model,
 )
+from mf.models.float8 import FSDP_FLOAT8_ALL_GATHER, convert_gpt_to_float8
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
 from mf.train.failures import report_rank_failure
@@ -209,8 +210,11 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
             module, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
         module.load_full_weights(full_weights)
     module.to(device)
+    if options.precision == "fp8":  # before the optimizers: FP8 gathering swaps the weights
+        gathers_fp8 = FSDP_FLOAT8_ALL_GATHER and options.zero == 3
+        convert_gpt_to_float8(module, fsdp_float8_all_gather=gathers_fp8)
     optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
-    compute = torch.bfloat16 if options.precision == "bf16" else torch.float32
+    compute = torch.float32 if options.precision == "fp32" else torch.bfloat16
     return fully_shard(
         module,
         optimizers,

@@ -21,10 +21,14 @@ the module's own.
 [Note: what is honoured] Every public method of torch's ``FSDPModule`` is
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``_UNSUPPORTED``); nothing silently does nothing. Options FSDP2 has
-and mf cannot honour yet (``shard_placement_fn``, an int
-``reshard_after_forward`` other than 1 or the shard group's size, CPU offload,
-a mesh over part of the ranks, units nested below others) raise naming the
-option.
+and mf cannot honour yet (``shard_placement_fn``, ``dp_mesh_dims``, an int
+``reshard_after_forward`` other than 1 or the shard group's size, a mesh over
+part of the ranks, units nested below others, a ``param_dtype_override_fn``
+that splits one call's parameters over two compute dtypes) raise naming the
+option. torch's free functions ``register_fsdp_forward_method`` and
+``share_comm_ctx`` work on these modules through ``_get_fsdp_state``
+(``fsdp2_state``); ``load_state_dict(assign=True)`` loads the values into the
+engine's buffers, a meta-device model's included, and refuses another dtype.
 
 This module builds no buckets and runs no collective itself; it must not
 keep a second engine's state: everything lives in the ``MegatronFSDP``.
@@ -32,10 +36,11 @@ keep a second engine's state: everything lives in the ``MegatronFSDP``.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,8 +60,12 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine._tensor_tree import flatten
 from mf_fsdp.engine.hooks import Unit
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
+from mf_fsdp.fsdp2_state import TorchStateView
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
 from mf_utils import get_group_device
+
+if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -81,6 +90,8 @@ class _Record:
     hooks: list[Any] = field(default_factory=list)
     ignored_params: tuple[nn.Parameter, ...] = ()
     offload: bool = False  # CPUOffloadPolicy
+    hook_ids: frozenset[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
+    state_view: TorchStateView | None = None  # what torch's free functions read (fsdp2_state)
 
 
 def fully_shard(
@@ -92,6 +103,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, as torch's)
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module`` with mf's flat-bucket engine, in place, as FSDP2's ``fully_shard``.
 
@@ -112,7 +124,11 @@ def fully_shard(
         shard_placement_fn: must be None (mf shards flat buckets by rows).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
             ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
-            ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2.
+            ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2; torch 2.15's
+            ``param_dtype_override_fn`` too, called on each parameter of the call when
+            the engine is built (its first use), as long as it picks one compute dtype
+            for all of them: mf computes a unit in one dtype (call ``fully_shard``
+            separately on the modules whose parameters keep their dtype).
         offload_policy: torch's ``OffloadPolicy()`` (no offload) or
             ``CPUOffloadPolicy``: mf's ``offload_optimizer_state``, the sharded
             parameters (fp32 main weights), their grads and the optimizer state in
@@ -123,6 +139,9 @@ def fully_shard(
             on every rank, never gathered or reduced (their grads are each rank's
             own; syncing them, e.g. with DDP, is the caller's). The calls on one
             model may each pass some; the engine ignores all of them.
+        dp_mesh_dims: must be None (torch 2.15's full SPMD mesh, whose parameters are
+            DTensors over every dim, is not supported): pass the data-parallel mesh as
+            ``mesh`` and tensor-parallel parameters as DTensors over their own tp mesh.
 
     Returns:
         ``module``, now an ``FSDPModule`` (each module of a list).
@@ -147,7 +166,7 @@ def fully_shard(
                 "expected each module once"
             )
         check_module_to_wrap(item)
-    _check_options(mesh, shard_placement_fn, mp_policy, offload_policy)
+    _check_options(mesh, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims)
     reshard = _reshard_flag(reshard_after_forward, mesh)
     record = _Record(modules, mesh, reshard, mp_policy)
     record.ignored_params = _ignored_tuple(ignored_params)
@@ -190,6 +209,7 @@ def _check_options(
     shard_placement_fn: object,
     mp_policy: object,
     offload_policy: object,
+    dp_mesh_dims: object,
 ) -> None:
     """Raise naming the first option mf cannot honour (see [Note: what is honoured])."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -198,6 +218,13 @@ def _check_options(
         raise NotImplementedError(
             f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
             "(shard) or a 2-D one (replicate, shard)"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (parameters as DTensors over a full "
+            "SPMD mesh) is not supported by mf_fsdp.fsdp2; expected None, the data-parallel "
+            "mesh as mesh (1-D shard, or 2-D (replicate, shard)) and tensor-parallel "
+            "parameters as DTensors over their own tp mesh"
         )
     if shard_placement_fn is not None:
         raise NotImplementedError(
@@ -344,7 +371,9 @@ def _build_engine(root: _Record) -> None:
     units = [_record(m) for m in list(_PENDING) if _record(m) is not root and id(m) in inside]
     for unit in units:
         _check_same(root, unit)
-    engine_policy = _engine_policy(module, root.mp_policy)
+    policies = _resolved_policies(module, root, units)
+    hooks_before = _forward_hook_ids(module)
+    engine_policy = _engine_policy(module, policies[id(root)])
     engine = MegatronFSDP(
         module,
         _dist_index(root.mesh),
@@ -357,16 +386,18 @@ def _build_engine(root: _Record) -> None:
         unit_modules=[u.modules for u in units],
         ignored_params=list({id(p): p for r in (root, *units) for p in r.ignored_params}.values()),
         unit_mixed_precision={
-            unit.modules[0]: _engine_policy(module, unit.mp_policy)
+            unit.modules[0]: _engine_policy(module, policies[id(unit)])
             for unit in units
-            if _own_dtypes(root, unit)
+            if _own_dtypes(policies[id(root)], policies[id(unit)])
         },
     )
+    hook_ids = _forward_hook_ids(module) - hooks_before
     bind_optimizers_at_step(engine)  # the user's optimizer steps as mf_fsdp.fully_shard's
     by_module = {id(u.module): u for u in engine._units}
     root.is_root = True
     for record in (root, *units):
         record.engine = engine
+        record.hook_ids = hook_ids | {handle.id for handle in record.hooks}
         _PENDING.discard(record.modules[0])
     for record in units:
         record.unit = by_module.get(id(record.modules[0]))
@@ -389,12 +420,86 @@ def _check_same(root: _Record, unit: _Record) -> None:
         )
 
 
-def _own_dtypes(root: _Record, unit: _Record) -> bool:
-    """Whether ``unit`` computes or reduces in other dtypes than the root (its own policy)."""
+def _own_dtypes(root: MixedPrecisionPolicy, unit: MixedPrecisionPolicy) -> bool:
+    """Whether a unit computes or reduces in other dtypes than the root (its own policy)."""
     return any(
-        getattr(unit.mp_policy, name) != getattr(root.mp_policy, name)
-        for name in ("param_dtype", "reduce_dtype")
+        getattr(unit, name) != getattr(root, name) for name in ("param_dtype", "reduce_dtype")
     )
+
+
+def _forward_hook_ids(module: nn.Module) -> set[int]:
+    """The ids of every forward and forward-pre hook in ``module``'s tree (ids are unique)."""
+    return {
+        hook_id
+        for sub in nn.Module.modules(module)
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks)
+        for hook_id in hooks
+    }
+
+
+def _resolved_policies(
+    module: nn.Module, root: _Record, units: list[_Record]
+) -> dict[int, MixedPrecisionPolicy]:
+    """Each call's policy (by record id) with ``param_dtype_override_fn`` applied.
+
+    A unit's parameters are those of its modules; the root's are the rest, as the
+    engine assigns them. Ignored parameters are not asked about.
+    """
+    ignored = {id(p) for r in (root, *units) for p in r.ignored_params}
+    named = [(n, p) for n, p in nn.Module.named_parameters(module) if id(p) not in ignored]
+    taken: set[int] = set()
+    policies = {}
+    for unit in units:
+        own = {id(p) for m in unit.modules for p in nn.Module.parameters(m)}
+        taken |= own
+        mine = [(name, p) for name, p in named if id(p) in own]
+        policies[id(unit)] = _resolve_override(unit.mp_policy, mine)
+    rest = [x for x in named if id(x[1]) not in taken]
+    policies[id(root)] = _resolve_override(root.mp_policy, rest)
+    return policies
+
+
+def _resolve_override(
+    policy: MixedPrecisionPolicy, named: Iterable[tuple[str, nn.Parameter]]
+) -> MixedPrecisionPolicy:
+    """``policy`` with its ``param_dtype_override_fn`` (torch 2.15) decided for ``named``.
+
+    The function may give each parameter None or ``param_dtype`` (compute in
+    ``param_dtype``) or the parameter's own dtype (keep it), as FSDP2 allows. mf
+    computes one call's parameters in one dtype, so they must all get the same.
+
+    Raises:
+        TypeError / ValueError: for an answer FSDP2 refuses too.
+        NotImplementedError: if the call's parameters would compute in several dtypes.
+    """
+    override = getattr(policy, "param_dtype_override_fn", None)
+    if override is None:
+        return policy
+    first: dict[torch.dtype, str] = {}  # compute dtype -> the first parameter given it
+    for name, param in named:
+        answer = override(param)
+        if answer is not None and not isinstance(answer, torch.dtype):
+            raise TypeError(
+                f"fully_shard: mp_policy.param_dtype_override_fn returned {answer!r} for "
+                f"{name}; expected a torch.dtype or None"
+            )
+        if answer not in (None, policy.param_dtype, param.dtype):
+            raise ValueError(
+                f"fully_shard: mp_policy.param_dtype_override_fn returned {answer} for {name} "
+                f"({param.dtype}); expected None, param_dtype={policy.param_dtype} or "
+                f"{param.dtype}"
+            )
+        compute = answer or policy.param_dtype or param.dtype
+        first.setdefault(compute, name)
+    if len(first) > 1:
+        (a, a_name), (b, b_name) = list(first.items())[:2]
+        raise NotImplementedError(
+            f"fully_shard: mp_policy.param_dtype_override_fn gives {a_name} {a} but {b_name} "
+            f"{b} in one fully_shard call; mf_fsdp.fsdp2 computes each call's parameters in "
+            "one dtype: call fully_shard separately on the modules that keep their dtype"
+        )
+    compute = next(iter(first), policy.param_dtype)
+    return dataclasses.replace(policy, param_dtype=compute, param_dtype_override_fn=None)
 
 
 def _engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:
@@ -497,11 +602,38 @@ class FSDPModule(TorchFSDPModule):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load any layout (sharded, other world size, full); ``assign`` has no effect."""
+        """Load any layout (sharded, other world size, full) into the engine's storage.
+
+        ``assign=True`` (FSDP2's way to give a meta-device model its values without
+        ``to_empty``) loads the same values: mf keeps every parameter in its flat
+        buffers, so they are copied there (the parameter objects stay). A model
+        built on the meta device gets storage first (``to_empty`` on the engine's
+        device) and must then find every tensor in ``state_dict``. What assigning
+        would change beyond the values, a tensor's dtype, is refused.
+
+        Raises:
+            TypeError: with ``assign=True``, for an entry whose dtype is not its tensor's.
+            KeyError: with ``assign=True`` on a meta-device model, for a missing tensor.
+        """
         engine = _ensure_built(self)
-        del assign  # values are always copied into the engine's buffers
+        if assign:
+            _check_assignable(self, state_dict, meta=engine._awaiting_to_empty)
+            if engine._awaiting_to_empty:
+                engine.to_empty(device=engine.device)
         with engine._sharded_forms():
             return super().load_state_dict(state_dict, strict=strict)
+
+    def _get_fsdp_state(self) -> TorchStateView:
+        """What torch's ``register_fsdp_forward_method`` and ``share_comm_ctx`` read.
+
+        torch's free functions over FSDP2 modules reach for FSDP2's state through this
+        method; mf answers with a view over its engine (see ``fsdp2_state``).
+        """
+        _ensure_built(self)  # mf's hooks on the module are known once the engine is built
+        record = self.__dict__[_RECORD_ATTR]
+        if record.state_view is None:
+            record.state_view = TorchStateView(_ensure_built, record.hook_ids)
+        return record.state_view
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
         """FSDP2's meta-device flow: storage for meta tensors, before or after sharding."""
@@ -662,6 +794,33 @@ class FSDPModule(TorchFSDPModule):
             )
 
 
+def _check_assignable(module: nn.Module, state_dict: Mapping[str, Any], meta: bool) -> None:
+    """Refuse a ``load_state_dict(assign=True)`` that copying its values would not honour.
+
+    An entry whose dtype differs from its tensor's; on a model built on the meta
+    device (``meta``), a tensor the state dict leaves without a value.
+    """
+    engine = _ensure_built(module)
+    with engine._sharded_forms():
+        own = dict(nn.Module.state_dict(module, keep_vars=True))
+    missing = sorted(own.keys() - state_dict.keys())
+    if meta and missing:
+        raise KeyError(
+            f"load_state_dict(assign=True): the model was built on the meta device and the "
+            f"state dict has no {missing[0]!r} ({len(missing)} missing); expected every "
+            "parameter and buffer, or call model.to_empty() and initialise the rest first"
+        )
+    for key, value in state_dict.items():
+        mine = own.get(key)
+        if isinstance(value, torch.Tensor) and mine is not None and value.dtype != mine.dtype:
+            raise TypeError(
+                f"load_state_dict(assign=True): {key} is {value.dtype} in the state dict but "
+                f"{mine.dtype} in the model; mf_fsdp.fsdp2 copies the values into its flat "
+                "buffers and cannot take the state dict's dtype: cast the state dict, or load "
+                "with assign=False"
+            )
+
+
 def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[Unit]:
     """The engine's units of ``modules`` (FSDP modules of ``owner``'s model, not the root)."""
     engine, record = owner._engine_and_record()
@@ -709,18 +868,31 @@ _UNSUPPORTED = sorted(
 """Torch's ``FSDPModule`` methods mf cannot honour yet; each raises naming itself."""
 
 
-def _unsupported(name: str) -> Callable[..., NoReturn]:
-    def method(self: nn.Module, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(
-            f"{type(self).__name__}.{name} (FSDP2's FSDPModule.{name}) is not supported by "
-            "mf_fsdp.fsdp2 yet"
-        )
+class _Refused:
+    """A method of torch's ``FSDPModule`` that mf refuses: calling it raises naming it.
 
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = "Not supported by mf_fsdp.fsdp2 yet: raises ``NotImplementedError``."
-    return method
+    A descriptor rather than a function: the set follows the installed torch's class,
+    so it is no part of mf's recorded API (``api.txt``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(
+        self, module: nn.Module | None, owner: type | None = None
+    ) -> Callable[..., NoReturn]:
+        name, shown = self.name, type(module).__name__ if module is not None else "FSDPModule"
+
+        def method(*args: Any, **kwargs: Any) -> NoReturn:
+            raise NotImplementedError(
+                f"{shown}.{name} (FSDP2's FSDPModule.{name}) is not supported by mf_fsdp.fsdp2 yet"
+            )
+
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = "Not supported by mf_fsdp.fsdp2 yet: raises ``NotImplementedError``."
+        return method
 
 
 for _name in _UNSUPPORTED:
-    setattr(FSDPModule, _name, _unsupported(_name))
+    setattr(FSDPModule, _name, _Refused(_name))
 del _name
