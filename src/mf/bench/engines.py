@@ -163,12 +163,14 @@ def gathers_float8(name: str, device_type: str) -> bool:
 
     torch's FSDP2 does on CUDA (NCCL); on gloo it cannot (gloo has no float8 dtypes),
     so there its float8 weights gather in bf16. mf's ZeRO-3 engines do when
-    ``FSDP_FLOAT8_ALL_GATHER`` says mf-fsdp carries the weights' protocol. Engines
-    that gather no weights never do.
+    ``FSDP_FLOAT8_ALL_GATHER`` says mf-fsdp carries the weights' protocol, except
+    with the optimizer state on the host (the extension keeps its shard on the
+    device). Engines that gather no weights never do.
     """
     if name in ("fsdp2", "fsdp2-offload"):
         return device_type == "cuda"
-    return FSDP_FLOAT8_ALL_GATHER and (name == "mf-fsdp2" or name.startswith("mf-zero3"))
+    zero3 = name == "mf-fsdp2" or (name.startswith("mf-zero3") and "offload" not in name)
+    return FSDP_FLOAT8_ALL_GATHER and zero3
 
 
 def build_engine(

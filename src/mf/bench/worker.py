@@ -137,10 +137,19 @@ def model_state_bytes(
             tensors.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() > 0:
-            seen[storage.data_ptr()] = storage.nbytes()
+        for plain in _plain_tensors(tensor):
+            storage = plain.untyped_storage()
+            if storage.nbytes() > 0:
+                seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data (a subclass's inner ones: float8, NF4)."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in _plain_tensors(getattr(tensor, name))]
 
 
 def _batch(spec: RunSpec, step: int, rank: int, world_size: int, vocab: int, device: torch.device):

@@ -32,15 +32,14 @@ __all__ = [
 TORCHAO_REQUIREMENT = "torchao>=0.18"
 """The torchao the extra ``mf[float8]`` installs (0.18 is built against torch 2.11, our floor)."""
 
-FSDP_FLOAT8_ALL_GATHER = False
+FSDP_FLOAT8_ALL_GATHER = True
 """The one switch for FP8 weight gathering under ZeRO-3 (``enable_fsdp_float8_all_gather``).
 
 True makes each converted weight a torchao tensor subclass that an FSDP engine gathers
 through FSDP2's extension protocol (``fsdp_pre_all_gather``), in 1 byte per element
-plus a scale, instead of the bf16 copy of the fp32 main weight. mf-fsdp's engine does
-not carry that protocol yet (issue 50, part 2) and would train such weights wrong, so
-this stays False until it does: float8 then runs in the matmuls only, and the
-weights gather in bf16.
+plus a scale, instead of the bf16 copy of the fp32 main weight. mf-fsdp carries that
+protocol (``mf_fsdp.buckets.extension``) under ZeRO-2/3; under ZeRO-0/1, where every
+rank keeps its weights whole, float8 runs in the matmuls only.
 """
 
 _FP8_MIN_CAPABILITY = (8, 9)

@@ -42,7 +42,10 @@ are other objects than last time: building it is most of the swap's cost.
 
 Only optimizers bound by ``fully_shard_optimizer`` take this path (their
 ``step`` restores the swap even when it raises); others, and every optimizer
-not in ``ELEMENTWISE``, step on the DTensors.
+not in ``ELEMENTWISE``, step on the DTensors. A parameter that implements
+FSDP2's all-gather extension is stepped alone, on the plain tensor inside its
+subclass shard that holds its values (``_values``); when a shard has no such
+tensor (two of them, or packed data), the whole step runs on the DTensors.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mf_dtensor import UnevenDTensor
+from mf_fsdp.buckets.extension import plain_tensors
 
 __all__ = ["ELEMENTWISE", "enter_local_step", "exit_local_step", "forget_local_plans"]
 
@@ -222,6 +227,12 @@ class _Plan:
         anchor: UnevenDTensor | None = None  # pending's last piece with elements
         numel = 0  # pending's elements
         for p in params:
+            if type(p) is not UnevenDTensor and isinstance(p, DTensor):  # an extension's shard
+                if pending:
+                    stepped.append(self._run_of(pending))
+                    pending, anchor, numel = [], None, 0
+                stepped.append(self._run_of([p]))
+                continue
             plain = type(p) is not UnevenDTensor
             size = 0 if plain else p.to_local().numel()
             if pending and (
@@ -251,7 +262,7 @@ class _Plan:
             self.moved = True
         members, numel = [], 0
         for p in params:
-            local = p.to_local()
+            local = _values(p)
             members.append(_Member(p, local, numel))
             numel += local.numel()
         first = members[0].local
@@ -259,7 +270,7 @@ class _Plan:
         grad = _local_grad(params[0])
         if len(params) == 1:
             flat = first
-            given = {k: v.to_local() if type(v) is UnevenDTensor else v for k, v in values.items()}
+            given = {k: _values(v) if isinstance(v, DTensor) else v for k, v in values.items()}
         else:
             flat, grad = _span(first, numel), _span(cast(torch.Tensor, grad), numel)
             given = {
@@ -272,9 +283,32 @@ class _Plan:
         return flat
 
 
-def _local_grad(param: UnevenDTensor) -> torch.Tensor | None:
+def _local_grad(param: DTensor) -> torch.Tensor | None:
     grad = param.grad
-    return grad.to_local() if type(grad) is UnevenDTensor else None
+    return grad.to_local() if isinstance(grad, DTensor) else None
+
+
+class _NoPlainValuesError(Exception):
+    """A sharded parameter's local tensor holds its values in no one plain tensor."""
+
+
+def _values(tensor: DTensor) -> torch.Tensor:
+    """The plain tensor holding the values of ``tensor``'s local piece.
+
+    An ``UnevenDTensor``'s local tensor is plain. An extension parameter's is the
+    subclass shard (see ``mf_fsdp.buckets.extension``): stepped through its one
+    inner tensor of the piece's shape and dtype (torchao's float8 weight keeps its
+    values there, and an in-place op on it changes that tensor alone). Any other
+    subclass (two such inner tensors, packed data) raises ``_NoPlainValuesError``:
+    the optimizer then steps the DTensors themselves.
+    """
+    local = tensor.to_local()
+    if type(local) is torch.Tensor:
+        return local
+    inner = [t for t in plain_tensors(local) if t.shape == local.shape and t.dtype == local.dtype]
+    if len(inner) != 1 or type(inner[0]) is not torch.Tensor:
+        raise _NoPlainValuesError(type(local).__qualname__)
+    return inner[0]
 
 
 def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
@@ -396,7 +430,10 @@ def enter_local_step(optimizer: torch.optim.Optimizer) -> None:
     if plan is None or not plan.valid(state):  # a kept plan was built with some grads
         if all(p.grad is None for params in groups for p in params):
             return  # nothing to step (``step()`` after a backward that stepped every bucket)
-        plan = _Plan(groups, fused, state)
+        try:
+            plan = _Plan(groups, fused, state)
+        except _NoPlainValuesError:
+            return  # a subclass shard the step must see whole: it steps the DTensors
         if plan.moved or any(kept.state is not state for kept in plans.values()):
             plans.clear()  # the others hold state tensors that are no longer the state
         plans[key] = plan
@@ -447,10 +484,19 @@ def forget_local_plans(optimizer: torch.optim.Optimizer, *unused: Any) -> None:
     getattr(optimizer, _PLANS_ATTR, {}).clear()
 
 
-def _like_param(value: Any, param: UnevenDTensor, local: torch.Tensor) -> Any:
+def _like_param(value: Any, param: DTensor, local: torch.Tensor) -> Any:
     """A state value the step created: wrapped like ``param`` when shaped like its piece."""
-    if isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0:
+    if not (isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0):
+        return value
+    if isinstance(param, UnevenDTensor):
         return UnevenDTensor.from_local(
             value, param.device_mesh, param.placements, shape=param.shape, pieces=param.pieces
         )
-    return value
+    return DTensor.from_local(  # an extension parameter's torch.chunk pieces
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
