@@ -27,6 +27,7 @@ __all__ = [
     "convert_gpt_to_float8",
     "converts_to_float8",
     "float8_unavailable",
+    "refresh_float8_scales",
 ]
 
 TORCHAO_REQUIREMENT = "torchao>=0.18"
@@ -133,3 +134,16 @@ def convert_gpt_to_float8(model: nn.Module, *, fsdp_float8_all_gather: bool) -> 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     convert_to_float8_training(model, module_filter_fn=converts_to_float8, config=config)
     return converted
+
+
+def refresh_float8_scales(model: nn.Module) -> None:
+    """Compute every FP8-gathering weight's scale in one all-reduce; call after the step.
+
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan calls it:
+    without it each weight all-reduces its own amax when it is gathered. The scale
+    is the same either way (the amax over the whole weight), so losses do not
+    change. A no-op for a model with no such weight (ZeRO-0/1, or not converted).
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

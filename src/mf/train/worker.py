@@ -37,7 +37,11 @@ from mf.models import (
     build_optimizers,
     plain_model,
 )
-from mf.models.float8 import FSDP_FLOAT8_ALL_GATHER, convert_gpt_to_float8
+from mf.models.float8 import (
+    FSDP_FLOAT8_ALL_GATHER,
+    convert_gpt_to_float8,
+    refresh_float8_scales,
+)
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.export import export_model, sample_text
 from mf.train.failures import report_rank_failure
@@ -457,6 +461,8 @@ def _train_step(
         losses.append(loss.detach())
     for optimizer in optimizers:
         optimizer.step()
+    if options.precision == "fp8":
+        refresh_float8_scales(model)
     for optimizer in optimizers:
         optimizer.zero_grad()
     issued = time.perf_counter()
