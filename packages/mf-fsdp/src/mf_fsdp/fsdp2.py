@@ -58,8 +58,8 @@ from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine._tensor_tree import flatten
-from mf_fsdp.engine.hooks import Unit
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
+from mf_fsdp.engine.unit import Unit
 from mf_fsdp.fsdp2_state import TorchStateView
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
 from mf_utils import get_group_device

@@ -55,8 +55,8 @@ from mf_fsdp.buckets.host import device_copies_mark
 from mf_fsdp.buckets.param_group import ParamGroup
 
 if TYPE_CHECKING:
-    from mf_fsdp.engine.hooks import Unit
     from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+    from mf_fsdp.engine.unit import Unit
 
 __all__ = ["BackwardStep", "HandOut", "HostSteps", "StepSome"]
 

@@ -59,26 +59,6 @@ its order and states, the unit's included. Units left gathered by
 ``reshard_after_backward=False`` or an explicit ``unshard`` are released
 before the optimizer step (``release_held``): the step changes their shards.
 
-[Note: communication window] Prefetching walks ahead in the recorded order
-(forward order, or its reverse in backward) while the buckets ahead fit in
-``suggested_communication_unit_size`` elements, at least one unit, and starts
-their gathers as one coalesced collective (``collectives.coalescing``). A
-unit's reduction waits in a queue until the next unit's would overflow that
-window (or the backward ends), then the queue is reduced in one collective.
-Units bigger than the window gather one ahead and reduce at once, as without
-it; small ones (whose collectives cost their latency, not their bytes) share.
-The window slides by one unit per unit run, so gathering whatever entered it
-each time would still cost one collective per unit. A prefetch therefore
-waits until the released units in the window make up half of it, or the next
-unit is among them, or the window reaches the end of the order: each gather
-carries at least half a window (but the last), starts about half a window of
-units before it is needed, and nothing beyond the window is gathered (8
-blocks, a window of 4: 6 all-gathers per ZeRO-3 step instead of 9; 2 gloo
-ranks, the tiny preset with 16 blocks: 9 instead of 23, and the step's host
-time 1.27x plain's instead of 1.35x to 1.38x). The decision reads only the
-units' sizes and states, which every rank shares, so every rank issues the
-same collectives.
-
 This module owns only the per-iteration order and states; it does not build
 buckets, decide *whether* to reduce (the engine's ``SyncPolicy`` does),
 or touch the optimizer.
@@ -87,7 +67,6 @@ or touch the optimizer.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -97,120 +76,20 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
-from mf_fsdp.engine._tensor_tree import flatten
+from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
+from mf_fsdp.engine.unit import (
+    Unit,
+    eager,
+    grad_tensors,
+    on_first_grad,
+    thread_inputs,
+)
 from mf_fsdp.engine.unit_order import OrderAgreement, merge_chains
 
-__all__ = ["RegisterFSDPBackwardFunction", "Unit", "UnitHooks", "eager"]
-
-_REDUCTIONS_IN_FLIGHT = 1
-"""Launched reductions (of one unit, or of a window's queue) that may still run when the next
-one is launched."""
-
-
-class RegisterFSDPBackwardFunction(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs the unit's post-backward.
-
-    =========  ==========================  ===========================
-    pass       tensors                     effect
-    =========  ==========================  ===========================
-    forward    ``*inputs`` -> same tensors  none (no copy, no comm)
-    backward   ``*grads`` -> same grads     calls ``post_backward()``
-    =========  ==========================  ===========================
-    """
-
-    @staticmethod
-    def forward(ctx: Any, post_backward: Callable[[], None], *inputs: torch.Tensor) -> Any:
-        """Remember the callback; return the inputs unchanged."""
-        ctx.post_backward = post_backward
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        """Run the callback (the unit's backward is complete), pass grads through."""
-        ctx.post_backward()
-        return (None, *grads)
-
-
-class Unit:
-    """One FSDP unit (or the root) and its per-iteration state.
-
-    A unit of several modules (``members``, FSDP2's ``fully_shard([norm, output])``)
-    has hooks on each. A unit may run more than once per forward while it is still
-    gathered (a group's members, a layer applied twice in a row); its post-backward
-    waits until the backward of every forward call of the iteration has run
-    (``pending``, where its inputs are threaded, see [Note: where a unit's backward
-    ends]), or until the backward's end when one of them had no input requiring
-    grad. ``reshard_after_forward=False`` keeps the unit gathered from
-    its forward to its backward, ``reshard_after_backward=False`` after its
-    backward, and ``requires_gradient_sync=False`` keeps its grads local
-    (unreduced, accumulating) across backwards (FSDP2's per-module options).
-    ``solo_pending`` counts its calls by itself whose backward has not run (see
-    [Note: a unit called by itself]). ``prefetch_forward`` / ``prefetch_backward``,
-    when set, are the units its forward / backward prefetches instead of the
-    recorded order's window.
-
-    ``index`` is the unit's place in the units' order (the walk order, see
-    ``UnitHooks._reorder``; -1 for the root). Per forward: ``forwarded`` (its
-    collectives were issued: it ran, or it was skipped and stood in for) and
-    ``ran`` (its module ran here).
-    """
-
-    __slots__ = (
-        "_numel",
-        "forwarded",
-        "groups",
-        "index",
-        "members",
-        "module",
-        "name",
-        "pending",
-        "prefetch_backward",
-        "prefetch_forward",
-        "ran",
-        "requires_gradient_sync",
-        "reshard_after_backward",
-        "reshard_after_forward",
-        "solo_pending",
-        "state",
-    )
-
-    def __init__(
-        self,
-        module: nn.Module | None,
-        name: str,
-        groups: list[ParamGroup],
-        members: tuple[nn.Module, ...] = (),
-    ) -> None:
-        self.module = module
-        self.name = name
-        self.groups = groups
-        self.members = members
-        self.index = -1  # set by UnitHooks
-        self.state = TrainingState.IDLE
-        self.forwarded = False
-        self.ran = False
-        self.pending = 0
-        self.reshard_after_forward = True
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.solo_pending = 0
-        self.prefetch_forward: list[Unit] | None = None  # None: the recorded order's window
-        self.prefetch_backward: list[Unit] | None = None
-        self._numel: int | None = None
-
-    @property
-    def numel(self) -> int:
-        """Elements of the unit's whole buckets (what a gather or a reduction moves).
-
-        Read once the engine is built (its groups are final then) and remembered.
-        """
-        if self._numel is None:
-            self._numel = sum(group.layout.padded_numel for group in self.groups)
-        return self._numel
+__all__ = ["UnitHooks"]
 
 
 def _store(hooks: UnitHooks) -> dist.Store | None:
@@ -263,7 +142,6 @@ class UnitHooks:
         on_reduced: Callable[[list[Unit]], None] | None = None,
     ) -> None:
         self._root = root
-        self._on_reduced = on_reduced
         self._units = units
         self._order = list(units)  # the walk order
         self._reversed = units[::-1]
@@ -291,12 +169,10 @@ class UnitHooks:
         self._back = 0  # the reversed order: where the backward is (see _finish_before)
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._last: Unit | None = None  # the last unit that ran, gathered until the next
-        self._reducing: list[list[Unit]] = []  # launched reductions, oldest first
-        self._queued: list[Unit] = []  # reductions waiting for the window to fill
-        self._queued_numel = 0
         self._handles: list[RemovableHandle] = []
         # Every bucket whole on every rank (a shard group of one): nothing to prefetch.
         self._all_whole = all(group.whole_on_every_rank for group in groups)
+        self._comm = CommWindow(strategy, ddp_config, self._all_whole, on_reduced)
         for index, unit in enumerate(units):
             assert unit.module is not None  # internal invariant
             unit.index = index
@@ -311,18 +187,6 @@ class UnitHooks:
                         eager(functools.partial(self._unit_post_forward, unit))
                     )
                 )
-
-    @property
-    def _prefetching(self) -> bool:
-        return (
-            self._strategy.shards_params
-            and self._ddp_config.overlap_param_gather
-            and not self._all_whole
-        )
-
-    @property
-    def _window(self) -> int:
-        return self._ddp_config.suggested_communication_unit_size
 
     def _out_of_order(self, unit: Unit, what: str) -> NoReturn:
         """Stop every rank: ``unit`` cannot be fitted into the units' order (see rank_paths)."""
@@ -355,16 +219,12 @@ class UnitHooks:
         self._in_forward = True
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
-        self._kept = (
-            self._window_of(self._prev_order, len(self._prev_order) - 1, -1, self._window)
-            if self._prefetching
-            else []
-        )
+        self._kept = self._comm.kept_for_backward(self._prev_order)
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
         self._root.forwarded = True
-        ahead = self._prev_order if self._prefetching else []
-        self._start_gathers(self._root, ahead, 0, +1)
+        ahead = self._prev_order if self._comm.prefetching else []
+        self._comm.start_gathers(self._root, ahead, 0, +1)
         for group in self._root.groups:
             group.wait_unshard()
 
@@ -378,9 +238,9 @@ class UnitHooks:
             if unit.members and unit.state is TrainingState.FORWARD:
                 self._release_after_forward(unit)
         self._prev_order = self._fwd_order
-        tensors = _grad_tensors(out)
+        tensors = grad_tensors(out)
         if torch.is_grad_enabled() and tensors:
-            _on_first_grad(tensors, self._root_pre_backward)
+            on_first_grad(tensors, self._root_pre_backward)
         else:
             for unit in (self._root, *self._units):
                 for group in unit.groups:
@@ -422,7 +282,7 @@ class UnitHooks:
         if not torch.is_grad_enabled() or (self._strategy.shards_grads and unit.index > 0):
             return None  # see [Note: where a unit's backward ends]
         unit.pending += 1  # undone by this call's backward, if its inputs thread one
-        return _thread_inputs(functools.partial(self._call_post_backward, unit), args, kwargs)
+        return thread_inputs(functools.partial(self._call_post_backward, unit), args, kwargs)
 
     def _may_run_again(self, unit: Unit) -> bool:
         """Whether ``unit``, run already in this forward, may run again with no collective.
@@ -453,8 +313,8 @@ class UnitHooks:
         self._fwd_order.append(unit)
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)
-            if self._prefetching:
-                self._prefetch(unit, self._prev_order, +1)
+            if self._comm.prefetching:
+                self._comm.prefetch(unit, self._prev_order, +1)
 
     def _release_after_forward(self, unit: Unit) -> None:
         """Release ``unit``'s bucket unless the backward starts with it (see ``_kept``).
@@ -534,9 +394,9 @@ class UnitHooks:
             return
         # Released when another unit runs (a group unit: at the forward's end).
         if self._strategy.shards_grads and torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
-                _on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
+                on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
 
     # ------------------------------------------------------------------ a unit by itself
     def _solo_pre_forward(
@@ -547,7 +407,7 @@ class UnitHooks:
         self._gather(unit, async_op=False)
         if not torch.is_grad_enabled():
             return None
-        threaded = _thread_inputs(functools.partial(self._solo_post_backward, unit), args, kwargs)
+        threaded = thread_inputs(functools.partial(self._solo_post_backward, unit), args, kwargs)
         if threaded is not None:
             unit.solo_pending += 1
         return threaded
@@ -555,9 +415,9 @@ class UnitHooks:
     def _solo_post_forward(self, unit: Unit, output: Any) -> None:
         """Hook the call's backward; release ``unit`` per its ``reshard_after_forward``."""
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
-                _on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
+                on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
         if unit.reshard_after_forward:
             for group in unit.groups:
                 group.reshard()
@@ -589,17 +449,12 @@ class UnitHooks:
         for group in unit.groups:
             group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
-            self._queue_reduction(unit)
+            self._comm.queue_reduction(unit)
         self._release_after_backward(unit)
 
     def _solo_backward_end(self) -> None:
         """The end of a backward only solo calls took part in: the pass stays as it was."""
-        self._launch_reductions()
-        for launched in self._reducing:
-            for unit in launched:
-                for group in unit.groups:
-                    group.finish_reduce()
-        self._reducing = []
+        self._comm.finish_reductions()
         self._callback_queued = False
         if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
             self._on_backward_end()
@@ -664,77 +519,6 @@ class UnitHooks:
         for group in unit.groups:
             group.wait_unshard()
 
-    def _prefetch(self, unit: Unit, order: list[Unit], step: int) -> None:
-        """Start the gathers of the units after ``unit`` in ``order`` (``step``: the direction).
-
-        In chunks of at least half the window (see [Note: communication window]).
-        A unit given its own list for that direction (FSDP2's
-        ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) prefetches
-        exactly those units instead.
-        """
-        listed = unit.prefetch_forward if step > 0 else unit.prefetch_backward
-        if listed is not None:
-            self._start_gathers(None, listed, 0, +1, room=math.inf)
-            return
-        try:
-            position = order.index(unit) + step
-        except ValueError:
-            return
-        ahead = self._window_of(order, position, step, self._window)
-        released = [u for u in ahead if any(group.released for group in u.groups)]
-        if not released:  # the usual case inside a window: all of it is gathered already
-            return
-        last = order[-1] if step > 0 else order[0]
-        if (
-            released[0] is ahead[0]
-            or ahead[-1] is last
-            or 2 * sum(u.numel for u in released) >= self._window
-        ):
-            self._unshard_coalesced(released)
-
-    @staticmethod
-    def _window_of(order: list[Unit], position: int, step: int, room: float) -> list[Unit]:
-        """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1."""
-        chosen: list[Unit] = []
-        while 0 <= position < len(order):
-            unit = order[position]
-            if chosen and unit.numel > room:
-                break
-            chosen.append(unit)
-            room -= unit.numel
-            position += step
-        return chosen
-
-    def _start_gathers(
-        self,
-        first: Unit | None,
-        order: list[Unit],
-        position: int,
-        step: int,
-        room: float | None = None,
-    ) -> None:
-        """Start gathering ``first`` and the units of ``order`` from ``position`` on.
-
-        Walks ``order`` by ``step`` while the units fit in the window together
-        (those already gathered count too), or in ``room`` elements when given
-        (``math.inf``: all of ``order``), taking at least one; all their gathers
-        go out coalesced (see [Note: communication window]).
-        """
-        chosen = [] if first is None else [first]
-        if room is None:
-            room = self._window - sum(unit.numel for unit in chosen)
-        chosen += self._window_of(order, position, step, room)
-        self._unshard_coalesced(chosen)
-
-    def _unshard_coalesced(self, units: list[Unit]) -> None:
-        """Start the gathers of ``units``' released buckets, coalesced within the window."""
-        released = [group for unit in units for group in unit.groups if group.released]
-        if not released:
-            return
-        with collectives.coalescing(self._window):
-            for group in released:
-                group.unshard(async_op=True)
-
     # ------------------------------------------------------------------ backward
     def _ensure_callback(self) -> None:
         if not self._callback_queued:
@@ -752,8 +536,8 @@ class UnitHooks:
         accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
         for group in accumulate:
             group.begin_accumulate()
-        if self._prefetching:
-            self._start_gathers(None, self._fwd_order, len(self._fwd_order) - 1, -1)
+        if self._comm.prefetching:
+            self._comm.start_gathers(None, self._fwd_order, len(self._fwd_order) - 1, -1)
 
     @translated(_store)
     def _unit_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
@@ -778,8 +562,8 @@ class UnitHooks:
         unit.state = TrainingState.PRE_BACKWARD
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)
-            if self._prefetching:
-                self._prefetch(unit, self._fwd_order, -1)
+            if self._comm.prefetching:
+                self._comm.prefetch(unit, self._fwd_order, -1)
         if self._strategy.shards_grads:
             for group in unit.groups:
                 group.begin_accumulate()
@@ -837,45 +621,8 @@ class UnitHooks:
             for group in unit.groups:
                 group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
-            self._queue_reduction(unit)
+            self._comm.queue_reduction(unit)
         self._release_after_backward(unit)
-
-    def _queue_reduction(self, unit: Unit) -> None:
-        """Queue ``unit``'s reduction; launch the queue before it would overflow the window."""
-        if self._queued_numel + unit.numel > self._window:
-            self._launch_reductions()
-        self._queued.append(unit)
-        self._queued_numel += unit.numel
-        if self._queued_numel >= self._window:
-            self._launch_reductions()
-
-    def _launch_reductions(self) -> None:
-        """Reduce the queued units' grads (one coalesced collective when they are small)."""
-        if not self._queued:
-            return
-        launched, self._queued, self._queued_numel = self._queued, [], 0
-        with collectives.coalescing(self._window):
-            for unit in launched:
-                for group in unit.groups:
-                    group.start_reduce(async_op=True)
-        if not self._ddp_config.overlap_grad_reduce:
-            for unit in launched:
-                for group in unit.groups:
-                    group.finish_reduce()
-            if self._on_reduced is not None:
-                self._on_reduced(launched)
-            return
-        self._reducing.append(launched)
-        # The previous reduction had this unit's backward to finish in: wait for it
-        # now, so its whole-bucket grad buffers go back to the pool for the next unit
-        # instead of every unit's buffer living until the end of backward.
-        while len(self._reducing) > _REDUCTIONS_IN_FLIGHT:
-            finished = self._reducing.pop(0)
-            for unit in finished:
-                for group in unit.groups:
-                    group.finish_reduce()
-            if self._on_reduced is not None:
-                self._on_reduced(finished)
 
     @translated(_store)
     def _root_post_backward(self) -> None:
@@ -889,7 +636,7 @@ class UnitHooks:
         self._root.forwarded = True
         if self._root.state is not TrainingState.POST_BACKWARD:
             self._finish(self._root)
-        self._launch_reductions()
+        self._comm.hand_over_reductions()
         for unit in self._units:  # prefetched for a backward that did not reach them
             if unit.state is not TrainingState.POST_BACKWARD:
                 self._release_after_backward(unit)
@@ -899,68 +646,5 @@ class UnitHooks:
             unit.pending = 0
         self._back = 0
         self._callback_queued = False
-        self._reducing = []
         self._on_backward_end()
         self._on_idle()
-
-
-def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, run eagerly when a compiled module calls it (dynamo steps over it).
-
-    [Note: hooks outside the compiled graph] A unit compiled by itself
-    (``block.compile(fullgraph=True)``, before or after wrapping) or inside a
-    compiled model runs the engine's hooks around its graph, as FSDP2 runs its
-    own: they gather and release buffers, swap parameter forms and start
-    collectives, none of which a graph can hold. The graph sees the gathered
-    parameters as inputs.
-    """
-    return torch.compiler.disable(hook, recursive=True, reason="mf-fsdp hooks run eagerly")
-
-
-def _grad_tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors in ``out`` (any pytree, dataclasses included) that require grad."""
-    if isinstance(out, torch.Tensor):  # the common case, without flattening
-        return [out] if out.requires_grad else []
-    flat, _ = flatten(out)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def _thread_inputs(
-    post_backward: Callable[[], None], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The unit's inputs, their grad-requiring tensors threaded through the identity.
-
-    Returns ``(args, kwargs)`` with those tensors replaced by the outputs of
-    ``RegisterFSDPBackwardFunction`` (so ``post_backward`` runs at their
-    backward), or None when no input requires grad.
-
-    Positional tensors alone (a block's ``block(x)``) skip the pytree round
-    trip: it was most of a unit's forward hook cost.
-    """
-    flat: list[Any]
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        flat, rebuild = list(args), None
-    else:
-        flat, rebuild = flatten((args, kwargs))
-    slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not slots:
-        return None
-    wrapped = RegisterFSDPBackwardFunction.apply(post_backward, *(flat[i] for i in slots))
-    for i, t in zip(slots, wrapped, strict=True):
-        flat[i] = t
-    return (tuple(flat), kwargs) if rebuild is None else rebuild(flat)
-
-
-def _on_first_grad(
-    tensors: list[torch.Tensor], hook: Callable[[torch.Tensor | None], None]
-) -> None:
-    """Run ``hook`` once per backward, when the first grad of ``tensors`` is computed.
-
-    A single tensor (a block's output, the loss) takes a plain tensor hook: what
-    ``register_multi_grad_hook(mode="any")`` amounts to for one tensor, at a
-    third of its host cost (measured: 8 against 22 us to register and fire).
-    """
-    if len(tensors) == 1:
-        tensors[0].register_hook(hook)
-    else:
-        torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")

@@ -64,7 +64,7 @@ from mf_fsdp.engine.discover import (
     classify_params,
     extension_dtypes,
 )
-from mf_fsdp.engine.hooks import RegisterFSDPBackwardFunction, Unit, UnitHooks, eager
+from mf_fsdp.engine.hooks import UnitHooks
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import (
     allocate_meta_params,
@@ -80,6 +80,7 @@ from mf_fsdp.engine.sharded_params import (
 )
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
+from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, Unit, eager
 from mf_utils import get_group_device, is_expert_parallel_parameter
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
