@@ -282,7 +282,14 @@ class MegatronFSDP(nn.Module):
         named = list(_managed_named_params(module, ignored))
         extension = classify_params(named)
         check_disjoint_params(named)
-        check_ranks_agree(named, dist_index.get_dp_group() if dist.is_initialized() else None)
+        if dist.is_initialized():  # experts differ across expert-parallel ranks, by design
+            expert = [(n, p) for n, p in named if is_expert_parallel_parameter(p)]
+            check_ranks_agree(
+                [(n, p) for n, p in named if not is_expert_parallel_parameter(p)],
+                dist_index.get_dp_group(),
+            )
+            if expert and dist_index.expert_index is not None:
+                check_ranks_agree(expert, dist_index.expert_index.get_dp_group())
         meta_init = init_model_with_meta_device
         check_extension_params(
             named, extension, self.strategy, self.ddp_config, dist_index, meta_init
