@@ -1,6 +1,6 @@
 """The version policy, enforced: API snapshots, dependent ranges, documented pins.
 
-See the root README, "Versions". Each member's public API (``__all__`` and
+See docs/versions.md. Each member's public API (``__all__`` and
 signatures) is recorded in ``packages/<name>/api.txt`` with the version it
 belongs to; a change fails here until ``python -m tests.api_snapshot <name>``
 records it, which that tool does only after a version bump and a CHANGELOG

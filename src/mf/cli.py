@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mf {installed['mf']}")
     for name in MEMBERS:
         module = importlib.import_module(name.replace("-", "_"))
-        exported = ", ".join(module.__all__) or "(not implemented yet)"
-        print(f"  {name} {installed[name]}: {exported}")
+        print(f"  {name} {installed[name]}: {', '.join(module.__all__)}")
     print("Commands:")
     width = max(len(command) for command, _ in _COMMANDS)
     for command, what in _COMMANDS:

@@ -12,9 +12,10 @@ assumes of its own engine are replaced by what they mean for mf:
   (``uneven_local_piece``). The checks are torch's: names equal, parameters
   are DTensors, local pieces equal, a gradient exists exactly where the
   reference has one and its piece equals the reference's.
-- reduce-scatter spies: torch's ``patch_reduce_scatter`` replaces
-  ``dist.reduce_scatter_single`` (FSDP2's collective); mf's buckets call
-  ``dist.reduce_scatter_tensor``, so that is the one patched.
+- reduce-dtype spies: torch's ``patch_reduce_scatter`` replaces
+  ``dist.reduce_scatter_single`` (FSDP2's collective), which mf never calls; on
+  gloo mf packs small reduce-scatters into all-reduces. The tests spy on every
+  collective mf hands to torch.distributed instead (``tests/fsdp/_issued.py``).
 - ``assertEqual``: torch's ``TestCase.assertEqual`` itself (its dtype-based
   tolerances), through one ``TestCase`` instance per rank.
 
@@ -23,9 +24,7 @@ Nothing here asserts on its own: the assertions stay in the test bodies.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,6 @@ __all__ = [
     "WORLD",
     "broadcast_params",
     "check_sharded_parity",
-    "patch_reduce_scatter",
     "replicated_reference",
     "torch_case",
 ]
@@ -108,16 +106,3 @@ def check_sharded_parity(
         case.assertIsNotNone(param.grad)
         case.assertIsInstance(param.grad, DTensor)
         case.assertEqual(param.grad.to_local(), _reference_piece(ref_param.grad, param))
-
-
-@contextlib.contextmanager
-def patch_reduce_scatter(replacement: Callable[..., object]) -> Iterator[None]:
-    """``dist.reduce_scatter_tensor`` replaced inside the block (all ranks enter together)."""
-    original = dist.reduce_scatter_tensor
-    dist.barrier()
-    dist.reduce_scatter_tensor = replacement
-    try:
-        yield
-    finally:
-        dist.barrier()
-        dist.reduce_scatter_tensor = original

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -154,8 +155,24 @@ def assert_matches_reference(
 
 
 BF16_LOSS_RTOL = 2e-2
-"""bf16 keeps 8 mantissa bits (~0.4% per rounding): over 10 Adam steps the loss stays
-within 2% of fp32, while a wrong scale or a lost update moves it further."""
+"""bf16 keeps 8 mantissa bits (~0.4% per rounding): over 10 steps the loss stays within
+2% of fp32. A loss check alone cannot fail a run that does not train (the tiny GPT at
+lr=0 stays within 1.96% of the trained one over 5 steps at world 2), so bf16 tests also
+check the parameters (``assert_bf16_trained``)."""
+
+BF16_PARAM_RTOL = {"sgd": 0.05, "adam": 0.9}
+"""How far a bf16 run's parameter may end from the fp32 run's, as a fraction of how far
+the fp32 run moved it from its initial value. Measured on the tiny GPT over 10 steps (5
+for the FSDP2 front end): SGD at most 0.012 (with the gradients doubled: up to 6.3, 1.8
+on average); Adam at most 0.76 (a qkv bias whose gradient is near zero, where bf16 flips
+the sign of Adam's step now and then; torch's FSDP2 under the same policy: the same). A
+parameter the optimizer never moved (a lost update) is at 1.0."""
+
+BF16_MODEL_RTOL = {"sgd": 0.05, "adam": 0.25}
+"""The same fraction over the whole model (all parameters as one vector). Measured as
+above: SGD at most 0.009, Adam at most 0.12 (a model that never moved: 1.0). Adam
+normalises its step, so a wrong gradient scale barely moves it (doubled gradients: 0.11):
+SGD is what shows a wrong scale."""
 
 
 def assert_losses_close(
@@ -171,9 +188,48 @@ def assert_losses_close(
     )
 
 
-def assert_bf16_losses_close(losses: list[float], fp32_losses: list[float], label: str) -> None:
-    """A bf16-compute run's losses against the fp32 run's (see ``BF16_LOSS_RTOL``)."""
+def assert_bf16_trained(
+    losses: list[float],
+    params: dict[str, torch.Tensor],
+    fp32_losses: list[float],
+    fp32_params: dict[str, torch.Tensor],
+    initial: dict[str, torch.Tensor],
+    label: str,
+    opt_name: str,
+) -> None:
+    """A bf16-compute run trained as the fp32 run of the same steps did.
+
+    Its losses are within ``BF16_LOSS_RTOL`` of the fp32 run's, and its (fp32 main)
+    parameters ended near the fp32 run's: each within ``BF16_PARAM_RTOL[opt_name]``,
+    and the whole model within ``BF16_MODEL_RTOL[opt_name]``, of how far the fp32 run
+    moved them from ``initial``. A run that lost updates, or scaled its gradients
+    wrongly under SGD, ends further away.
+    """
     assert_losses_close(losses, fp32_losses, label, BF16_LOSS_RTOL)
+    assert params.keys() == fp32_params.keys(), sorted(params.keys() ^ fp32_params.keys())
+    off, moved = {}, {}
+    for name, value in params.items():
+        off[name] = (value.float() - fp32_params[name]).norm().item()
+        moved[name] = (fp32_params[name] - initial[name]).norm().item()
+        assert moved[name] > 0.0, f"{label}: the fp32 run never moved {name}"
+    ratios = {name: off[name] / moved[name] for name in params}
+    worst = max(ratios, key=ratios.__getitem__)
+    assert ratios[worst] <= BF16_PARAM_RTOL[opt_name], (
+        f"{label}: {worst} ended {ratios[worst]:.3f} of the fp32 run's distance from its "
+        f"initial value away from the fp32 run's value (at most {BF16_PARAM_RTOL[opt_name]})"
+    )
+    whole = math.sqrt(sum(v * v for v in off.values())) / math.sqrt(
+        sum(v * v for v in moved.values())
+    )
+    assert whole <= BF16_MODEL_RTOL[opt_name], (
+        f"{label}: the model ended {whole:.3f} of the fp32 run's distance from its initial "
+        f"values away from the fp32 run's (at most {BF16_MODEL_RTOL[opt_name]})"
+    )
+
+
+def initial_params(make: Callable[[], torch.nn.Module] = make_model) -> dict[str, torch.Tensor]:
+    """The parameters a run starts from (``make()``'s, before any step)."""
+    return {n: p.detach().clone() for n, p in make().named_parameters()}
 
 
 def train_micro_batches(

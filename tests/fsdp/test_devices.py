@@ -16,11 +16,12 @@ import torch
 import mf_fsdp
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
-    assert_bf16_losses_close,
+    assert_bf16_trained,
     assert_losses_match,
     assert_matches_reference,
     batch,
     full_params,
+    initial_params,
     make_model,
     make_optimizer,
     unit_classes,
@@ -157,20 +158,32 @@ def test_step_in_backward_and_host_side_state_equal_plain_pytorch(device: str) -
 
 
 def _rank_bf16(rank: int, world: int, device: str) -> None:
-    fp32_losses, _ = _plain(device, "adam", 10)
     policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for strategy in (0, 3):
-        model, opt = _wrapped(
-            device, "adam", zero_dp_strategy=strategy, mixed_precision_policy=policy
-        )
-        loss = model(*(t.to(device) for t in batch(0, 0)))
-        assert loss.dtype is torch.bfloat16
-        loss.backward()
-        opt.zero_grad()
-        losses = _train(model, opt, device, range(10))
-        _assert_on(device, model, opt)
-        assert next(iter(opt.state.values()))["exp_avg"].dtype is torch.float32
-        assert_bf16_losses_close(losses, fp32_losses, f"{device} bf16 ZeRO-{strategy}")
+    initial = initial_params()
+    for opt_name in ("sgd", "adam"):
+        fp32_losses, fp32_params = _plain(device, opt_name, 10)
+        for strategy in (0, 3):
+            model, opt = _wrapped(
+                device, opt_name, zero_dp_strategy=strategy, mixed_precision_policy=policy
+            )
+            loss = model(*(t.to(device) for t in batch(0, 0)))
+            assert loss.dtype is torch.bfloat16
+            loss.backward()
+            opt.zero_grad()
+            losses = _train(model, opt, device, range(10))
+            _assert_on(device, model, opt)
+            if opt_name == "adam":
+                assert next(iter(opt.state.values()))["exp_avg"].dtype is torch.float32
+            params = {n: v.cpu() for n, v in full_params(model).items()}
+            assert_bf16_trained(
+                losses,
+                params,
+                fp32_losses,
+                {n: v.cpu() for n, v in fp32_params.items()},
+                initial,
+                f"{device} bf16 ZeRO-{strategy} {opt_name}",
+                opt_name,
+            )
 
 
 @pytest.mark.multiprocess

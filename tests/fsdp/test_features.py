@@ -15,9 +15,10 @@ from mf_fsdp.buckets.buffer_pool import KEEP_BELOW_BYTES
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
     CONFIG,
-    assert_bf16_losses_close,
+    assert_bf16_trained,
     batch,
     full_params,
+    initial_params,
     make_model,
     make_optimizer,
     reference_run,
@@ -373,32 +374,39 @@ def _rank_features(rank: int, world: int) -> None:
     # the backward starts with it, so it stays gathered from its forward on.
     assert counts_by_mode[True] == counts_by_mode[False] == 1 + 2 * CONFIG.n_layers - 1
 
-    # bf16 compute with fp32 main weights stays close to the fp32 run, in every strategy.
-    fp32_losses, _ = reference_run("adam", world, 10)
+    # bf16 compute with fp32 main weights trains as the fp32 run does, in every strategy:
+    # SGD, whose step is the gradient itself, shows a wrong gradient scale; Adam the
+    # usual recipe, fp32 state included.
     policy = mf_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for strategy in range(4):
-        module = make_model()
-        opt = make_optimizer("adam", module.parameters())
-        model, opt = mf_fsdp.fully_shard(
-            module,
-            opt,
-            fsdp_unit_modules=unit_classes(),
-            zero_dp_strategy=strategy,
-            mixed_precision_policy=policy,
-        )
-        assert model.memory_footprint()["main_params"] > 0  # fp32 main + bf16 compute
-        losses = []
-        for step in range(10):
-            loss = model(*batch(step, rank))
-            assert loss.dtype is torch.bfloat16
-            loss.backward()
-            total = loss.detach().float()
-            dist.all_reduce(total)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total.item() / world)
-        assert next(iter(opt.state.values()))["exp_avg"].dtype is torch.float32
-        assert_bf16_losses_close(losses, fp32_losses, f"bf16 z{strategy}")
+    initial = initial_params()
+    for opt_name in ("sgd", "adam"):
+        fp32_losses, fp32_params = reference_run(opt_name, world, 10)
+        for strategy in range(4):
+            module = make_model()
+            opt = make_optimizer(opt_name, module.parameters())
+            model, opt = mf_fsdp.fully_shard(
+                module,
+                opt,
+                fsdp_unit_modules=unit_classes(),
+                zero_dp_strategy=strategy,
+                mixed_precision_policy=policy,
+            )
+            assert model.memory_footprint()["main_params"] > 0  # fp32 main + bf16 compute
+            losses = []
+            for step in range(10):
+                loss = model(*batch(step, rank))
+                assert loss.dtype is torch.bfloat16
+                loss.backward()
+                total = loss.detach().float()
+                dist.all_reduce(total)
+                opt.step()
+                opt.zero_grad()
+                losses.append(total.item() / world)
+            if opt_name == "adam":
+                assert next(iter(opt.state.values()))["exp_avg"].dtype is torch.float32
+            label = f"bf16 z{strategy} {opt_name}"
+            params = full_params(model)
+            assert_bf16_trained(losses, params, fp32_losses, fp32_params, initial, label, opt_name)
 
 
 @pytest.mark.multiprocess

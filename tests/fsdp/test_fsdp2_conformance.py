@@ -11,8 +11,8 @@ torch runs most of them at 4 or 8 ranks; here 2 (4 where HSDP needs it).
 Scenarios mf cannot run yet are ``xfail(strict=True)`` with the reason, so they
 flip when the feature lands. This module holds torch's training tests;
 ``test_fsdp2_conformance_autograd`` the autograd and ignored-parameter ones,
-``test_fsdp2_conformance_state`` the mixed-precision and state-dict ones. The
-README's "torch's FSDP2 tests on mf" lists all of them.
+``test_fsdp2_conformance_state`` the mixed-precision and state-dict ones. docs/fsdp2.md,
+"torch's FSDP2 tests on mf", lists all of them.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ test's kept subtests run in one launch, as torch's ``run_subtests`` runs them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -21,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import SaveForwardInputsModel
-from torch.testing._internal.common_fsdp import MLP, reduce_scatter_with_assert
+from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     ModelArgs,
     Transformer,
@@ -35,9 +37,9 @@ from tests.fsdp._fsdp2_conformance import (
     WORLD,
     broadcast_params,
     check_sharded_parity,
-    patch_reduce_scatter,
     torch_case,
 )
+from tests.fsdp._issued import REDUCTIONS, Issued, spy_collectives
 
 preload_in_ranks(*RANK_MODULES)
 
@@ -60,12 +62,24 @@ def _models_and_optims(reshard_after_forward: bool, param_dtype, reduce_dtype):
     return ref_model, ref_optim, model, optim
 
 
-def _spy_reduce_scatter(case, dtype: torch.dtype):
-    """torch's ``reduce_scatter_with_assert``: every reduce-scatter's output is in ``dtype``."""
-    check = lambda output: case.assertEqual(output.dtype, dtype)  # noqa: E731
-    return patch_reduce_scatter(
-        functools.partial(reduce_scatter_with_assert, case, dist.reduce_scatter_tensor, check)
-    )
+@contextlib.contextmanager
+def _spy_reductions(case, dtype: torch.dtype, seen: list[Issued]) -> Iterator[None]:
+    """torch's ``reduce_scatter_with_assert``, on the reductions mf really issues.
+
+    torch patches FSDP2's ``reduce_scatter_single``, which mf never calls; on gloo mf
+    packs small reduce-scatters into one all-reduce. So every collective the block
+    hands to torch.distributed is spied on (``spy_collectives``): each reduction must
+    be in ``dtype``, none may go point to point (where the kind is not seen), and the
+    reductions are added to ``seen``, which the test checks is not empty at its end
+    (a micro-batch without gradient sync reduces nothing).
+    """
+    with spy_collectives() as issued:
+        yield
+    case.assertEqual([call for call in issued if call.kind == "point_to_point"], [])
+    for call in issued:
+        if call.kind in REDUCTIONS:
+            case.assertEqual(call.dtype, dtype)
+            seen.append(call)
 
 
 def _copy_back(ref_model, ref_model_low) -> None:
@@ -77,6 +91,7 @@ def _copy_back(ref_model, ref_model_low) -> None:
 
 def _rank_compute_dtype(rank: int, world: int) -> None:
     case = torch_case()
+    seen: list[Issued] = []  # the reductions mf issued
     param_dtype = torch.bfloat16
     for reshard_after_forward in (False, True):
         ref_model, ref_optim, model, optim = _models_and_optims(
@@ -91,7 +106,7 @@ def _rank_compute_dtype(rank: int, world: int) -> None:
         for iter_idx in range(10):
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             fsdp_loss = model(inp).sum()
-            with _spy_reduce_scatter(case, param_dtype):
+            with _spy_reductions(case, param_dtype, seen):
                 fsdp_loss.backward()
             optim.step()
 
@@ -117,6 +132,7 @@ def _rank_compute_dtype(rank: int, world: int) -> None:
             _copy_back(ref_model, ref_model_low)
             case.assertEqual(fsdp_loss, ref_loss)
             check_sharded_parity(case, ref_model, model)
+    case.assertTrue(seen, "mf issued no reduction")
 
 
 @pytest.mark.multiprocess
@@ -132,6 +148,7 @@ def test_compute_dtype() -> None:
 
 def _rank_reduce_dtype_fp32(rank: int, world: int) -> None:
     case = torch_case()
+    seen: list[Issued] = []  # the reductions mf issued
     param_dtype, reduce_dtype = torch.bfloat16, torch.float32
     for reshard_after_forward in (False, True):
         ref_model, ref_optim, model, optim = _models_and_optims(
@@ -143,7 +160,7 @@ def _rank_reduce_dtype_fp32(rank: int, world: int) -> None:
         for iter_idx in range(10):
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             fsdp_loss = model(inp).sum()
-            with _spy_reduce_scatter(case, reduce_dtype):
+            with _spy_reductions(case, reduce_dtype, seen):
                 fsdp_loss.backward()
             optim.step()
 
@@ -163,10 +180,12 @@ def _rank_reduce_dtype_fp32(rank: int, world: int) -> None:
             _copy_back(ref_model, ref_model_low)
             case.assertEqual(fsdp_loss, ref_loss)
             check_sharded_parity(case, ref_model, model)
+    case.assertTrue(seen, "mf issued no reduction")
 
 
 def _rank_reduce_dtype_bf16(rank: int, world: int) -> None:
     case = torch_case()
+    seen: list[Issued] = []  # the reductions mf issued
     param_dtype, reduce_dtype = torch.float32, torch.bfloat16
     for reshard_after_forward in (False, True):
         ref_model, ref_optim, model, optim = _models_and_optims(
@@ -177,7 +196,7 @@ def _rank_reduce_dtype_bf16(rank: int, world: int) -> None:
         for iter_idx in range(10):
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             fsdp_loss = model(inp).sum()
-            with _spy_reduce_scatter(case, reduce_dtype):
+            with _spy_reductions(case, reduce_dtype, seen):
                 fsdp_loss.backward()
             optim.step()
 
@@ -195,6 +214,7 @@ def _rank_reduce_dtype_bf16(rank: int, world: int) -> None:
             ref_optim.step()
             case.assertEqual(fsdp_loss, ref_loss)
             check_sharded_parity(case, ref_model, model)
+    case.assertTrue(seen, "mf issued no reduction")
 
 
 def _rank_reduce_dtype(rank: int, world: int) -> None:
@@ -214,6 +234,7 @@ def test_reduce_dtype() -> None:
 
 def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
     case = torch_case()
+    seen: list[Issued] = []  # the reductions mf issued
     reshard_after_forward = True
     torch.manual_seed(42)
     param_dtype, reduce_dtype = torch.bfloat16, torch.float32
@@ -239,7 +260,7 @@ def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
             for each in (ref_model_compute, model):
                 losses.append(each(microbatch_inps[microbatch_idx].detach()).sum())
                 case.assertEqual(losses[-1].dtype, param_dtype)
-                with _spy_reduce_scatter(case, reduce_dtype):
+                with _spy_reductions(case, reduce_dtype, seen):
                     losses[-1].backward()
             case.assertEqual(losses[0], losses[1])
             for ref_param, ref_param_compute in zip(
@@ -263,6 +284,7 @@ def _rank_grad_acc_reduce_dtype(rank: int, world: int) -> None:
         ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
         optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
         _copy_back(ref_model, ref_model_compute)
+    case.assertTrue(seen, "mf issued no reduction")
 
 
 @pytest.mark.multiprocess

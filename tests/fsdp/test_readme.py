@@ -1,4 +1,8 @@
-"""The README's examples run as written on 2 gloo ranks: the quick start, and Muon + AdamW."""
+"""mf-fsdp's package page: its example runs as written on 2 gloo ranks.
+
+The page's other python blocks are fragments of that program (the FSDP2 import);
+the longer examples live in docs/using-mf.md (``tests/integration/test_readme.py``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ README = pathlib.Path(__file__).parents[2] / "packages" / "mf-fsdp" / "README.md
 
 
 def _examples() -> list[str]:
-    """The complete programs among the README's python blocks (the others are fragments)."""
+    """The complete programs among the page's python blocks (the others are fragments)."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     return [code for code in blocks if "init_process_group" in code]
 
@@ -26,6 +30,6 @@ def _rank_examples(rank: int, world: int, examples: list[str]) -> None:
 @pytest.mark.multiprocess
 def test_readme_examples_run() -> None:
     examples = _examples()
-    assert len(examples) == 2
-    assert "torch.optim.Muon" in examples[1]
+    assert len(examples) == 1
+    assert "mf_fsdp.fully_shard(" in examples[0]
     run_on_ranks(_rank_examples, 2, examples, timeout=120)

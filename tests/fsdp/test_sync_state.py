@@ -4,9 +4,9 @@
 gradient states and what the engine does at each point of a step. The unit
 tests walk them without a process group; the multi-rank test drives a real
 engine through ``no_sync`` accumulation, a deferred reduction, accumulating
-after a reduction, ``sync()``, the HSDP dp_outer stage (once per step) and
-``zero_grad`` in each state, asserting the states and the gradients against
-one process.
+after a reduction, ``sync()``, the HSDP dp_outer stage (once per step),
+``zero_grad`` in each state and ``set_model_auto_sync`` both ways, asserting the
+states and the gradients against one process.
 """
 
 from __future__ import annotations
@@ -196,6 +196,26 @@ def _rank_drive(rank: int, world: int, level: int, hsdp: bool, scaled: bool) -> 
     backward(7)
     model.finish_grad_sync()
     _check_grads(model, original, [7], world, "after zero_grad in flight", scaled)
+    # set_model_auto_sync, the reference's switch: on, the last micro-batch's backward
+    # ends with every reduction landed (HSDP: the dp_outer stage too), before any
+    # finish_grad_sync; off again, the wait moves back to the step.
+    model.zero_grad()
+    model.set_model_auto_sync(True)
+    assert model.model_auto_sync
+    with model.no_sync():
+        backward(8)
+    backward(9)
+    assert states() == {(Local.CLEAN, Reduced.FULL)}
+    _check_grads(model, original, [8, 9], world, "set_model_auto_sync(True)", scaled)
+    model.set_model_auto_sync(False)
+    assert not model.model_auto_sync
+    model.zero_grad()
+    with model.no_sync():
+        backward(10)
+    backward(11)
+    assert states() == {(Local.REDUCING, Reduced.NONE)}
+    model.finish_grad_sync()
+    _check_grads(model, original, [10, 11], world, "set_model_auto_sync(False)", scaled)
 
 
 @pytest.mark.multiprocess

@@ -90,7 +90,7 @@ def test_a_held_folder_is_refused_naming_the_option_and_the_holder(tmp_path: Pat
 
 def test_one_folder_for_both_and_nested_folders_lock_once_each(tmp_path: Path) -> None:
     """--ckpt-dir == --out-dir: one lock, named for both; --ckpt-dir inside --out-dir (the
-    README's layout): two locks that do not block each other."""
+    default layout, docs/training.md): two locks that do not block each other."""
     same = _options(tmp_path / "run", tmp_path / "run")
     with acquire_run_locks(same, None):
         assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_FILE]

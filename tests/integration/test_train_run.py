@@ -417,7 +417,7 @@ def test_mf_train_on_a_gpu(tmp_path: Path, precision: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_worker_module_runs_under_torchrun(tmp_path: Path) -> None:
-    """The multi-node entry (README): ``torchrun ... -m mf.train.worker <options>``, here 1 node."""
+    """The multi-node entry (docs/training.md): ``torchrun ... -m mf.train.worker``, 1 node."""
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     command += ["--rdzv-endpoint", "127.0.0.1:0", "-m", "mf.train.worker", *_TINY]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,11 +77,6 @@ class RunResult:
     calls_by_kind: dict[str, float] = field(default_factory=dict)
     bytes_by_kind: dict[str, float] = field(default_factory=dict)
     gathers_fp8: bool = False
-
-    @property
-    def median_step(self) -> float:
-        """Median of the measured step times."""
-        return statistics.median(self.step_seconds)
 
 
 def _rss_bytes(field_name: str) -> int:

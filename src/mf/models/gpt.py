@@ -96,8 +96,7 @@ def layer_drop(
     LayerDrop (Fan et al., 2019) regularises depth by skipping whole blocks at
     random while training. The draws are on the CPU ``generator`` (no device
     sync); seeded per rank, different ranks skip different blocks, which an
-    FSDP engine must handle (mf-fsdp does: see its README, "Ranks that take
-    different paths").
+    FSDP engine must handle (mf-fsdp does: see docs/rank-paths.md).
     """
     keep = torch.rand(len(blocks), generator=generator).ge(rate).tolist()
     return [block for block, kept in zip(blocks, keep, strict=True) if kept]

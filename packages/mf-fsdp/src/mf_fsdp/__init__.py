@@ -1,7 +1,7 @@
 """mf_fsdp: fully sharded data parallelism (ZeRO-0..3) over flat, bucketed buffers.
 
-Start with ``fully_shard(model, optimizer, fsdp_unit_modules=[Block])``; see the
-README for the gradient-reduction contract and the strategies. Code written for
+Start with ``fully_shard(model, optimizer, fsdp_unit_modules=[Block])``; see
+docs/sharding.md for the gradient-reduction contract and the strategies. Code written for
 PyTorch FSDP2 uses ``mf_fsdp.fsdp2.fully_shard`` instead (same interface, mf's engine).
 """
 

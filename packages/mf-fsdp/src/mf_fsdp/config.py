@@ -24,7 +24,7 @@ __all__ = [
 
 
 class ZeroDPStrategy(enum.StrEnum):
-    """What a data-parallel rank shards (see the README's strategy table).
+    """What a data-parallel rank shards (see the strategy table in docs/sharding.md).
 
     - ``no_shard`` (0): full params and grads everywhere, grads all-reduced.
     - ``optim`` (1): optimizer state and main weights sharded (ZeRO-1).
@@ -198,12 +198,12 @@ class DistributedDataParallelConfig:
             parameters of units no rank ran are found, at no cost.
         optimizer_step_in_backward: (ZeRO-2/3) step each bucket's parameters as soon
             as its gradients are reduced, inside the backward, then free the bucket's
-            gradients (see the README's "Optimizer step inside the backward");
+            gradients (see docs/performance.md, "Optimizer step inside the backward");
             ``optimizer.step()`` then only finishes what is pending.
         offload_optimizer_state: (ZeRO-1/2/3) keep the main weights, the optimizer
             state and a copy of the reduced gradients in host memory (pinned when the
             device is CUDA) and step the optimizer there; the device keeps only the
-            compute weights and the gradients being reduced (see the README's
+            compute weights and the gradients being reduced (see docs/performance.md,
             "Optimizer state on the host").
     """
 

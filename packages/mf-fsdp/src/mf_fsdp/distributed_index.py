@@ -303,12 +303,6 @@ class FSDPDistributedIndex:
         return 1 if group is None else dist.get_world_size(group)
 
     @property
-    def outer_rank(self) -> int:
-        """This rank's index in the ``dp_outer`` group (0 without one)."""
-        group = self.outer_fsdp_group
-        return 0 if group is None else dist.get_rank(group)
-
-    @property
     def dp_size(self) -> int:
         """Number of data-parallel ranks (dp_outer x dp_shard)."""
         return dist.get_world_size(self.get_dp_group())

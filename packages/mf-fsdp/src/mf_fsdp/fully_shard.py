@@ -105,14 +105,15 @@ def fully_shard_model(
             parameters of units that no rank ran get none.
         optimizer_step_in_backward: (ZeRO-2/3) run each bucket's optimizer step inside
             the backward, as soon as its gradients are reduced, and free them at once
-            (``DistributedDataParallelConfig``; see the README). Needs the optimizer
+            (``DistributedDataParallelConfig``; see docs/performance.md). Needs the optimizer
             bound (``fully_shard`` or ``fully_shard_optimizer``) and elementwise; no
             global-norm clipping.
         offload_optimizer_state: (ZeRO-1/2/3) keep the fp32 main weights, the optimizer
             state and the reduced gradients' copy in host memory (pinned on CUDA) and
             step there with torch's multi-tensor kernels; the device keeps the compute
             weights and the gradients being reduced (``DistributedDataParallelConfig``;
-            see the README). Needs an elementwise optimizer; no tensor parallelism.
+            see docs/performance.md). Needs an elementwise optimizer; no tensor
+            parallelism.
 
     Returns:
         The ``MegatronFSDP`` wrapping ``module``.

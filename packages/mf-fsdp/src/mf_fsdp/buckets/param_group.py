@@ -18,7 +18,7 @@ gathered, are explicit states (``buckets/grad_state.py``).
 Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
 to it, so the units of one backward reuse each other's buffers.
 
-Reduction contract (see the README): after ``reduce_outer`` the store holds
+Reduction contract (see docs/sharding.md): after ``reduce_outer`` the store holds
 ``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
 (mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
 division into the collective. Grads of parameters marked
