@@ -2,10 +2,12 @@
 
 torch's FSDP2 and mf ZeRO-3 on the tiny preset, each in bf16 and with the blocks'
 linears in torchao float8. The last table sets each engine's fp8 run against its
-bf16 run: tokens/s, and the bytes each rank sends in all-gathers per step. An
-engine that gathers in bf16 (FSDP2 on gloo, which has no float8 dtypes; mf until
-``FSDP_FLOAT8_ALL_GATHER`` is on) sends the same bytes as in bf16; one that gathers
-in FP8 sends about half, plus the small weights that stay bf16.
+bf16 run: tokens/s, and the bytes each rank sends in one no-grad forward (the
+weights it gathers). An engine that gathers in bf16 (FSDP2 on gloo, which has no
+float8 dtypes; mf until ``FSDP_FLOAT8_ALL_GATHER`` is on) sends the same bytes as
+in bf16; one that gathers in FP8 sends about half, plus the weights that stay bf16.
+The run at world 2 also proves that the counter leaves mf's gloo gathers working
+(it once put back an unbound method, and the profiled step after it failed).
 """
 
 from __future__ import annotations

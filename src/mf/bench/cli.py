@@ -22,9 +22,9 @@ utilisation.
 
 ``--precision`` takes a list (``bf16,fp8``): one table per precision, and with
 both bf16 and fp8 a third that sets fp8 against bf16 for each engine: tokens/s
-and the weight bytes each rank sends in all-gathers per step (fp8: the blocks'
-linears in torchao float8; ``FP8 gather`` says whether the engine gathers them in
-FP8, see ``mf.bench.engines.gathers_float8``).
+and the bytes each rank sends in one no-grad forward, which are the weights it
+gathers (fp8: the blocks' linears in torchao float8; ``FP8 gather`` says whether
+the engine gathers them in FP8, see ``mf.bench.engines.gathers_float8``).
 
 A second table per preset shows the host's cost per step against ``plain``
 (the bare model, no wrapper, no communication): the main thread's CPU ms, the
@@ -54,8 +54,6 @@ __all__ = ["main"]
 
 _MIB = 2**20
 PRECISIONS = ("fp32", "bf16", "fp8")
-_GATHERS = ("all_gather_single", "all_gather")
-"""The collectives that carry weights to the ranks (FSDP's all-gathers)."""
 
 
 def _launch(spec: RunSpec, world_size: int) -> dict[str, Any]:
@@ -302,28 +300,23 @@ def _run_preset(
     return runs
 
 
-def _gathered(result: dict[str, Any]) -> float:
-    """Bytes this rank sent in all-gathers per step (the weights FSDP gathers)."""
-    return sum(result["bytes_by_kind"].get(kind, 0.0) for kind in _GATHERS)
-
-
 def _fp8_against_bf16(bf16: Runs, fp8: Runs) -> list[str]:
     """Per engine and recipe: fp8's tokens/s and gathered bytes against bf16's."""
     rows = [
         "-- fp8 against bf16 --",
         f"{'engine':<25} {'optim':<11} {'tok/s bf16':>10} {'tok/s fp8':>10} {'x bf16':>7} "
-        f"{'gather MiB bf16':>15} {'gather MiB fp8':>14} {'x bf16':>7} {'FP8 gather':>10}",
+        f"{'fwd MiB bf16':>12} {'fwd MiB fp8':>11} {'x bf16':>7} {'FP8 gather':>10}",
     ]
     for case, results in fp8.items():
         base = bf16.get(case)
         if not base:
             continue
         speed = [rs[0]["tokens_per_step"] / _median_step(rs) for rs in (base, results)]
-        gathered = [_gathered(rs[0]) / _MIB for rs in (base, results)]
+        gathered = [rs[0]["forward_gather_bytes"] / _MIB for rs in (base, results)]
         ratio = f"{gathered[1] / gathered[0]:7.3f}" if gathered[0] else f"{'-':>7}"
         rows.append(
             f"{case[0]:<25} {case[1]:<11} {speed[0]:10.0f} {speed[1]:10.0f} "
-            f"{speed[1] / speed[0]:7.3f} {gathered[0]:15.2f} {gathered[1]:14.2f} {ratio} "
+            f"{speed[1] / speed[0]:7.3f} {gathered[0]:12.2f} {gathered[1]:11.2f} {ratio} "
             f"{'yes' if results[0]['gathers_fp8'] else 'no':>10}"
         )
     return rows

@@ -66,15 +66,10 @@ _EXACT_BYTES: dict[str, Callable[[list[Any]], int]] = {
 
 @dataclass
 class CommCounter:
-    """Tally of collectives and ring-model bytes sent by this rank while :meth:`counting`.
-
-    ``bytes_by_kind`` splits ``bytes_sent`` by collective (``all_gather_single``: the
-    weights an FSDP engine gathers).
-    """
+    """Tally of collectives and ring-model bytes sent by this rank while :meth:`counting`."""
 
     calls: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
-    bytes_by_kind: dict[str, float] = field(default_factory=dict)
     enabled: bool = False
     _batch: set[str] | None = field(default=None, repr=False)  # kinds seen in an open batch
 
@@ -90,7 +85,6 @@ class CommCounter:
         if self._batch is not None:
             self._batch.add(name)
         self.bytes_sent += sent_bytes
-        self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0.0) + sent_bytes
 
     def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @contextlib.contextmanager
@@ -120,7 +114,6 @@ class CommCounter:
         """Forget everything counted so far."""
         self.calls.clear()
         self.bytes_sent = 0.0
-        self.bytes_by_kind.clear()
 
     @property
     def num_calls(self) -> int:

@@ -75,7 +75,7 @@ class RunResult:
     bytes_sent_per_step: float = 0.0
     wire_bytes_per_step: float | None = None
     calls_by_kind: dict[str, float] = field(default_factory=dict)
-    bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    forward_gather_bytes: float = 0.0
     gathers_fp8: bool = False
 
 
@@ -286,7 +286,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     result.calls_per_step = counter.num_calls / spec.steps
     result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps
-    result.bytes_by_kind = {k: v / spec.steps for k, v in counter.bytes_by_kind.items()}
+    result.forward_gather_bytes = _forward_gather_bytes(model, batch[0], autocast, device)
     if distributed and bytes_written() is not None and device.type == "cpu":
         result.wire_bytes_per_step = _mean_over_ranks(wire_local / spec.steps, device)
     if name == "ddp":
@@ -297,6 +297,23 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
         peak = _rss_bytes("VmHWM") - baseline
     result.peak_bytes = int(_max_over_ranks(float(peak), device))
     return result
+
+
+def _forward_gather_bytes(
+    model: nn.Module, tokens: torch.Tensor, autocast: bool, device: torch.device
+) -> float:
+    """Bytes this rank sends in one no-grad forward: the weights it gathers, nothing else.
+
+    Whatever collectives an engine gathers with (all-gathers, gloo's point-to-point
+    batches), a forward without autograd sends weights only.
+    """
+    counter = CommCounter()
+    with counter.installed(), torch.no_grad():
+        counter.enabled = True
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+            model(tokens)
+        counter.enabled = False
+    return counter.bytes_sent
 
 
 def _to_float8(model: nn.Module, gathers_fp8: bool) -> None:
