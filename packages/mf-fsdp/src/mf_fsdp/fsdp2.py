@@ -596,7 +596,7 @@ class FSDPModule(TorchFSDPModule):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state dict: its own keys, sharded DTensor values."""
         engine = _ensure_built(self)
-        with engine._sharded_forms():
+        with engine._forms.sharded():
             return super().state_dict(*args, **kwargs)
 
     def load_state_dict(
@@ -620,7 +620,7 @@ class FSDPModule(TorchFSDPModule):
             _check_assignable(self, state_dict, meta=engine._awaiting_to_empty)
             if engine._awaiting_to_empty:
                 engine.to_empty(device=engine.device)
-        with engine._sharded_forms():
+        with engine._forms.sharded():
             return super().load_state_dict(state_dict, strict=strict)
 
     def _get_fsdp_state(self) -> TorchStateView:
@@ -801,7 +801,7 @@ def _check_assignable(module: nn.Module, state_dict: Mapping[str, Any], meta: bo
     device (``meta``), a tensor the state dict leaves without a value.
     """
     engine = _ensure_built(module)
-    with engine._sharded_forms():
+    with engine._forms.sharded():
         own = dict(nn.Module.state_dict(module, keep_vars=True))
     missing = sorted(own.keys() - state_dict.keys())
     if meta and missing:

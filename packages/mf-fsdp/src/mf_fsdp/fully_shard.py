@@ -26,7 +26,8 @@ from mf_fsdp.config import (
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_engine_options, check_module_to_wrap
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
+from mf_fsdp.engine.options import check_engine_options
 from mf_fsdp.optim.optimizer import Optimizers, fully_shard_optimizer
 from mf_utils import get_group_device
 

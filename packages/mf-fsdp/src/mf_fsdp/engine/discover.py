@@ -1,8 +1,11 @@
-"""Checks on the parameters a model hands the engine, before any of them moves into a bucket.
+"""What the engine is given: the model's parameters, where each lives, and what it refuses.
 
-Every parameter the engine cannot carry correctly is refused here, in one line
-that names it, on every rank: a silent wrong result (the weights a module sees
-no longer being the weights the optimizer steps) is the worst outcome.
+``discover`` runs once when the engine is built and returns, for every managed
+parameter, its names, its registrations and its tensor-parallel facts
+(``ParamSource``), and which parameters are ignored. On the way it refuses,
+in one line that names the parameter, on every rank, what the engine cannot
+carry correctly: a silent wrong result (the weights a module sees no longer
+being the weights the optimizer steps) is the worst outcome.
 
 - **Tensor classes** (``classify_params``). A parameter's tensor (a DTensor's
   local tensor for tensor parallelism) is either plain, or a subclass that
@@ -10,7 +13,9 @@ no longer being the weights the optimizer steps) is the worst outcome.
   ``fsdp_post_all_gather``, see ``buckets/extension.py``): torchao's float8
   training weights and NF4 tensors. Any other subclass is refused: the engine
   copies a parameter's values into flat buffers and back, which loses what a
-  subclass keeps beside them (a scale, a quantisation, the data itself).
+  subclass keeps beside them (a scale, a quantisation, the data itself). The
+  extension itself is refused where the engine does not gather through it
+  (``check_extension_params``).
 - **Shared memory** (``check_disjoint_params``). Two parameter objects whose
   memory overlaps (views of one tensor) are two names for some of the same
   numbers; the engine gives each its own buffer, so an update to one would
@@ -20,35 +25,33 @@ no longer being the weights the optimizer steps) is the worst outcome.
   group must hold the same parameters with the same dtypes and shapes: the
   buckets, and every collective on them, are built from those facts on each
   rank alone. A rank with another dtype would otherwise send other bytes than
-  its peers expect (gloo aborts the process in C++).
+  its peers expect (gloo aborts the process in C++). Expert parameters are
+  compared within the expert-data-parallel group (expert-parallel ranks hold
+  different experts by design).
 
 Nothing here builds buckets or moves data; ``check_ranks_agree`` is the one
-collective (one ``all_gather_object`` when the engine is built).
+collective (an ``all_gather_object`` per group when the engine is built).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mf_fsdp.buckets.param_group import GroupDtypes
-from mf_fsdp.config import DistributedDataParallelConfig, MixedPrecisionPolicy, ZeroDPStrategy
+from mf_fsdp.buckets.param_group import ParamSource
+from mf_fsdp.buckets.tp_params import tp_info, validate_tp_params
+from mf_fsdp.config import DistributedDataParallelConfig, ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_utils import is_expert_parallel_parameter
 
-__all__ = [
-    "check_disjoint_params",
-    "check_extension_params",
-    "check_ranks_agree",
-    "classify_params",
-    "extension_dtypes",
-]
+__all__ = ["Discovered", "discover"]
 
 SUPPORTED = (
     "plain tensors, DTensors on the tensor-parallel mesh, and tensor subclasses that implement "
@@ -156,31 +159,6 @@ def check_extension_params(
         )
 
 
-def extension_dtypes(name: str, param: nn.Parameter, policy: MixedPrecisionPolicy) -> GroupDtypes:
-    """The dtypes of an extension parameter's bucket.
-
-    Its shard is stepped in its own dtype, as FSDP2 steps the sharded subclass:
-    main weights and grads are the parameter's dtype; the compute dtype (what
-    ``fsdp_post_all_gather`` is given) and the reduction's follow the policy.
-
-    Raises:
-        ValueError: for a trainable parameter whose dtype is not the policy's
-            ``main_params_dtype``.
-    """
-    main = param.dtype
-    wanted = policy.main_params_dtype
-    if param.requires_grad and wanted is not None and wanted != main:
-        raise ValueError(
-            f"mixed_precision_policy: main_params_dtype={wanted} but parameter {name!r} "
-            f"({type(param).__qualname__}, {main}) implements FSDP2's all-gather extension, "
-            "whose shard the optimizer steps in its own dtype; expected main_params_dtype="
-            f"{main} or None (or the subclass built in {wanted})"
-        )
-    compute = policy.param_dtype or main
-    comm = policy.grad_comm_dtype or policy.main_grads_dtype or main
-    return GroupDtypes(compute, main, main, comm)
-
-
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[begin, end)`` of ``tensor``'s storage its elements can touch."""
     pairs = zip(tensor.shape, tensor.stride(), strict=True)
@@ -262,3 +240,163 @@ def check_ranks_agree(
                 "expected every rank to hold the same parameters with the same class, dtype, "
                 "shape and requires_grad (the buckets and their collectives are built from them)"
             )
+
+
+def refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
+    """Raise if a parameter is tensor-parallel: ``offload_optimizer_state`` does not cover TP.
+
+    Raises:
+        ValueError: naming the option and a TP parameter.
+    """
+    tp = next((s.fqns[0] for s in sources.values() if s.tp is not None), None)
+    if tp is not None:
+        raise ValueError(
+            f"offload_optimizer_state=True is not supported with tensor parallelism: parameter "
+            f"{tp!r} is tensor-parallel; expected a model without TP parameters (or turn "
+            "offload_optimizer_state off)"
+        )
+
+
+def check_ignored(module: nn.Module, ignored_params: Collection[nn.Parameter]) -> set[int]:
+    """The ``id``s of ``ignored_params``, each checked to be a parameter of ``module``.
+
+    Raises:
+        TypeError: if ``ignored_params`` is not a collection of parameters.
+        ValueError: naming an entry that is not a parameter of ``module``, or when every
+            parameter of ``module`` is ignored.
+    """
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
+        raise TypeError(
+            f"ignored_params: expected a collection of parameters, got {ignored_params!r}"
+        )
+    own = {id(p) for p in module.parameters()}
+    for param in ignored_params:
+        if not isinstance(param, torch.Tensor) or id(param) not in own:
+            shown = tuple(param.shape) if isinstance(param, torch.Tensor) else param
+            raise ValueError(
+                f"ignored_params: {shown!r} is not a parameter of {type(module).__name__}; "
+                "expected parameters of the module being sharded"
+            )
+    ignored = {id(p) for p in ignored_params}
+    if own and own <= ignored:
+        raise ValueError(
+            f"ignored_params: every parameter of {type(module).__name__} is ignored; "
+            "expected at least one parameter to shard"
+        )
+    return ignored
+
+
+def managed_named_params(
+    module: nn.Module, ignored: set[int]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((n, p) for n, p in module.named_parameters() if id(p) not in ignored)
+
+
+def index_chooser(
+    module: nn.Module, dist_index: FSDPDistributedIndex, ignored: set[int]
+) -> Callable[[nn.Parameter], FSDPDistributedIndex]:
+    """The index each parameter of ``module`` lives on: the expert one for expert parameters.
+
+    Raises:
+        ValueError: naming an expert parameter when ``dist_index`` has no expert mesh.
+    """
+    expert = next(
+        (n for n, p in managed_named_params(module, ignored) if is_expert_parallel_parameter(p)),
+        None,
+    )
+    if expert is not None and dist_index.expert_index is None:
+        raise ValueError(
+            f"dist_index: parameter {expert!r} is an expert parameter (allreduce=False) but "
+            "the FSDPDistributedIndex has no expt_device_mesh; expected one whose "
+            f"{dist_index.dp_shard_dim!r} dim is the expert-data-parallel group (its "
+            "gradients must not be reduced over the whole data-parallel group)"
+        )
+
+    def index_of(param: nn.Parameter) -> FSDPDistributedIndex:
+        if dist_index.expert_index is not None and is_expert_parallel_parameter(param):
+            return dist_index.expert_index
+        return dist_index
+
+    return index_of
+
+
+def param_sources(
+    module: nn.Module,
+    index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
+    strategy: ZeroDPStrategy,
+    ignored: set[int],
+) -> dict[int, ParamSource]:
+    """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
+
+    Raises:
+        ValueError: for a scalar (0-d) parameter under a sharded strategy, or a TP
+            split the engine cannot describe (see ``tp_info``).
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((owner, attr))
+    sources = {}
+    for name, param in managed_named_params(module, ignored):
+        if strategy.level > 0 and param.dim() == 0:
+            raise ValueError(
+                f"module: parameter {name!r} is a scalar (0-d); sharded strategies split "
+                "dim 0, so expected at least one dim (reshape it to (1,), as FSDP2 asks)"
+            )
+        sources[id(param)] = ParamSource(
+            tuple(names[id(param)]), tuple(slots[id(param)]), tp_info(name, param, index_of(param))
+        )
+    return sources
+
+
+@dataclass(frozen=True, slots=True)
+class Discovered:
+    """What the engine builds its buckets from.
+
+    Attributes:
+        ignored: the ``id``s of the parameters the engine leaves alone.
+        sources: per managed parameter (by ``id``): its names, registrations, TP facts.
+    """
+
+    ignored: set[int]
+    sources: dict[int, ParamSource]
+
+
+def discover(
+    module: nn.Module,
+    dist_index: FSDPDistributedIndex,
+    strategy: ZeroDPStrategy,
+    ddp_config: DistributedDataParallelConfig,
+    ignored_params: Collection[nn.Parameter],
+    meta_init: bool,
+) -> Discovered:
+    """Check every parameter of ``module`` and describe each the engine manages.
+
+    Collective (``check_ranks_agree``) once a process group is initialised.
+
+    Raises:
+        TypeError / ValueError: for what the module docstring lists, for ignored
+            parameters that are not the module's, and for tensor-parallel parameters
+            the engine cannot describe (``buckets/tp_params.py``).
+    """
+    ignored = check_ignored(module, ignored_params)
+    named = list(managed_named_params(module, ignored))
+    extension = classify_params(named)
+    check_disjoint_params(named)
+    if dist.is_initialized():
+        expert = [(n, p) for n, p in named if is_expert_parallel_parameter(p)]
+        dense = [(n, p) for n, p in named if not is_expert_parallel_parameter(p)]
+        check_ranks_agree(dense, dist_index.get_dp_group())
+        if expert and dist_index.expert_index is not None:
+            check_ranks_agree(expert, dist_index.expert_index.get_dp_group())
+    check_extension_params(named, extension, strategy, ddp_config, dist_index, meta_init)
+    index_of = index_chooser(module, dist_index, ignored)
+    validate_tp_params(named, index_of, meta_init)
+    sources = param_sources(module, index_of, strategy, ignored)
+    if ddp_config.offload_optimizer_state:
+        refuse_offloaded_tp(sources)
+    return Discovered(ignored, sources)

@@ -31,11 +31,10 @@ at the end of each backward; the buffers themselves belong to
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
+import dataclasses
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -43,35 +42,28 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.host import wait_for_device_copies
-from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout
+from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.buckets.param import FSDPParam
-from mf_fsdp.buckets.param_group import BufferPool, GroupDtypes, ParamGroup, ParamSource, ReduceSpec
-from mf_fsdp.buckets.tp_params import tp_info, validate_tp_params
-from mf_fsdp.buckets.units import BucketSpec, lay_out, plan_buckets, resolve_unit_classes
+from mf_fsdp.buckets.param_group import ParamGroup
+from mf_fsdp.buckets.units import plan_buckets, resolve_unit_classes
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine.assemble import BucketOptions, assemble, first_gather, reduce_spec_for
 from mf_fsdp.engine.backward_step import BackwardStep, StepSome
-from mf_fsdp.engine.discover import (
-    check_disjoint_params,
-    check_extension_params,
-    check_ranks_agree,
-    classify_params,
-    extension_dtypes,
-)
+from mf_fsdp.engine.discover import discover
+from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.hooks import UnitHooks
 from mf_fsdp.engine.load_hooks import register_load_hooks
-from mf_fsdp.engine.meta_init import (
-    allocate_meta_params,
-    describe_meta_init,
-    materialize_meta_params,
-)
-from mf_fsdp.engine.rank_paths import default_store, translated
+from mf_fsdp.engine.meta_init import describe_meta_init
+from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
+from mf_fsdp.engine.rank_paths import translated
 from mf_fsdp.engine.sharded_params import (
     MANAGED_ATTR,
     OWNER_ATTR,
@@ -80,8 +72,8 @@ from mf_fsdp.engine.sharded_params import (
 )
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
-from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, Unit, eager
-from mf_utils import get_group_device, is_expert_parallel_parameter
+from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
+from mf_utils import get_group_device
 
 __all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
 
@@ -117,45 +109,6 @@ def check_module_to_wrap(module: object) -> None:
         )
 
 
-def check_engine_options(mixed_precision_policy: object, gradient_scaling_factor: object) -> None:
-    """Check the types (and the scaling factor's value) of two engine options.
-
-    Raises:
-        TypeError: if ``mixed_precision_policy`` is not a ``MixedPrecisionPolicy`` or
-            None, or ``gradient_scaling_factor`` is not a real number or None.
-        ValueError: if ``gradient_scaling_factor`` is not finite and positive.
-    """
-    if mixed_precision_policy is not None and not isinstance(
-        mixed_precision_policy, MixedPrecisionPolicy
-    ):
-        raise TypeError(
-            f"mixed_precision_policy: expected a MixedPrecisionPolicy or None, got "
-            f"{mixed_precision_policy!r} ({type(mixed_precision_policy).__name__}); e.g. "
-            "MixedPrecisionPolicy(param_dtype=torch.bfloat16) for bf16 compute"
-        )
-    if gradient_scaling_factor is not None:
-        check_gradient_factor("gradient_scaling_factor", gradient_scaling_factor)
-
-
-def check_gradient_factor(name: str, value: object) -> float:
-    """``value`` as a float, if it is a finite positive real number (``name`` for the error).
-
-    Raises:
-        TypeError: if ``value`` is not a real number.
-        ValueError: if it is zero, negative or not finite.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name}: expected a real number or None, got {value!r} ({type(value).__name__})"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{name}: expected a finite positive factor, got {value!r} (zero, negative or "
-            "non-finite factors would erase, flip or poison every gradient)"
-        )
-    return float(value)
-
-
 class _StepFlags:
     """The engine's flags that change every step, kept off the ``nn.Module``.
 
@@ -165,13 +118,12 @@ class _StepFlags:
     meets while tracing for a constant and fails to guard on it.
     """
 
-    __slots__ = ("grads_final", "sharded_registered", "zero_pending", "zero_releases")
+    __slots__ = ("grads_final", "zero_pending", "zero_releases")
 
     def __init__(self) -> None:
         self.zero_pending = False  # an optimizer's zero_grad waits for the others'
         self.zero_releases = True  # every zero_grad since the last zeroing set grads to None
         self.grads_final = False  # see MegatronFSDP.finish_grad_sync
-        self.sharded_registered = False  # the modules hold the sharded forms
 
 
 class MegatronFSDP(nn.Module):
@@ -260,7 +212,6 @@ class MegatronFSDP(nn.Module):
                 "zero_dp_strategy='no_shard' (every rank would hold the whole model)"
             )
         self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy()
-        self._unit_policies = _unit_policies(module, unit_mixed_precision)
         self.calculate_per_token_loss = calculate_per_token_loss
         self.sync_policy = SyncPolicy(self.strategy.shards_grads, sync_model_each_microbatch)
         self.device = device or get_group_device(dist_index.fsdp_group)
@@ -268,8 +219,6 @@ class MegatronFSDP(nn.Module):
         self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._flags = _StepFlags()
         self._pool = BufferPool()
-        self._gradient_divide_factor: float | None = None
-        self._awaiting_to_empty = False  # see [Note: meta-device flows]
         self._install_pending = False
         self._backward_step = (
             BackwardStep(self, self._hand_out)
@@ -278,44 +227,48 @@ class MegatronFSDP(nn.Module):
         )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
-        ignored = _check_ignored(module, ignored_params)
-        named = list(_managed_named_params(module, ignored))
-        extension = classify_params(named)
-        check_disjoint_params(named)
-        if dist.is_initialized():  # experts differ across expert-parallel ranks, by design
-            expert = [(n, p) for n, p in named if is_expert_parallel_parameter(p)]
-            check_ranks_agree(
-                [(n, p) for n, p in named if not is_expert_parallel_parameter(p)],
-                dist_index.get_dp_group(),
-            )
-            if expert and dist_index.expert_index is not None:
-                check_ranks_agree(expert, dist_index.expert_index.get_dp_group())
-        meta_init = init_model_with_meta_device
-        check_extension_params(
-            named, extension, self.strategy, self.ddp_config, dist_index, meta_init
+        found = discover(
+            module,
+            dist_index,
+            self.strategy,
+            self.ddp_config,
+            ignored_params,
+            init_model_with_meta_device,
         )
-        index_of = _index_chooser(module, dist_index, ignored)
-        validate_tp_params(
-            _managed_named_params(module, ignored), index_of, init_model_with_meta_device
-        )
-        sources = _param_sources(module, index_of, self.strategy, ignored)
-        if self.ddp_config.offload_optimizer_state:
-            _refuse_offloaded_tp(sources)
         specs = plan_buckets(
             module,
             resolve_unit_classes(fsdp_unit_modules),
             disable_bucketing,
             unit_modules,
-            ignored,
+            found.ignored,
         )
-        self._build_units(
-            specs, sources, alignment, init_model_with_meta_device, gradient_scaling_factor
+        self._bucket_options = BucketOptions(
+            dist_index,
+            self.strategy,
+            self.ddp_config,
+            self.device,
+            self.mixed_precision_policy,
+            unit_policies(module, unit_mixed_precision),
+            calculate_per_token_loss,
+            gradient_scaling_factor,
+            None,
+            alignment,
         )
+        parts = assemble(
+            module,
+            specs,
+            found.sources,
+            self._bucket_options,
+            self._pool,
+            init_model_with_meta_device,
+        )
+        self._root, self._units, self.groups = parts.root, parts.units, parts.groups
+        self._awaiting_to_empty = parts.awaiting_to_empty  # see [Note: meta-device flows]
         build_sharded_params(self, self.groups, self.strategy)
         self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
-        self._build_forms()
-        self._register_sharded()
+        self._forms = ParamForms(self.fsdp_params, self.groups)
+        self._forms.register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
             self._units,
@@ -325,12 +278,12 @@ class MegatronFSDP(nn.Module):
             reduce_now=self.sync_policy.reduce_at_unit_end,
             on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
-            on_idle=self._register_sharded,
+            on_idle=self._forms.register_sharded,
             step=lambda: self.sync_policy.steps,
             peers=dist.get_process_group_ranks(dist_index.get_dp_group())
             if dist.is_initialized()
             else None,
-            on_compute=self._register_compute,
+            on_compute=self._forms.register_compute,
             on_reduced=None if self._backward_step is None else self._backward_step.step_units,
         )
         # The root's gather and release run around every call of the wrapped module,
@@ -340,29 +293,6 @@ class MegatronFSDP(nn.Module):
         register_load_hooks(self)
 
     # ------------------------------------------------------------------ construction
-    def _build_forms(self) -> None:
-        """Index the parameters' forms: by compute form, and every slot holding two forms.
-
-        Built again when an extension parameter's compute form is made late (a model
-        wrapped on the meta device, see ``_gather_new_extensions``).
-        """
-        self._by_compute = {id(fp.compute): fp for fp in self.fsdp_params}
-        # Extension parameters' compute forms replaced the originals (see ParamGroup._adopt).
-        self._replaced = {
-            id(original): (group.replaced, group.fsdp_params[0])
-            for group in self.groups
-            if group.replaced is not None and (original := group.replaced()) is not None
-        }
-        # Every registration of a parameter with two forms (ZeRO-0 without TP has one
-        # object for both, which never swaps): a swap is one store per slot, 4 x the
-        # parameters every step, so it must not cost more.
-        self._form_slots: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = [
-            (module._parameters, attr, fp.compute, fp.sharded)
-            for fp in self.fsdp_params
-            if fp.sharded is not fp.compute
-            for module, attr in fp.slots
-        ]
-
     def _gather_new_extensions(self) -> None:
         """Gather the extension buckets wrapped on the meta device once: that makes their forms.
 
@@ -370,64 +300,13 @@ class MegatronFSDP(nn.Module):
         """
         fresh = [g for g in self.groups if g.extension and g.replaced is None]
         for group in fresh:
-            self._first_gather(group)
+            first_gather(group)
             group.reshard()
             fp = group.fsdp_params[0]
             setattr(fp.compute, OWNER_ATTR, weakref.ref(self))
             setattr(fp.compute, MANAGED_ATTR, True)
         if fresh:
-            self._build_forms()
-
-    def _build_units(
-        self,
-        specs: list[BucketSpec],
-        sources: dict[int, ParamSource],
-        alignment: int,
-        meta_init: bool,
-        gradient_scaling_factor: float | None,
-    ) -> None:
-        by_unit: dict[int, Unit] = {}
-        self._root = Unit(None, "", [])
-        self._units: list[Unit] = []
-        self.groups: list[ParamGroup] = []
-        dense = self.dist_index
-        self._gradient_scaling_factor = gradient_scaling_factor
-        for spec in specs:
-            index = dense.get_expert_index("MegatronFSDP") if spec.expert else dense
-            reduce_spec = self._reduce_spec(index)
-            world = index.dp_size if index.hsdp_outer_dp_shard else index.shard_size
-            for part, layout in lay_out(spec, world, alignment):
-                group = self._new_group(part, sources, layout, index, reduce_spec)
-                self.groups.append(group)
-                if part.unit is None:
-                    unit = self._root
-                else:
-                    unit = by_unit.get(id(part.unit))
-                    if unit is None:
-                        unit = Unit(part.unit, part.unit_name, [], part.members)
-                        by_unit[id(part.unit)] = unit
-                        self._units.append(unit)
-                unit.groups.append(group)
-        for unit in (self._root, *self._units):
-            self._fill(unit, meta_init)
-
-    def _reduce_spec(self, index: FSDPDistributedIndex) -> ReduceSpec:
-        """How the gradients of buckets on ``index`` are reduced (the engine's options).
-
-        Over gloo the mean is taken in the collective whatever the option says
-        (the sum divided by the ranks: rounded once, not per rank), which spares
-        the main thread a pass over the whole bucket (see
-        ``collectives.divides_after_reduction``).
-        """
-        return ReduceSpec.build(
-            self.dist_index.dp_size,
-            self.calculate_per_token_loss,
-            self.ddp_config.average_in_collective
-            or collectives.divides_after_reduction(index.fsdp_group),
-            self._gradient_scaling_factor,
-            reduce_size=index.dp_size,
-            divide_factor=self._gradient_divide_factor,
-        )
+            self._forms.rebuild(self.fsdp_params, self.groups)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
@@ -449,79 +328,9 @@ class MegatronFSDP(nn.Module):
                 "average_in_collective no longer apply",
                 stacklevel=2,
             )
-        self._gradient_divide_factor = factor
+        self._bucket_options = dataclasses.replace(self._bucket_options, divide_factor=factor)
         for group in self.groups:
-            group.reduce_spec = self._reduce_spec(group.dist_index)
-
-    def _new_group(
-        self,
-        spec: BucketSpec,
-        sources: dict[int, ParamSource],
-        layout: BucketLayout,
-        index: FSDPDistributedIndex,
-        reduce_spec: ReduceSpec,
-    ) -> ParamGroup:
-        """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
-        policy = self._unit_policies.get(id(spec.unit), self.mixed_precision_policy)
-        dtypes = GroupDtypes(*policy.resolve(spec.params[0].dtype))
-        if spec.extension:
-            dtypes = extension_dtypes(spec.names[0], spec.params[0], policy)
-        if self.strategy.level > 0 and dtypes.grads != dtypes.main:
-            raise ValueError(
-                f"mixed_precision_policy: main_grads_dtype={dtypes.grads} must equal "
-                f"main_params_dtype={dtypes.main} for sharded strategies (the optimizer "
-                "reads the reduced gradient store directly)"
-            )
-        if self.ddp_config.grad_reduce_in_fp32:
-            dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
-        return ParamGroup(
-            list(spec.params),
-            [sources[id(p)] for p in spec.params],
-            layout,
-            self.strategy,
-            dtypes,
-            index,
-            self.device,
-            self._pool,
-            reduce_spec,
-            late_grads=spec.extension or (spec.unit is None and self.strategy.shards_grads),
-            mark_unused_params=self.ddp_config.find_unused_parameters,
-            offload=self.ddp_config.offload_optimizer_state,
-            extension=spec.extension,
-        )
-
-    def _fill(self, unit: Unit, meta_init: bool) -> None:
-        """Copy a unit's parameter values into its buffers (see [Note: meta-device flows])."""
-        params = {p for g in unit.groups for p in g.params}
-        awaiting = set()
-        if any(p.is_meta for p in params):
-            if meta_init:
-                root = self.module if unit.module is None else unit.module
-                materialize_meta_params(self.module, root, params, self.device)
-            else:  # FSDP2's flow: the values come from the model's init after to_empty()
-                awaiting = {id(p) for p in params if p.is_meta}
-                extensions = {id(g.params[0]) for g in unit.groups if g.extension}
-                allocate_meta_params([p for p in params if id(p) not in extensions], self.device)
-                self._awaiting_to_empty = True
-        for group in unit.groups:
-            for index, param in enumerate(group.params):
-                if id(param) not in awaiting or group.extension:  # a meta shard, materialised
-                    group.copy_in(index, param)  # by to_empty()
-            if group.extension:
-                if id(group.params[0]) not in awaiting:
-                    self._first_gather(group)
-            else:
-                group.point_params_at_buffer()
-            group.reshard()
-
-    @translated(lambda self: default_store())
-    def _first_gather(self, group: ParamGroup) -> None:
-        """Gather an extension bucket once: that builds its compute form (``buckets/extension``).
-
-        A hook that fails on one rank stops every rank (the peers may be waiting in
-        a collective the hooks started, or in the gather).
-        """
-        group.point_params_at_buffer()
+            group.reduce_spec = reduce_spec_for(group.dist_index, self._bucket_options)
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -545,7 +354,7 @@ class MegatronFSDP(nn.Module):
             self._gather_new_extensions()
             self.install_optimized_model_weights()
         self._pool.release_large()
-        self._register_compute()
+        self._forms.register_compute()
         self._unit_hooks.root_pre_forward()
 
     def _root_post_forward(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
@@ -579,7 +388,7 @@ class MegatronFSDP(nn.Module):
     def _on_backward_start(self) -> None:
         """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
         self._flags.grads_final = False
-        self._register_compute()
+        self._forms.register_compute()
         if self._backward_step is not None:
             self._backward_step.begin(self._optimizers)
         if not self._flags.zero_pending:
@@ -892,11 +701,8 @@ class MegatronFSDP(nn.Module):
         Raises:
             ValueError: if ``param`` is not a parameter managed by this engine.
         """
-        fp = self._by_compute.get(id(param))
+        fp = self._forms.record_of(param)
         if fp is not None:
-            return fp.sharded
-        ref, fp = self._replaced.get(id(param), (None, None))
-        if ref is not None and ref() is param and fp is not None:
             return fp.sharded
         if owner_of(param) is self:
             return param
@@ -957,31 +763,6 @@ class MegatronFSDP(nn.Module):
         self._install_pending = True
         return self
 
-    def _register_sharded(self) -> None:
-        """Let every owning module hold the sharded form (between passes)."""
-        if not self._flags.sharded_registered:
-            for parameters, attr, _, sharded in self._form_slots:
-                parameters[attr] = sharded
-            self._flags.sharded_registered = True
-
-    def _register_compute(self) -> None:
-        """Let every owning module hold the compute form (forward and backward)."""
-        if self._flags.sharded_registered:
-            for parameters, attr, compute, _ in self._form_slots:
-                parameters[attr] = compute
-            self._flags.sharded_registered = False
-
-    @contextlib.contextmanager
-    def _sharded_forms(self) -> Iterator[None]:
-        """Register the sharded forms for the block, then restore what was registered."""
-        was_sharded = self._flags.sharded_registered
-        self._register_sharded()
-        try:
-            yield
-        finally:
-            if not was_sharded:
-                self._register_compute()
-
     def __getattr__(self, name: str) -> Any:
         """Resolve what the wrapper lacks on the wrapped module, as if it were that module."""
         try:
@@ -1023,7 +804,7 @@ class MegatronFSDP(nn.Module):
                 "MegatronFSDP.state_dict: positional arguments are not supported; pass "
                 "destination=, prefix= and keep_vars= by name"
             )
-        with self._sharded_forms():
+        with self._forms.sharded():
             return self.module.state_dict(
                 destination=destination, prefix=prefix, keep_vars=keep_vars
             )
@@ -1049,143 +830,5 @@ class MegatronFSDP(nn.Module):
                 whose shape differs from its parameter's.
         """
         del assign  # values are always copied into the engine's buffers
-        with self._sharded_forms():
+        with self._forms.sharded():
             return self.module.load_state_dict(state_dict, strict=strict)
-
-
-def _refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
-    """Raise if a parameter is tensor-parallel: ``offload_optimizer_state`` does not cover TP.
-
-    Raises:
-        ValueError: naming the option and a TP parameter.
-    """
-    tp = next((s.fqns[0] for s in sources.values() if s.tp is not None), None)
-    if tp is not None:
-        raise ValueError(
-            f"offload_optimizer_state=True is not supported with tensor parallelism: parameter "
-            f"{tp!r} is tensor-parallel; expected a model without TP parameters (or turn "
-            "offload_optimizer_state off)"
-        )
-
-
-def _unit_policies(
-    module: nn.Module, policies: Mapping[nn.Module, MixedPrecisionPolicy] | None
-) -> dict[int, MixedPrecisionPolicy]:
-    """``unit_mixed_precision`` by the ``id`` of each unit module, each entry checked.
-
-    Raises:
-        TypeError: if it is not a mapping of submodules of ``module`` to
-            ``MixedPrecisionPolicy``s.
-    """
-    if policies is None:
-        return {}
-    if not isinstance(policies, Mapping):
-        raise TypeError(
-            f"unit_mixed_precision: expected a mapping of unit modules to "
-            f"MixedPrecisionPolicy, got {policies!r}"
-        )
-    inside = {id(m) for m in module.modules()}
-    for unit, policy in policies.items():
-        if not isinstance(unit, nn.Module) or id(unit) not in inside:
-            raise TypeError(
-                f"unit_mixed_precision: key {unit!r} is not a submodule of "
-                f"{type(module).__name__}; expected unit modules"
-            )
-        check_engine_options(policy, None)
-    return {id(unit): policy for unit, policy in policies.items()}
-
-
-def _check_ignored(module: nn.Module, ignored_params: Collection[nn.Parameter]) -> set[int]:
-    """The ``id``s of ``ignored_params``, each checked to be a parameter of ``module``.
-
-    Raises:
-        TypeError: if ``ignored_params`` is not a collection of parameters.
-        ValueError: naming an entry that is not a parameter of ``module``, or when every
-            parameter of ``module`` is ignored.
-    """
-    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
-        raise TypeError(
-            f"ignored_params: expected a collection of parameters, got {ignored_params!r}"
-        )
-    own = {id(p) for p in module.parameters()}
-    for param in ignored_params:
-        if not isinstance(param, torch.Tensor) or id(param) not in own:
-            shown = tuple(param.shape) if isinstance(param, torch.Tensor) else param
-            raise ValueError(
-                f"ignored_params: {shown!r} is not a parameter of {type(module).__name__}; "
-                "expected parameters of the module being sharded"
-            )
-    ignored = {id(p) for p in ignored_params}
-    if own and own <= ignored:
-        raise ValueError(
-            f"ignored_params: every parameter of {type(module).__name__} is ignored; "
-            "expected at least one parameter to shard"
-        )
-    return ignored
-
-
-def _managed_named_params(
-    module: nn.Module, ignored: set[int]
-) -> Iterator[tuple[str, nn.Parameter]]:
-    return ((n, p) for n, p in module.named_parameters() if id(p) not in ignored)
-
-
-def _index_chooser(
-    module: nn.Module, dist_index: FSDPDistributedIndex, ignored: set[int]
-) -> Callable[[nn.Parameter], FSDPDistributedIndex]:
-    """The index each parameter of ``module`` lives on: the expert one for expert parameters.
-
-    Raises:
-        ValueError: naming an expert parameter when ``dist_index`` has no expert mesh.
-    """
-    expert = next(
-        (n for n, p in _managed_named_params(module, ignored) if is_expert_parallel_parameter(p)),
-        None,
-    )
-    if expert is not None and dist_index.expert_index is None:
-        raise ValueError(
-            f"dist_index: parameter {expert!r} is an expert parameter (allreduce=False) but "
-            "the FSDPDistributedIndex has no expt_device_mesh; expected one whose "
-            f"{dist_index.dp_shard_dim!r} dim is the expert-data-parallel group (its "
-            "gradients must not be reduced over the whole data-parallel group)"
-        )
-
-    def index_of(param: nn.Parameter) -> FSDPDistributedIndex:
-        if dist_index.expert_index is not None and is_expert_parallel_parameter(param):
-            return dist_index.expert_index
-        return dist_index
-
-    return index_of
-
-
-def _param_sources(
-    module: nn.Module,
-    index_of: Callable[[nn.Parameter], FSDPDistributedIndex],
-    strategy: ZeroDPStrategy,
-    ignored: set[int],
-) -> dict[int, ParamSource]:
-    """Names, registrations and TP facts of every parameter of ``module``, by ``id``.
-
-    Raises:
-        ValueError: for a scalar (0-d) parameter under a sharded strategy, or a TP
-            split the engine cannot describe (see ``tp_info``).
-    """
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in module.modules():
-        for attr, param in owner._parameters.items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((owner, attr))
-    sources = {}
-    for name, param in _managed_named_params(module, ignored):
-        if strategy.level > 0 and param.dim() == 0:
-            raise ValueError(
-                f"module: parameter {name!r} is a scalar (0-d); sharded strategies split "
-                "dim 0, so expected at least one dim (reshape it to (1,), as FSDP2 asks)"
-            )
-        sources[id(param)] = ParamSource(
-            tuple(names[id(param)]), tuple(slots[id(param)]), tp_info(name, param, index_of(param))
-        )
-    return sources
