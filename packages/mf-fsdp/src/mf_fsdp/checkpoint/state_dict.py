@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
-from mf_fsdp.engine.sharded_params import owner_of
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, owner_of
 from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
 from mf_fsdp.optim.optimizer import Optimizers, optimizer_list
 from mf_fsdp.optim.state import localize_loaded_state, snapshot_state

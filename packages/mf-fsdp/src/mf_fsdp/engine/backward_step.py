@@ -46,25 +46,42 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.host import device_copies_mark
 from mf_fsdp.buckets.param_group import ParamGroup
+from mf_fsdp.config import DistributedDataParallelConfig
 
 if TYPE_CHECKING:
-    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
     from mf_fsdp.engine.unit import Unit
 
-__all__ = ["BackwardStep", "HandOut", "HostSteps", "StepSome"]
+__all__ = ["BackwardStep", "HandOut", "HostSteps", "StepOwner", "StepSome"]
 
 StepSome = Callable[[torch.optim.Optimizer, set[int]], None]
 """Step ``optimizer`` on those of its parameters whose ``id`` is in the set, once."""
 
 HandOut = Callable[[list[ParamGroup], bool], None]
 """The engine's ``hand_out_grads``, told whether to wait for copies into host grads."""
+
+
+class StepOwner(Protocol):
+    """What ``BackwardStep`` reads of the engine it steps (``StepOwner``)."""
+
+    groups: list[ParamGroup]
+    device: torch.device
+    ddp_config: DistributedDataParallelConfig
+
+    @property
+    def offloads_optimizer_state(self) -> bool:
+        """Whether main weights and optimizer state live in host memory."""
+        ...
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers bound to the engine."""
+        ...
 
 
 class BackwardStep:
@@ -75,14 +92,14 @@ class BackwardStep:
         hand_out: the engine's way of handing out grads (see ``HandOut``).
     """
 
-    def __init__(self, engine: MegatronFSDP, hand_out: HandOut) -> None:
+    def __init__(self, engine: StepOwner, hand_out: HandOut) -> None:
         self._engine = weakref.ref(engine)
         self._hand_out = hand_out
         self.step_some: StepSome | None = None
         self.stepped: set[int] = set()  # ids of the groups stepped since the backward began
         self._host_steps = HostSteps()
 
-    def _owner(self) -> MegatronFSDP:
+    def _owner(self) -> StepOwner:
         engine = self._engine()
         assert engine is not None  # internal invariant: the engine owns this object
         return engine

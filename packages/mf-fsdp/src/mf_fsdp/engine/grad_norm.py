@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.tp_params import local_value
-from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
-from mf_fsdp.engine.sharded_params import SPREAD_ATTR, owner_of
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, owner_of
+from mf_fsdp.engine.sharded_params import SPREAD_ATTR
 from mf_utils import get_group_device
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]

@@ -25,8 +25,7 @@ module installs the loaded weights into the compute buffers.
 from __future__ import annotations
 
 import functools
-import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +38,6 @@ from mf_fsdp.buckets.extension import in_layout_of
 
 if TYPE_CHECKING:
     from mf_fsdp.buckets.param import FSDPParam
-    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 
 __all__ = ["register_load_hooks"]
 
@@ -85,27 +83,33 @@ def _to_engine_layout(
             state_dict[key] = _in_engine_layout(fp.sharded, value)
 
 
-def register_load_hooks(model: MegatronFSDP) -> list[RemovableHandle]:
-    """Make ``model.module.load_state_dict`` load into the engine (see the module note).
+def register_load_hooks(
+    module: nn.Module,
+    fsdp_params: list[FSDPParam],
+    install: Callable[[], Callable[[], object] | None],
+) -> list[RemovableHandle]:
+    """Make ``module.load_state_dict`` load into the engine (see the module note).
+
+    ``install`` gives the engine's ``install_optimized_model_weights``, or None once
+    the engine is gone (a ``weakref.WeakMethod``: the module must not keep its
+    wrapper alive).
 
     Returns:
         The hooks' handles.
     """
     owned: dict[nn.Module, dict[str, FSDPParam]] = {}
-    for fp in model.fsdp_params:
-        for module, attr in fp.slots:
-            owned.setdefault(module, {})[attr] = fp
+    for fp in fsdp_params:
+        for owner, attr in fp.slots:
+            owned.setdefault(owner, {})[attr] = fp
     handles = [
-        module.register_load_state_dict_pre_hook(functools.partial(_to_engine_layout, params))
-        for module, params in owned.items()
+        owner.register_load_state_dict_pre_hook(functools.partial(_to_engine_layout, params))
+        for owner, params in owned.items()
     ]
 
-    engine = weakref.ref(model)  # the module must not keep its wrapper alive
+    def installed(module: nn.Module, incompatible_keys: Any) -> None:
+        method = install()
+        if method is not None:
+            method()
 
-    def install(module: nn.Module, incompatible_keys: Any) -> None:
-        wrapper = engine()
-        if wrapper is not None:
-            wrapper.install_optimized_model_weights()
-
-    handles.append(model.module.register_load_state_dict_post_hook(install))
+    handles.append(module.register_load_state_dict_post_hook(installed))
     return handles

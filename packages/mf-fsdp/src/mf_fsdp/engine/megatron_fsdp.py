@@ -44,7 +44,6 @@ from torch import nn
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.extension import ExtensionWeights
-from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.buckets.param_group import ParamGroup
@@ -59,23 +58,25 @@ from mf_fsdp.engine.assemble import BucketOptions, assemble, first_gather, reduc
 from mf_fsdp.engine.backward_step import BackwardStep, StepSome
 from mf_fsdp.engine.discover import discover
 from mf_fsdp.engine.forms import ParamForms
+from mf_fsdp.engine.grad_sync import GradSync
 from mf_fsdp.engine.hooks import UnitHooks
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import describe_meta_init
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
-from mf_fsdp.engine.sharded_params import (
-    MANAGED_ATTR,
-    OWNER_ATTR,
-    build_sharded_params,
-    owner_of,
-)
+from mf_fsdp.engine.sharded_params import MANAGED_ATTR, OWNER_ATTR, build_sharded_params
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
 from mf_utils import get_group_device
 
-__all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction"]
+__all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction", "owner_of"]
+
+
+def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
+    """The engine managing ``param`` (a compute or sharded parameter), or None."""
+    ref = getattr(param, OWNER_ATTR, None)
+    return None if ref is None else ref()
 
 
 def check_module_to_wrap(module: object) -> None:
@@ -107,23 +108,6 @@ def check_module_to_wrap(module: object) -> None:
             "is managed by a MegatronFSDP; expected a module no engine manages yet (wrap a "
             "model once, then train through the MegatronFSDP that fully_shard returned)"
         )
-
-
-class _StepFlags:
-    """The engine's flags that change every step, kept off the ``nn.Module``.
-
-    Setting an attribute of a module runs ``nn.Module.__setattr__``'s checks
-    (parameter? submodule? buffer?); these are set several times a step. A plain
-    class, not a dataclass: torch 2.11's dynamo takes a dataclass instance it
-    meets while tracing for a constant and fails to guard on it.
-    """
-
-    __slots__ = ("grads_final", "zero_pending", "zero_releases")
-
-    def __init__(self) -> None:
-        self.zero_pending = False  # an optimizer's zero_grad waits for the others'
-        self.zero_releases = True  # every zero_grad since the last zeroing set grads to None
-        self.grads_final = False  # see MegatronFSDP.finish_grad_sync
 
 
 class MegatronFSDP(nn.Module):
@@ -215,16 +199,8 @@ class MegatronFSDP(nn.Module):
         self.calculate_per_token_loss = calculate_per_token_loss
         self.sync_policy = SyncPolicy(self.strategy.shards_grads, sync_model_each_microbatch)
         self.device = device or get_group_device(dist_index.fsdp_group)
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._zeroed_by: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._flags = _StepFlags()
         self._pool = BufferPool()
         self._install_pending = False
-        self._backward_step = (
-            BackwardStep(self, self._hand_out)
-            if self.ddp_config.optimizer_step_in_backward
-            else None
-        )
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
         found = discover(
@@ -265,9 +241,20 @@ class MegatronFSDP(nn.Module):
         self._root, self._units, self.groups = parts.root, parts.units, parts.groups
         self._awaiting_to_empty = parts.awaiting_to_empty  # see [Note: meta-device flows]
         build_sharded_params(self, self.groups, self.strategy)
-        self.zero_grad_buffer(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._forms = ParamForms(self.fsdp_params, self.groups)
+        self._grads = grads = GradSync(
+            self.groups,
+            self.fsdp_params,
+            self.sync_policy,
+            self.ddp_config,
+            self.device,
+            self._pool,
+            self._forms,
+        )
+        if self.ddp_config.optimizer_step_in_backward:
+            grads.backward_step = BackwardStep(self, grads.hand_out)
+        grads.zero_buffers(release=True)  # no grads yet: ZeRO-2/3 stores hold no bytes
         self._forms.register_sharded()
         self._unit_hooks = UnitHooks(
             self._root,
@@ -276,21 +263,23 @@ class MegatronFSDP(nn.Module):
             self.strategy,
             self.ddp_config,
             reduce_now=self.sync_policy.reduce_at_unit_end,
-            on_backward_start=self._on_backward_start,
-            on_backward_end=self._on_backward_end,
+            on_backward_start=grads.on_backward_start,
+            on_backward_end=grads.on_backward_end,
             on_idle=self._forms.register_sharded,
             step=lambda: self.sync_policy.steps,
             peers=dist.get_process_group_ranks(dist_index.get_dp_group())
             if dist.is_initialized()
             else None,
             on_compute=self._forms.register_compute,
-            on_reduced=None if self._backward_step is None else self._backward_step.step_units,
+            on_reduced=None if grads.backward_step is None else grads.backward_step.step_units,
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
         module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True)
         module.register_forward_hook(eager(self._root_post_forward))
-        register_load_hooks(self)
+        register_load_hooks(
+            module, self.fsdp_params, weakref.WeakMethod(self.install_optimized_model_weights)
+        )
 
     # ------------------------------------------------------------------ construction
     def _gather_new_extensions(self) -> None:
@@ -385,44 +374,6 @@ class MegatronFSDP(nn.Module):
         """Backwards since the last ``finish_grad_sync``."""
         return self.sync_policy.microbatch_count
 
-    def _on_backward_start(self) -> None:
-        """Register the compute forms; run the zeroing deferred by ``request_zero_grad``."""
-        self._flags.grads_final = False
-        self._forms.register_compute()
-        if self._backward_step is not None:
-            self._backward_step.begin(self._optimizers)
-        if not self._flags.zero_pending:
-            return
-        kept = [type(o).__name__ for o in self._optimizers if o not in self._zeroed_by]
-        if kept:
-            warnings.warn(
-                f"MegatronFSDP: optimizers {kept} did not call zero_grad since the last step, "
-                "but another optimizer of this model did: the model's gradient buffers are "
-                "shared, so their parameters' gradients start from zero in this backward "
-                "instead of accumulating",
-                stacklevel=2,
-            )
-        self.zero_grad_buffer(release=self._flags.zero_releases)
-
-    def _on_backward_end(self) -> None:
-        """Count the micro-batch; with auto-sync, wait for the reductions and attach grads.
-
-        With ``optimizer_step_in_backward``, a backward that reduced finishes every
-        reduction and steps the buckets not stepped yet: the step is then done.
-        """
-        policy = self.sync_policy
-        policy.backward_ended()
-        if self._backward_step is not None and policy.reduce_at_unit_end():
-            self._backward_step.finish()  # every bucket stepped: the step is done
-            policy.step_finished()
-            return
-        if policy.wait_at_backward_end():
-            outer = policy.outer_at_backward_end()
-            for group in self.groups:
-                (group.reduce_outer if outer else group.finish_reduce)()
-            self.attach_grad_to_optimizer_state()
-            self._flags.grads_final = outer or all(group.outer is None for group in self.groups)
-
     # ------------------------------------------------------------------ sync control
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -451,20 +402,14 @@ class MegatronFSDP(nn.Module):
     # ------------------------------------------------------------------ grads
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reduction of every group holding unreduced local grads."""
-        with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
-            for group in self.groups:
-                group.start_reduce(async_op=True)
-        if not self.ddp_config.overlap_grad_reduce:
-            for group in self.groups:
-                group.finish_reduce()
+        self._grads.start()
 
     def synchronize_gradient_reduce(self) -> None:
         """Wait for every launched reduction and fold results into the grad stores.
 
         Also runs the deferred dp_outer stage of the reduction (HSDP; once per step).
         """
-        for group in self.groups:
-            group.reduce_outer()
+        self._grads.synchronize()
 
     @translated(lambda self: self._unit_hooks.store)
     def finish_grad_sync(self) -> None:
@@ -482,13 +427,7 @@ class MegatronFSDP(nn.Module):
         ``find_unused_parameters`` a device sync, each step), and a ``.grad`` the
         user replaced since stays replaced, as torch leaves it.
         """
-        self._unit_hooks.release_held()
-        if not self._flags.grads_final:
-            self.start_grad_sync()
-            self.synchronize_gradient_reduce()
-            self.attach_grad_to_optimizer_state()
-            self._flags.grads_final = True
-        self.sync_policy.step_finished()
+        self._grads.finish(self._unit_hooks.release_held)
 
     def attach_grad_to_optimizer_state(self) -> None:
         """Point each sharded parameter's ``.grad`` at its reduced gradient.
@@ -496,13 +435,7 @@ class MegatronFSDP(nn.Module):
         A no-op while a zeroing is deferred (no backward since an optimizer's
         ``zero_grad``): the grads it dropped must stay dropped.
         """
-        if self._flags.zero_pending:
-            return
-        groups = self.groups
-        if self._backward_step is not None:  # stepped ones had their grads already
-            self._backward_step.settle()  # host steps a backward that raised left running
-            groups = self._backward_step.unstepped(groups)
-        self.hand_out_grads(groups)
+        self._grads.attach()
 
     def hand_out_grads(self, groups: list[ParamGroup]) -> None:
         """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads.
@@ -510,59 +443,11 @@ class MegatronFSDP(nn.Module):
         With ``offload_optimizer_state`` those are host copies, whose copying has
         ended when this returns.
         """
-        self._hand_out(groups, wait=True)
-
-    def _hand_out(self, groups: list[ParamGroup], wait: bool) -> None:
-        """``hand_out_grads``; ``wait=False`` leaves the wait for host copies to the caller."""
-        for group in groups:  # dropped by an optimizer's zero_grad, no backward since
-            group.forget_dropped_grads()
-        # A bucket no backward reached since its grads were zeroed (a unit called by
-        # itself leaves the others alone) hands out nothing: its parameters keep the
-        # ``.grad`` the optimizer left them (None after ``zero_grad``, as torch leaves
-        # them; zeros that DSD sets to create state), never stale or zero buffers.
-        for group in groups:
-            if group.requires_grad and group.untouched:
-                group.grads_handed_out = False
-        groups = [group for group in groups if not (group.requires_grad and group.untouched)]
-        for group in groups:
-            for fp in group.fsdp_params:
-                if fp.grad is not None:
-                    fp.sharded.grad = fp.grad
-        for group in groups:
-            if group.unused_mark and group.unused_everywhere():
-                # No rank ran its unit in this step: no grads, as torch leaves them
-                # (see [Note: grads no rank made] in buckets/param_group.py).
-                for fp in group.fsdp_params:
-                    fp.sharded.grad = None
-                    fp.compute.grad = None
-                group.grads_handed_out = False
-                continue
-            group.hold_grads()
-            group.offload_grads()
-            if group.replicated and not group.main_is_separate:
-                group.attach_local_grads()
-            group.grads_handed_out = group.requires_grad
-        if self.ddp_config.offload_optimizer_state and wait:
-            wait_for_device_copies(self.device)  # the host step reads what they wrote
-        if self.ddp_config.find_unused_parameters:
-            self._withhold_unused_grads(groups)
-
-    def _withhold_unused_grads(self, groups: list[ParamGroup]) -> None:
-        """Take back the grads of parameters no rank's backward reached (one device sync)."""
-        groups = [group for group in groups if group.grads_handed_out]
-        if not groups:
-            return
-        unused = iter(torch.cat([group.unused_params() for group in groups]).tolist())
-        for group in groups:
-            withheld = [fp for fp in group.fsdp_params if next(unused)]
-            if withheld:
-                group.withhold_grads(withheld)
+        self._grads.hand_out(groups)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held by the engine by ``scaling_factor``."""
-        self._flags.grads_final = False
-        for group in self.groups:
-            group.scale_gradients(scaling_factor)
+        self._grads.scale(scaling_factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient: the engine's buffers and the optimizer parameters' ``.grad``."""
@@ -580,15 +465,7 @@ class MegatronFSDP(nn.Module):
         and so do the idle temporaries: between steps a rank holds its weights and
         optimizer state only, as with FSDP2.
         """
-        self._flags.zero_pending = False
-        self._flags.grads_final = False
-        self._flags.zero_releases = True
-        self._zeroed_by.clear()
-        for group in self.groups:
-            group.zero_grad(release)
-        if release:
-            self._pool.clear()
-            collectives.release_workspaces()
+        self._grads.zero_buffers(release)
 
     def add_optimizer(
         self, optimizer: torch.optim.Optimizer, step_some: StepSome | None = None
@@ -598,18 +475,18 @@ class MegatronFSDP(nn.Module):
         ``step_some`` steps an optimizer on some of its parameters: what
         ``optimizer_step_in_backward`` runs per bucket (see ``engine/backward_step.py``).
         """
-        self._optimizers.add(optimizer)
-        if self._backward_step is not None and step_some is not None:
-            self._backward_step.step_some = step_some
+        self._grads.add_optimizer(optimizer)
+        if self._grads.backward_step is not None and step_some is not None:
+            self._grads.backward_step.step_some = step_some
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers bound to this model (``fully_shard_optimizer``)."""
-        return list(self._optimizers)
+        return self._grads.optimizers()
 
     @property
     def steps_in_backward(self) -> bool:
         """Whether the optimizer steps inside the backward (``optimizer_step_in_backward``)."""
-        return self._backward_step is not None
+        return self._grads.backward_step is not None
 
     @property
     def offloads_optimizer_state(self) -> bool:
@@ -624,17 +501,7 @@ class MegatronFSDP(nn.Module):
         zeroing then waits until every optimizer of the model asked for it, or at
         the latest until the next backward starts.
         """
-        flags = self._flags
-        flags.grads_final = False
-        flags.zero_releases = flags.zero_releases and set_to_none
-        # One optimizer (the usual case) needs no record of who zeroed: a weak set's
-        # iteration and membership tests are Python loops, a per-step host cost.
-        if len(self._optimizers) != 1 or optimizer not in self._optimizers:
-            self._zeroed_by.add(optimizer)
-            if not all(o in self._zeroed_by for o in self._optimizers):
-                flags.zero_pending = True
-                return
-        self.zero_grad_buffer(release=flags.zero_releases)
+        self._grads.request_zero(optimizer, set_to_none)
 
     # ------------------------------------------------------------------ params
     def start_param_sync(
@@ -668,8 +535,8 @@ class MegatronFSDP(nn.Module):
         installed then.
         """
         groups = self.groups
-        if self._backward_step is not None:
-            groups = self._backward_step.unstepped(groups)
+        if self._grads.backward_step is not None:
+            groups = self._grads.backward_step.unstepped(groups)
         with collectives.coalescing(self.ddp_config.suggested_communication_unit_size):
             works = [g.install_main_weights(async_op=True) for g in groups]
         for work in works:

@@ -29,7 +29,7 @@ communicated here.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,10 +45,7 @@ from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_utils import is_expert_parallel_parameter, set_expert_parallel_attribute
 
-if TYPE_CHECKING:
-    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
-
-__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "SPREAD_ATTR", "build_sharded_params", "owner_of"]
+__all__ = ["MANAGED_ATTR", "OWNER_ATTR", "SPREAD_ATTR", "build_sharded_params"]
 
 MANAGED_ATTR = "_mf_fsdp_managed"
 """Set on compute parameters, whose values the optimizer must not step directly."""
@@ -60,12 +57,6 @@ OWNER_ATTR = "_mf_fsdp_owner"
 SPREAD_ATTR = "_mf_fsdp_spread_over"
 """On an expert's sharded parameter: the expert-parallel groups across which ranks hold
 other experts (a norm over all parameters sums across them as well)."""
-
-
-def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
-    """The engine managing ``param`` (a compute or sharded parameter), or None."""
-    ref = getattr(param, OWNER_ATTR, None)
-    return None if ref is None else ref()
 
 
 def _dp_layout(
@@ -83,7 +74,7 @@ def _dp_layout(
 
 
 def build_sharded_params(
-    owner: MegatronFSDP, groups: list[ParamGroup], strategy: ZeroDPStrategy
+    owner: nn.Module, groups: list[ParamGroup], strategy: ZeroDPStrategy
 ) -> None:
     """Create every managed parameter's sharded form and its gradient (``fp.sharded``/``fp.grad``).
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mf_fsdp.engine.sharded_params import owner_of
+from mf_fsdp.engine.megatron_fsdp import owner_of
 from mf_fsdp.optim.local_step import ELEMENTWISE
 
 __all__ = ["FUSED_DEVICES", "HOST_DEVICES", "prefer_fast_kernels"]

@@ -41,7 +41,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from mf_fsdp.engine.sharded_params import MANAGED_ATTR, owner_of
+from mf_fsdp.engine.megatron_fsdp import owner_of
+from mf_fsdp.engine.sharded_params import MANAGED_ATTR
 from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
 from mf_fsdp.optim.local_step import enter_local_step, exit_local_step, forget_local_plans
 from mf_fsdp.optim.shape_aware import (
