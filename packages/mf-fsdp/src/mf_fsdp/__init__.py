@@ -43,13 +43,8 @@ from mf_fsdp.engine.grad_norm import clip_grad_norm_, get_grad_norm
 from mf_fsdp.engine.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.engine.rank_paths import UnitOrderError
 from mf_fsdp.fully_shard import fully_shard, fully_shard_model
-from mf_fsdp.optim.optimizer import fully_shard_optimizer, install_optimizer_hooks
+from mf_fsdp.optim.optimizer import fully_shard_optimizer
 from mf_fsdp.optim.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
-
-# Every optimizer stepping an engine's parameters needs these (finish the gradient
-# reductions before step(), install the weights after it). The optimizer side
-# attaches them here, so the engine never imports it.
-install_optimizer_hooks()
 
 __all__ = [
     "DEFAULT_ALIGNMENT",

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -70,7 +70,18 @@ from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
 from mf_utils import get_group_device
 
-__all__ = ["BucketStats", "MegatronFSDP", "RegisterFSDPBackwardFunction", "owner_of"]
+__all__ = [
+    "ENGINE_BUILT",
+    "BucketStats",
+    "MegatronFSDP",
+    "RegisterFSDPBackwardFunction",
+    "owner_of",
+]
+
+ENGINE_BUILT: list[Callable[[], None]] = []
+"""Called each time an engine is built. The optimizer side registers its process-wide
+step hooks here (``optim/optimizer.py``), so that importing mf_fsdp installs nothing in
+torch, and the engine never imports the optimizer side."""
 
 
 def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
@@ -280,6 +291,8 @@ class MegatronFSDP(nn.Module):
         register_load_hooks(
             module, self.fsdp_params, weakref.WeakMethod(self.install_optimized_model_weights)
         )
+        for built in ENGINE_BUILT:
+            built()
 
     # ------------------------------------------------------------------ construction
     def _gather_new_extensions(self) -> None:

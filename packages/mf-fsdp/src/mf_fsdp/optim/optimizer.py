@@ -10,16 +10,17 @@ An optimizer works on mf's sharded parameters whichever way it was built:
   already holds the sharded forms; ``fully_shard_optimizer`` adds the eager
   state and zero_grad integration, and works without it too.
 
-Process-wide step hooks (``install_optimizer_hooks``, installed when
-``mf_fsdp`` is imported, so before any engine exists; an optimizer of no
-engine's parameters passes them at the cost of one cached lookup) do what
-every such optimizer needs: before ``step()`` finish every pending gradient
-reduction of the engines owning its parameters (no strategy ever steps on
-unreduced grads) and drop unused initial buffers; after it, install the
-updated weights into the model's buffers. The same
-pre-hook rejects an optimizer that still holds compute parameters (the
-original objects, whose values live in the engine's buffers), which would
-otherwise silently train nothing.
+Step hooks do what every such optimizer needs: before ``step()`` finish every
+pending gradient reduction of the engines owning its parameters (no strategy
+ever steps on unreduced grads) and drop unused initial buffers; after it,
+install the updated weights into the model's buffers. An optimizer bound by
+``fully_shard_optimizer`` carries them itself. For the others (built on
+``model.parameters()`` after wrapping, as with FSDP2) they are process-wide
+(``install_optimizer_hooks``), registered when the first engine is built, not
+when mf_fsdp is imported; an optimizer of no engine's parameters passes them
+at the cost of one cached lookup. The same pre-hook rejects an optimizer that
+still holds compute parameters (the original objects, whose values live in
+the engine's buffers), which would otherwise silently train nothing.
 
 With ``optimizer_step_in_backward`` the engine steps each bucket inside the
 backward through ``step_some``: the optimizer's own ``step()`` on that bucket's
@@ -41,7 +42,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from mf_fsdp.engine.megatron_fsdp import owner_of
+from mf_fsdp.engine.megatron_fsdp import ENGINE_BUILT, owner_of
 from mf_fsdp.engine.sharded_params import MANAGED_ATTR
 from mf_fsdp.optim.kernel_choice import prefer_fast_kernels
 from mf_fsdp.optim.local_step import enter_local_step, exit_local_step, forget_local_plans
@@ -84,12 +85,28 @@ def optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
 
 
 def install_optimizer_hooks() -> None:
-    """Register (once per process) the step hooks every optimizer of sharded parameters needs."""
+    """Register (once per process) the step hooks of optimizers not bound to an engine.
+
+    Building an engine calls it (``ENGINE_BUILT``); importing mf_fsdp does not.
+    """
     global _HOOKS_INSTALLED
     if not _HOOKS_INSTALLED:
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
+        register_optimizer_step_pre_hook(_before_unbound_step)
+        register_optimizer_step_post_hook(_after_unbound_step)
         _HOOKS_INSTALLED = True
+
+
+ENGINE_BUILT.append(install_optimizer_hooks)
+
+
+def _before_unbound_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_mf_fsdp_model", None) is None:  # bound ones carry their own
+        _before_step(optimizer, args, kwargs)
+
+
+def _after_unbound_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_mf_fsdp_model", None) is None:
+        _after_step(optimizer, args, kwargs)
 
 
 def _engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
@@ -253,6 +270,8 @@ def fully_shard_optimizer(
         group["params"] = [model.optimizer_param(p) for p in group["params"]]
     setattr(optimizer, _CHECKED_ATTR, True)
     optimizer._mf_fsdp_model = model  # type: ignore[attr-defined]
+    optimizer.register_step_pre_hook(_before_step)
+    optimizer.register_step_post_hook(_after_step)
     _ensure_load_hooks(optimizer)
     _route_zero_grad(optimizer, [model])
     model.add_optimizer(optimizer, step_some)
