@@ -22,7 +22,7 @@ storage resized to zero: dropped grads (``zero_grad(set_to_none=True)``) hold no
 bytes until the next backward, under every strategy.
 
 The classes keep the buffers and their lifetimes; when to accumulate, reduce
-and zero is the ``ParamGroup``'s (and its ``GradState``'s) business.
+and zero is the ``Bucket``'s (and its ``GradState``'s) business.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class GradBuffers:
         name: the bucket's name, for invariant errors.
         mark_unused: empty grads are ``-0.0``, not ``0.0``, so that a parameter no
             backward reached on any rank shows after the reduction (see [Note: grads
-            no rank made] in ``param_group.py``).
+            no rank made] in ``bucket.py``).
     """
 
     local: torch.Tensor | None = None

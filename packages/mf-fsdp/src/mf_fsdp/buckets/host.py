@@ -4,7 +4,7 @@
 With ``offload_optimizer_state`` each bucket keeps, per rank, three things in
 host memory instead of on the device: its main weights (the sharded
 parameters the optimizer steps, ``WeightStorage.main``), a host copy of its
-reduced gradients (``ParamGroup.host_grads``, what the sharded parameters'
+reduced gradients (``Bucket.host_grads``, what the sharded parameters'
 ``.grad`` are views of), and so the optimizer state that torch creates like
 its parameters. The device keeps what the forward and backward read: the
 compute weights (ZeRO-3's compute-dtype shard the all-gather reads, ZeRO-1/2's

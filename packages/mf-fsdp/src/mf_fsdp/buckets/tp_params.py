@@ -18,7 +18,7 @@ Gradients of TP-duplicated parameters (LayerNorm weights, a row-parallel
 bias, ``Replicate()`` DTensors) are equal on every TP rank when every TP rank
 sees the same data, so reducing over the dp group alone keeps them equal.
 Under sequence parallelism a duplicated parameter marked
-``sequence_parallel=True`` only sees its rank's rows; ``ParamGroup`` sums
+``sequence_parallel=True`` only sees its rank's rows; ``Bucket`` sums
 those grads over the tp group before the dp reduction.
 
 This module also reads the TP facts the optimizer's parameter-shaped DTensors

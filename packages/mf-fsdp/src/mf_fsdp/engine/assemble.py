@@ -1,7 +1,7 @@
 """Assembling the engine: buckets from the planned specs, units from the buckets, values in.
 
 ``assemble`` turns the planned bucket specs (``buckets/units.py``) into the
-engine's parts (``Assembly``): one ``ParamGroup`` per laid-out bucket, with its
+engine's parts (``Assembly``): one ``Bucket`` per laid-out bucket, with its
 dtypes resolved and checked and its gradient reduction decided
 (``reduce_spec_for``), grouped into ``Unit``s (the root first), and every
 parameter's value copied into its bucket (see [Note: meta-device flows] in
@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.bucket import Bucket, ParamSource
 from mf_fsdp.buckets.buffer_pool import BufferPool
+from mf_fsdp.buckets.dtypes import BucketDtypes
 from mf_fsdp.buckets.layout import BucketLayout
-from mf_fsdp.buckets.param_group import GroupDtypes, ParamGroup, ParamSource, ReduceSpec
+from mf_fsdp.buckets.reduce_spec import ReduceSpec
 from mf_fsdp.buckets.units import BucketSpec, lay_out
 from mf_fsdp.config import DistributedDataParallelConfig, MixedPrecisionPolicy, ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
@@ -73,7 +75,7 @@ class Assembly:
 
     root: Unit
     units: list[Unit]
-    groups: list[ParamGroup]
+    groups: list[Bucket]
     awaiting_to_empty: bool = False
 
 
@@ -96,7 +98,7 @@ def reduce_spec_for(index: FSDPDistributedIndex, options: BucketOptions) -> Redu
     )
 
 
-def extension_dtypes(name: str, param: nn.Parameter, policy: MixedPrecisionPolicy) -> GroupDtypes:
+def extension_dtypes(name: str, param: nn.Parameter, policy: MixedPrecisionPolicy) -> BucketDtypes:
     """The dtypes of an extension parameter's bucket.
 
     Its shard is stepped in its own dtype, as FSDP2 steps the sharded subclass:
@@ -118,7 +120,7 @@ def extension_dtypes(name: str, param: nn.Parameter, policy: MixedPrecisionPolic
         )
     compute = policy.param_dtype or main
     comm = policy.grad_comm_dtype or policy.main_grads_dtype or main
-    return GroupDtypes(compute, main, main, comm)
+    return BucketDtypes(compute, main, main, comm)
 
 
 def _new_group(
@@ -128,10 +130,10 @@ def _new_group(
     index: FSDPDistributedIndex,
     options: BucketOptions,
     pool: BufferPool,
-) -> ParamGroup:
-    """The ``ParamGroup`` of one laid-out bucket, with its dtypes resolved and checked."""
+) -> Bucket:
+    """The ``Bucket`` of one laid-out bucket, with its dtypes resolved and checked."""
     policy = options.unit_policies.get(id(spec.unit), options.policy)
-    dtypes = GroupDtypes(*policy.resolve(spec.params[0].dtype))
+    dtypes = BucketDtypes(*policy.resolve(spec.params[0].dtype))
     if spec.extension:
         dtypes = extension_dtypes(spec.names[0], spec.params[0], policy)
     strategy = options.strategy
@@ -142,8 +144,8 @@ def _new_group(
             "reads the reduced gradient store directly)"
         )
     if options.ddp_config.grad_reduce_in_fp32:
-        dtypes = GroupDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
-    return ParamGroup(
+        dtypes = BucketDtypes(dtypes.compute, dtypes.main, dtypes.grads, torch.float32)
+    return Bucket(
         list(spec.params),
         [sources[id(p)] for p in spec.params],
         layout,
@@ -222,7 +224,7 @@ def _fill(module: nn.Module, unit: Unit, device: torch.device, meta_init: bool) 
 
 
 @translated(lambda group: default_store())
-def first_gather(group: ParamGroup) -> None:
+def first_gather(group: Bucket) -> None:
     """Gather an extension bucket once: that builds its compute form (``buckets/extension``).
 
     A hook that fails on one rank stops every rank (the peers may be waiting in

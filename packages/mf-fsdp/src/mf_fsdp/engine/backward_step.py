@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.host import device_copies_mark
-from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig
 
 if TYPE_CHECKING:
@@ -63,14 +63,14 @@ __all__ = ["BackwardStep", "HandOut", "HostSteps", "StepOwner", "StepSome"]
 StepSome = Callable[[torch.optim.Optimizer, set[int]], None]
 """Step ``optimizer`` on those of its parameters whose ``id`` is in the set, once."""
 
-HandOut = Callable[[list[ParamGroup], bool], None]
+HandOut = Callable[[list[Bucket], bool], None]
 """The engine's ``hand_out_grads``, told whether to wait for copies into host grads."""
 
 
 class StepOwner(Protocol):
     """What ``BackwardStep`` reads of the engine it steps (``StepOwner``)."""
 
-    groups: list[ParamGroup]
+    groups: list[Bucket]
     device: torch.device
     ddp_config: DistributedDataParallelConfig
 
@@ -120,7 +120,7 @@ class BackwardStep:
             )
         self.stepped = set()
 
-    def unstepped(self, groups: list[ParamGroup]) -> list[ParamGroup]:
+    def unstepped(self, groups: list[Bucket]) -> list[Bucket]:
         """The ``groups`` not stepped in this backward (their grads are still to hand out)."""
         if not self.stepped:
             return groups
@@ -152,7 +152,7 @@ class BackwardStep:
             if error is not None:
                 raise error
 
-    def step(self, groups: list[ParamGroup]) -> None:
+    def step(self, groups: list[Bucket]) -> None:
         """Step the bound optimizers on ``groups``' parameters; install, free their grads.
 
         With host-side state the step goes to the worker thread and the install
@@ -187,7 +187,7 @@ class BackwardStep:
         for group in groups:  # the device's store: the copy queued before reads it
             group.zero_grad(release=True)
 
-    def _install(self, groups: list[ParamGroup]) -> None:
+    def _install(self, groups: list[Bucket]) -> None:
         """Copy ``groups``' stepped main weights into their compute weights; free their grads."""
         engine = self._owner()
         with collectives.coalescing(engine.ddp_config.suggested_communication_unit_size):
@@ -206,15 +206,15 @@ class HostSteps:
 
     def __init__(self) -> None:
         self._worker: ThreadPoolExecutor | None = None  # started by the first step
-        self.pending: list[tuple[Future[None], list[ParamGroup]]] = []
+        self.pending: list[tuple[Future[None], list[Bucket]]] = []
 
-    def submit(self, step: Callable[[], None], groups: list[ParamGroup]) -> None:
+    def submit(self, step: Callable[[], None], groups: list[Bucket]) -> None:
         """Run ``step`` (which steps ``groups``) after the steps submitted before it."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="mf-fsdp-host-step")
         self.pending.append((self._worker.submit(step), groups))
 
-    def wait(self) -> tuple[list[ParamGroup], BaseException | None]:
+    def wait(self) -> tuple[list[Bucket], BaseException | None]:
         """Wait for every submitted step: the groups they stepped, and the first error raised."""
         pending, self.pending = self.pending, []
         errors = [future.exception() for future, _ in pending]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mf_fsdp.buckets.param_group import ParamSource
+from mf_fsdp.buckets.bucket import ParamSource
 from mf_fsdp.buckets.tp_params import tp_info, validate_tp_params
 from mf_fsdp.config import DistributedDataParallelConfig, ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex

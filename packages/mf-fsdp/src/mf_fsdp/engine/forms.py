@@ -10,7 +10,7 @@ every step, so it must not cost more. A plain slots class, not an
 
 It also maps the parameters the user may still hold back to their records: a
 compute form, and an original that an extension parameter's compute form
-replaced (held weakly; see ``ParamGroup._adopt``), which an optimizer built
+replaced (held weakly; see ``Bucket._adopt``), which an optimizer built
 before wrapping still holds.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.param import FSDPParam
-from mf_fsdp.buckets.param_group import ParamGroup
 
 __all__ = ["ParamForms"]
 
@@ -38,11 +38,11 @@ class ParamForms:
 
     __slots__ = ("_by_compute", "_replaced", "_slots", "sharded_registered")
 
-    def __init__(self, fsdp_params: list[FSDPParam], groups: list[ParamGroup]) -> None:
+    def __init__(self, fsdp_params: list[FSDPParam], groups: list[Bucket]) -> None:
         self.sharded_registered = False
         self.rebuild(fsdp_params, groups)
 
-    def rebuild(self, fsdp_params: list[FSDPParam], groups: list[ParamGroup]) -> None:
+    def rebuild(self, fsdp_params: list[FSDPParam], groups: list[Bucket]) -> None:
         """Index the forms again (an extension parameter's compute form was made late)."""
         self._by_compute = {id(fp.compute): fp for fp in fsdp_params}
         self._replaced = {

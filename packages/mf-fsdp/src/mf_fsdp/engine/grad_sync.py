@@ -4,7 +4,7 @@
 reduce) at the end of each backward, finishes what is still local before an
 optimizer steps (``finish``), points the sharded parameters' ``.grad`` at the
 reduced grads (``hand_out``, withholding those no rank made, see [Note: grads
-no rank made] in ``buckets/param_group.py``), and zeroes the buffers once
+no rank made] in ``buckets/bucket.py``), and zeroes the buffers once
 every optimizer of the model asked for it (``request_zero``). The buffers
 themselves and the collectives on them are the buckets'.
 
@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.param import FSDPParam
-from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.engine.backward_step import BackwardStep
 from mf_fsdp.engine.forms import ParamForms
@@ -67,7 +67,7 @@ class GradSync:
 
     def __init__(
         self,
-        groups: list[ParamGroup],
+        groups: list[Bucket],
         fsdp_params: list[FSDPParam],
         policy: SyncPolicy,
         ddp_config: DistributedDataParallelConfig,
@@ -178,7 +178,7 @@ class GradSync:
             groups = self.backward_step.unstepped(groups)
         self.hand_out(groups)
 
-    def hand_out(self, groups: list[ParamGroup], wait: bool = True) -> None:
+    def hand_out(self, groups: list[Bucket], wait: bool = True) -> None:
         """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads.
 
         With ``offload_optimizer_state`` those are host copies, whose copying has
@@ -201,7 +201,7 @@ class GradSync:
         for group in groups:
             if group.unused_mark and group.unused_everywhere():
                 # No rank ran its unit in this step: no grads, as torch leaves them
-                # (see [Note: grads no rank made] in buckets/param_group.py).
+                # (see [Note: grads no rank made] in buckets/bucket.py).
                 for fp in group.fsdp_params:
                     fp.sharded.grad = None
                     fp.compute.grad = None
@@ -217,7 +217,7 @@ class GradSync:
         if self._ddp_config.find_unused_parameters:
             self._withhold_unused(groups)
 
-    def _withhold_unused(self, groups: list[ParamGroup]) -> None:
+    def _withhold_unused(self, groups: list[Bucket]) -> None:
         """Take back the grads of parameters no rank's backward reached (one device sync)."""
         groups = [group for group in groups if group.grads_handed_out]
         if not groups:

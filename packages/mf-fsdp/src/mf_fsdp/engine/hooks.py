@@ -76,7 +76,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from mf_fsdp.buckets.param_group import ParamGroup
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
@@ -129,7 +129,7 @@ class UnitHooks:
         self,
         root: Unit,
         units: list[Unit],
-        groups: list[ParamGroup],
+        groups: list[Bucket],
         strategy: ZeroDPStrategy,
         ddp_config: DistributedDataParallelConfig,
         reduce_now: Callable[[], bool],

@@ -2,7 +2,7 @@
 
 ``MegatronFSDP`` splits the model's parameters into buckets (one per FSDP unit
 and dtype, split by row size where padding demands it, see ``buckets/units.py``),
-moves them into flat sharded buffers (``ParamGroup``, one ``FSDPParam`` per
+moves them into flat sharded buffers (``Bucket``, one ``FSDPParam`` per
 parameter) and exposes the Megatron-FSDP controls: gradient sync
 (``no_sync``, ``finish_grad_sync``, ...), parameter sync, broadcasts and
 introspection. It also keeps the torch contract of the module it wraps:
@@ -25,7 +25,7 @@ their own modules:
 
 When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
 at the end of each backward; the buffers themselves belong to
-``buckets/param_group.py``, and every collective on them to ``buckets/collectives.py``.
+``buckets/bucket.py``, and every collective on them to ``buckets/collectives.py``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.buckets.param import FSDPParam
-from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.buckets.units import plan_buckets, resolve_unit_classes
 from mf_fsdp.config import (
     DistributedDataParallelConfig,
@@ -450,7 +450,7 @@ class MegatronFSDP(nn.Module):
         """
         self._grads.attach()
 
-    def hand_out_grads(self, groups: list[ParamGroup]) -> None:
+    def hand_out_grads(self, groups: list[Bucket]) -> None:
         """Point the ``.grad`` of ``groups``' sharded parameters at their reduced grads.
 
         With ``offload_optimizer_state`` those are host copies, whose copying has

@@ -38,9 +38,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from mf_dtensor import UnevenDTensor
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.param import FSDPParam, ParamPieces
-from mf_fsdp.buckets.param_group import ParamGroup
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_utils import is_expert_parallel_parameter, set_expert_parallel_attribute
@@ -73,9 +73,7 @@ def _dp_layout(
     return [Shard(0)], (0,)
 
 
-def build_sharded_params(
-    owner: nn.Module, groups: list[ParamGroup], strategy: ZeroDPStrategy
-) -> None:
+def build_sharded_params(owner: nn.Module, groups: list[Bucket], strategy: ZeroDPStrategy) -> None:
     """Create every managed parameter's sharded form and its gradient (``fp.sharded``/``fp.grad``).
 
     Each group's parameters live on its own index's meshes (``dp_mesh()``, and
@@ -147,7 +145,7 @@ def _chunked(
 
 
 def _placements_and_pieces(
-    group: ParamGroup,
+    group: Bucket,
     fp: FSDPParam,
     mesh_shape: tuple[int, ...],
     dp_placements: list[Placement],

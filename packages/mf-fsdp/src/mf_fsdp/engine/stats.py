@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from mf_fsdp.buckets import collectives
-from mf_fsdp.buckets.param_group import BufferPool, ParamGroup
+from mf_fsdp.buckets.bucket import Bucket
+from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.tp_params import local_value
 
 __all__ = ["BucketStats", "bucket_stats", "memory_footprint"]
@@ -42,7 +43,7 @@ class BucketStats:
     rank_numel: int
 
 
-def bucket_stats(named_groups: Iterable[tuple[str, ParamGroup]], rank: int) -> list[BucketStats]:
+def bucket_stats(named_groups: Iterable[tuple[str, Bucket]], rank: int) -> list[BucketStats]:
     """One ``BucketStats`` per ``(unit name, bucket)``, as seen from dp_shard rank ``rank``."""
     return [
         BucketStats(
@@ -59,7 +60,7 @@ def bucket_stats(named_groups: Iterable[tuple[str, ParamGroup]], rank: int) -> l
 
 
 def memory_footprint(
-    groups: Iterable[ParamGroup],
+    groups: Iterable[Bucket],
     pool: BufferPool,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, int]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mf_fsdp.buckets.param_group import ParamGroup
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.config import TrainingState
 from mf_fsdp.engine._tensor_tree import flatten
 
@@ -104,7 +104,7 @@ class Unit:
         self,
         module: nn.Module | None,
         name: str,
-        groups: list[ParamGroup],
+        groups: list[Bucket],
         members: tuple[nn.Module, ...] = (),
     ) -> None:
         self.module = module

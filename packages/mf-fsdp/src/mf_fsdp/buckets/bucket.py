@@ -1,9 +1,9 @@
-"""ParamGroup: one flat bucket of parameters, its buffers and its collectives.
+"""Bucket: the parameters of one flat bucket, its buffers and its collectives.
 
-A group owns, for the parameters of one FSDP unit with one dtype (or one
+A bucket owns, for the parameters of one FSDP unit with one dtype (or one
 row-size group of them), its weights (``weights``, see ``buckets/weight_storage.py``)
 and its gradient buffers (``buffers``, see ``buckets/grad_storage.py``): each the
-class of its ZeRO strategy, picked once when the group is built. The group
+class of its ZeRO strategy, picked once when the bucket is built. The bucket
 decides when to accumulate, reduce, set aside and zero; the classes keep the
 buffers and their lifetimes.
 
@@ -16,24 +16,10 @@ ZeRO-3 parameter keeps its view of a whole bucket whose storage is resized to
 zero. Where the gradients are in their reduction, and whether the weights are
 gathered, are explicit states (``buckets/grad_state.py``).
 Temporary whole-bucket tensors come from a shared ``BufferPool`` and go back
-to it, so the units of one backward reuse each other's buffers.
-
-Reduction contract (see docs/sharding.md): after ``reduce_outer`` the store holds
-``f * sum over data-parallel ranks of the local grads``, with ``f = scale / dp``
-(mean) or ``f = scale`` (sum); ``average_in_collective`` only moves the
-division into the collective. Grads of parameters marked
-``sequence_parallel=True`` are first summed over the tp group (one
-all-reduce of their slices), since each TP rank's grad covers only its rows.
-
-Under HSDP the reduction has two stages: inside ``dp_shard`` (``start_reduce`` /
-``finish_reduce``, as often as the engine asks) and across ``dp_outer``
-(``reduce_outer``, once per optimizer step). Replicated HSDP keeps the
-inner-reduced shard in the store and all-reduces it across dp_outer;
-hybrid-sharded HSDP (``hsdp_outer_dp_shard``, ZeRO-3 only) accumulates the
-inner-reduced shard in a pooled ``pending`` buffer and reduce-scatters it across
-dp_outer into a store of ``1 / (outer x inner)`` of the bucket; after the
-optimizer step the updated sub-shards are all-gathered across dp_outer back
-into the inner weight shard.
+to it, so the units of one backward reuse each other's buffers. Its reduction
+(``buckets/bucket_reduction.py``) and its marks of gradients no rank made
+(``buckets/unused_grads.py``) are parts of the class kept in modules of their
+own.
 
 With ``offload`` (``offload_optimizer_state``) the main weights live in host
 memory and the sharded parameters' gradients are views of ``host_grads``, a
@@ -54,13 +40,16 @@ import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets.bucket_reduction import BucketReduction
 from mf_fsdp.buckets.buffer_pool import BufferPool
+from mf_fsdp.buckets.dtypes import BucketDtypes
 from mf_fsdp.buckets.extension import ExtensionWeights, torch_policy
 from mf_fsdp.buckets.grad_state import Gather, GradState, Local, Reduced, check_invariant
 from mf_fsdp.buckets.grad_storage import GradBuffers, grad_buffers_for
 from mf_fsdp.buckets.host import host_zeros
 from mf_fsdp.buckets.layout import BucketLayout
 from mf_fsdp.buckets.param import FSDPParam
+from mf_fsdp.buckets.reduce_spec import ReduceSpec
 from mf_fsdp.buckets.tp_params import (
     TPInfo,
     local_shape,
@@ -68,14 +57,12 @@ from mf_fsdp.buckets.tp_params import (
     set_local_data,
     wrap_grad,
 )
+from mf_fsdp.buckets.unused_grads import UnusedGrads
 from mf_fsdp.buckets.weight_storage import BucketGeometry, WeightStorage, weight_storage_for
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 
-__all__ = ["BufferPool", "GroupDtypes", "ParamGroup", "ParamSource", "ReduceSpec"]
-
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer dtype a float's bits are read as, by element size (``-0.0`` is its minimum)."""
+__all__ = ["Bucket", "ParamSource"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,68 +80,7 @@ class ParamSource:
     tp: TPInfo | None
 
 
-@dataclass(frozen=True, slots=True)
-class GroupDtypes:
-    """Compute, main-weight, main-grad and communication dtypes of one group."""
-
-    compute: torch.dtype
-    main: torch.dtype
-    grads: torch.dtype
-    comm: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class ReduceSpec:
-    """How gradients are reduced: pre-multiplier, collective op and the overall factor.
-
-    Attributes:
-        pre: multiply local grads by this before the collective (1.0 skips it).
-        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
-        factor: what the result is relative to the plain sum over dp ranks.
-    """
-
-    pre: float
-    op: dist.ReduceOp.RedOpType
-    factor: float
-
-    @property
-    def outer_op(self) -> dist.ReduceOp.RedOpType:
-        """The op across dp_outer replicas (HSDP): averaging stays averaging."""
-        return dist.ReduceOp.AVG if self.op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
-
-    @classmethod
-    def build(
-        cls,
-        dp_size: int,
-        per_token: bool,
-        in_collective: bool,
-        scale: float | None,
-        reduce_size: int | None = None,
-        divide_factor: float | None = None,
-    ) -> ReduceSpec:
-        """Derive the spec from the contract's knobs (one place for all scaling).
-
-        ``dp_size`` is the number of data-parallel replicas the mean is over;
-        ``reduce_size`` the ranks the collective runs over when that differs:
-        expert gradients are summed over the expert-data-parallel group only
-        (each expert-parallel rank already holds the contributions of its whole
-        expert-parallel group), yet averaged over all ``dp_size`` replicas. A
-        ``divide_factor`` (FSDP2's ``set_gradient_divide_factor``) replaces the
-        mean: the sum over the replicas divided by it.
-        """
-        scale = 1.0 if scale is None else float(scale)
-        reduce_size = dp_size if reduce_size is None else reduce_size
-        if divide_factor is not None:
-            return cls(scale / divide_factor, dist.ReduceOp.SUM, scale / divide_factor)
-        if per_token:
-            return cls(scale, dist.ReduceOp.SUM, scale)
-        if in_collective:
-            pre = scale if reduce_size == dp_size else scale * reduce_size / dp_size
-            return cls(pre, dist.ReduceOp.AVG, scale / dp_size)
-        return cls(scale / dp_size, dist.ReduceOp.SUM, scale / dp_size)
-
-
-class ParamGroup:
+class Bucket(BucketReduction, UnusedGrads):
     """The parameters of one bucket and everything needed to shard, gather and reduce them.
 
     Args:
@@ -186,7 +112,7 @@ class ParamGroup:
         sources: list[ParamSource],
         layout: BucketLayout,
         strategy: ZeroDPStrategy,
-        dtypes: GroupDtypes,
+        dtypes: BucketDtypes,
         dist_index: FSDPDistributedIndex,
         device: torch.device,
         pool: BufferPool,
@@ -541,257 +467,6 @@ class ParamGroup:
         """Point every parameter's ``.grad`` at its view of the local grad buffer."""
         if self.buffers is not None:
             self.buffers.attach()
-
-    def _set_store_aside(self) -> None:
-        """Move the reduced grads out of a store that shares the local buffer, and clear it.
-
-        New local grads are about to be accumulated there; the reduced ones wait
-        aside and rejoin the store once the new ones are reduced as far.
-        """
-        buffers = self._grad_buffers()
-        self._put_aside(buffers.store(), self.grads.reduced)
-        buffers.clear(buffers.local_for_reduction())
-        self._host_grads_current = False
-        self.grads.set_aside()
-
-    def _put_aside(self, reduced: torch.Tensor, level: Reduced) -> None:
-        held = self._aside.get(level)
-        if held is None:
-            self._aside[level] = self.pool.take(reduced.numel(), reduced.dtype, self.device)
-            self._aside[level].copy_(reduced)
-        else:
-            held.add_(reduced)
-
-    def _merge_aside(self, level: Reduced, store: torch.Tensor) -> None:
-        """Add the grads set aside at ``level`` into ``store`` (which now holds that level)."""
-        held = self._aside.pop(level, None)
-        if held is not None:
-            store.add_(held)
-            self.pool.give(held)
-
-    def mark_used(self) -> None:
-        """This rank ran the bucket's unit in this step: its grads count as made here.
-
-        Turns negative zeros left by an earlier ``mark_unused`` into zeros
-        (``-0.0 + 0.0 == 0.0``; every other value is kept).
-        """
-        self.used = True
-        if self.unused_mark and not self.mark_unused_params:
-            self.unused_mark = False
-            if self.buffers is not None and self.buffers.local is not None:
-                self.buffers.local.add_(0.0)
-
-    def mark_unused(self) -> None:
-        """This rank skipped the bucket's unit so far in this step: mark its zero grads.
-
-        [Note: grads no rank made] Torch leaves ``.grad`` None on a parameter no
-        backward reached, and its optimizers skip such a parameter (Adam moves it
-        otherwise, by its momentum). Which ranks ran a unit is known only to each
-        rank, and asking the others would cost a collective. Instead a rank that
-        skipped the unit fills its local grads (and a store that holds nothing yet)
-        with ``-0.0``, where a rank that ran it starts from ``+0.0``: IEEE sums keep
-        ``-0.0`` only when every term is ``-0.0``, and ``+0.0 + -0.0 == +0.0``, so after
-        the reduction (and any casts and scalings) the store is all ``-0.0`` exactly
-        when no rank ran the unit in the step. Only ranks that skipped it look
-        (``unused_everywhere``); ranks that ran it know the answer.
-
-        Per parameter (``find_unused_parameters``, as DDP's): a parameter inside a
-        unit that ran, or in the root, is reached or not by each backward on its
-        own, and no hook tells the engine which (one per parameter would cost
-        every step). With the option every empty grad buffer holds ``-0.0``:
-        autograd's accumulation ``-0.0 + g`` is ``g``, so after the reduction a
-        parameter's rows are all ``-0.0`` exactly when no rank's backward reached
-        it (``unused_params``), and its grad is withheld from the optimizer. That
-        check reads the store on every rank, one device sync per step: hence
-        opt-in, like DDP's graph walk. A gradient that is ``-0.0`` in every
-        element on every rank reads as unused too.
-        """
-        if not self.requires_grad or self.used or self.buffers is None:
-            return
-        buffers = self.buffers
-        if buffers.local is None:
-            return
-        buffers.local.fill_(-0.0)
-        if not buffers.aliases_local and self.grads.reduced is Reduced.NONE:
-            buffers.store(zeroed=False).fill_(-0.0)
-            self._host_grads_current = False
-        self.unused_mark = True
-
-    def unused_everywhere(self) -> bool:
-        """True when no rank ran the bucket's unit in this step (see [Note: grads no rank made]).
-
-        Only meaningful once the step's grads are fully reduced; reads them (a
-        device sync) only on a rank that skipped the unit.
-        """
-        if not self.unused_mark or self.buffers is None:
-            return False
-        store = self.buffers.store()
-        return not bool(store.any()) and bool(torch.signbit(store).all())
-
-    def unused_params(self) -> torch.Tensor:
-        """Per parameter, True where no rank's backward reached it in this step (on the device).
-
-        Needs ``mark_unused_params`` and the step's grads fully reduced: with every
-        empty grad ``-0.0``, a parameter's owned rows of the store are all ``-0.0``
-        exactly when no rank added a gradient to them (see [Note: grads no rank
-        made]). A parameter with no rows on this rank counts as used: it has
-        nothing to withhold. A few ops for the whole bucket, no sync.
-        """
-        store = self._grad_buffers().store()
-        if self._owned_spans is None:
-            spans = []
-            for fp in self.fsdp_params:
-                view = self.main_view(fp, store)
-                start = view.storage_offset() - store.storage_offset()
-                spans.append((start, start + view.numel()))
-            self._owned_spans = torch.tensor(spans, dtype=torch.long, device=self.device).T
-        bits = store.view(_SAME_WIDTH_INT[store.element_size()])
-        marked = bits == torch.iinfo(bits.dtype).min  # the bit pattern of -0.0
-        made = torch.nn.functional.pad(torch.cumsum(~marked, 0), (1, 0))
-        starts, ends = self._owned_spans
-        return (made[ends] == made[starts]) & (ends > starts)
-
-    def withhold_grads(self, unused: list[FSDPParam]) -> None:
-        """Give the optimizer no grad for ``unused`` parameters in this step, as torch does.
-
-        Their store rows stay (all ``-0.0``) for a later accumulation; the next
-        backward attaches the parameters' local grads again.
-        """
-        for fp in unused:
-            fp.sharded.grad = None
-        kept = [fp for fp in self.fsdp_params if fp.sharded.grad is not None]
-        self._probe = kept[0] if kept else self.fsdp_params[0]
-        self.grads_handed_out = bool(kept)
-        self._reattach = True
-
-    def start_reduce(self, async_op: bool) -> None:
-        """Launch the reduction of the accumulated local grads (one collective)."""
-        spec = self.reduce_spec
-        if not self.requires_grad or self.grads.local is not Local.ACCUMULATED:
-            return
-        buffers = self._grad_buffers()
-        local = buffers.local_for_reduction()
-        # The result may land in the store itself while it holds nothing (a store that
-        # views the local buffer is this rank's piece of it: an in-place reduce-scatter).
-        into_store = (
-            self.grads.reduced is Reduced.NONE
-            and not self.hybrid
-            and buffers.store_dtype == self.dtypes.comm
-        )
-        if self.dtypes.comm == local.dtype:
-            src = local
-        elif into_store and (self.replicated or self.whole_on_every_rank):
-            # The reduction runs in place (an all-reduce, or the identity over a group
-            # of one): cast the local grads into the store, not into a temporary.
-            src = buffers.store(zeroed=False).copy_(local)
-        else:
-            src = self.pool.take(local.numel(), self.dtypes.comm, self.device).copy_(local)
-        if self._folded is not None:
-            src.add_(self._folded)
-            self._drop_folded()
-        if spec.pre != 1.0:
-            src.mul_(spec.pre)
-        self._sum_sequence_parallel_grads(src)
-        index = self.dist_index
-        if self.replicated:
-            work = collectives.all_reduce(src, spec.op, index.fsdp_group, async_op=async_op)
-            out = src
-        else:
-            out = (
-                buffers.store(zeroed=False)  # the reduction overwrites all of it
-                if into_store
-                else self.pool.take(self.layout.shard_size, src.dtype, self.device)
-            )
-            work = collectives.reduce_scatter_into(
-                out, src, spec.op, index.fsdp_group, async_op=async_op
-            )
-        self._pending = (work, src, out)
-        self.grads.launch()
-
-    def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None:
-        """All-reduce the sequence-parallel params' local grads over TP (one collective)."""
-        if not self._sp_slices:
-            return
-        flat = torch.cat([src[s:e] for s, e in self._sp_slices])
-        collectives.all_reduce(flat, dist.ReduceOp.SUM, self.dist_index.tp_group)
-        offset = 0
-        for start, end in self._sp_slices:
-            src[start:end].copy_(flat[offset : offset + end - start])
-            offset += end - start
-
-    def finish_reduce(self) -> None:
-        """Wait for the pending dp_shard reduction and fold its result into the grad store.
-
-        Under HSDP the result still lacks the dp_outer reduction (``reduce_outer``).
-        """
-        if self._pending is None:
-            return
-        work, src, out = self._pending
-        self._pending = None
-        self._host_grads_current = False
-        if work is not None:
-            work.wait()
-        buffers = self._grad_buffers()
-        store = buffers.store()
-        local = buffers.local_for_reduction()
-        if self.hybrid:
-            if self.pending_inner is None:
-                self.pending_inner = out  # the pooled result is kept until reduce_outer
-            else:
-                self.pending_inner.add_(out)
-        elif buffers.aliases_local:
-            if out is not local and out is not store:  # it arrived in a temporary
-                store.copy_(out)
-        else:
-            if self.grads.reduced is Reduced.FULL and self.outer is not None:
-                # Fully reduced grads must not go through the dp_outer stage again.
-                self._put_aside(store, Reduced.FULL)
-                self._grad_buffers().clear(store)
-            if out is not store:
-                store.add_(out)
-        buffers.after_reduction()
-        self.grads.land(outer_due=self.outer is not None, hybrid=self.hybrid)
-        if not self.hybrid:
-            self._merge_aside(self.grads.reduced, store)
-        keep = (local, store, self.pending_inner)
-        temporaries = {id(t): t for t in (src, out) if all(t is not k for k in keep)}
-        for tensor in temporaries.values():
-            self.pool.give(tensor)
-
-    def reduce_outer(self) -> None:
-        """Finish the dp_shard reduction, then run the dp_outer one (once per step).
-
-        Replicated HSDP all-reduces the store across dp_outer; hybrid-sharded HSDP
-        reduce-scatters the accumulated inner shard into this rank's sub-shard of the
-        store. A no-op without dp_outer or when nothing new was reduced.
-        """
-        self.finish_reduce()
-        if self.outer is None:
-            return
-        if not self.hybrid:
-            # A dp_outer of one replica has nothing to reduce.
-            if self.grads.reduced is Reduced.INNER:
-                self._host_grads_current = False
-                if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
-                    store = self._grad_buffers().store()
-                    collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
-                self.grads.reduce_outer()
-                self._merge_aside(Reduced.FULL, self._grad_buffers().store())
-            return
-        pending, buffers = self.pending_inner, self._grad_buffers()
-        if pending is None:
-            return
-        self._host_grads_current = False
-        direct = self.grads.reduced is Reduced.NONE and buffers.store_dtype == pending.dtype
-        store = buffers.store(zeroed=not direct)
-        sub = store if direct else self.pool.take(store.numel(), pending.dtype, self.device)
-        collectives.reduce_scatter_into(sub, pending, self.reduce_spec.outer_op, self.outer)
-        if sub is not store:
-            store.add_(sub)
-            self.pool.give(sub)
-        self.pool.give(pending)
-        self.pending_inner = None
-        self.grads.reduce_outer()
 
     def zero_grad(self, release: bool = False) -> None:
         """Drop every gradient held for this group (local and reduced).
