@@ -79,6 +79,7 @@ from torch.utils.hooks import RemovableHandle
 from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.engine.comm_window import CommWindow
+from mf_fsdp.engine.held_units import HeldUnits
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
 from mf_fsdp.engine.unit import (
     Unit,
@@ -161,7 +162,9 @@ class UnitHooks:
         self._callback_queued = False
         self._pass_backward = False  # the root's pass takes part in the running backward
         self._solo: list[Unit] = []  # units called by themselves, in the running backward
-        self._held: list[Unit] = []  # left gathered after a pass (see release_held)
+        self.held = HeldUnits()  # left gathered after a pass or by FSDP2's unshard
+        self.unshard, self.reshard = self.held.unshard, self.held.reshard  # FSDP2's methods
+        self.release_held = self.held.release_held
         self._fwd_order: list[Unit] = []
         self._prev_order: list[Unit] = []
         self._next = 0  # the units' order: where the forward is (units before it are done)
@@ -422,7 +425,7 @@ class UnitHooks:
             for group in unit.groups:
                 group.reshard()
         elif unit.state is TrainingState.IDLE:
-            self._hold(unit)
+            self.held.hold(unit)
         self._on_idle()
 
     @translated(_store)
@@ -450,7 +453,7 @@ class UnitHooks:
             group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
             self._comm.queue_reduction(unit)
-        self._release_after_backward(unit)
+        self.held.release_after_backward(unit)
 
     def _solo_backward_end(self) -> None:
         """The end of a backward only solo calls took part in: the pass stays as it was."""
@@ -459,59 +462,6 @@ class UnitHooks:
         if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
             self._on_backward_end()
         self._on_idle()
-
-    # ------------------------------------------------------------------ explicit gathers
-    def unshard(self, unit: Unit, async_op: bool) -> Callable[[], None]:
-        """Gather ``unit`` now (FSDP2's ``unshard``); returns what waits for the gather.
-
-        It stays gathered until its next release (its forward or backward per its
-        options, ``reshard``, or the optimizer step).
-        """
-        for group in unit.groups:
-            group.unshard(async_op=async_op)
-        if unit.state is TrainingState.IDLE:
-            self._hold(unit)
-
-        def wait() -> None:
-            for group in unit.groups:
-                group.wait_unshard()
-
-        if not async_op:
-            wait()
-        return wait
-
-    def reshard(self, unit: Unit) -> None:
-        """Release ``unit``'s gathered weights now (FSDP2's ``reshard``)."""
-        if unit.state is TrainingState.PRE_BACKWARD:
-            raise RuntimeError(
-                f"reshard of unit {unit.name!r} during its backward: its gathered weights "
-                "are in use; call it after the backward"
-            )
-        for group in unit.groups:
-            group.reshard()
-        self._held = [u for u in self._held if u is not unit]
-
-    def _hold(self, unit: Unit) -> None:
-        if not any(u is unit for u in self._held):
-            self._held.append(unit)
-
-    def release_held(self) -> None:
-        """Release the idle units left gathered: the optimizer step is about to change them."""
-        if not self._held:
-            return
-        held, self._held = self._held, []
-        for unit in held:
-            if unit.state is TrainingState.IDLE:
-                for group in unit.groups:
-                    group.reshard()
-
-    def _release_after_backward(self, unit: Unit) -> None:
-        """Release ``unit`` after its backward, or keep it (``reshard_after_backward=False``)."""
-        if unit.reshard_after_backward:
-            for group in unit.groups:
-                group.reshard()
-        else:
-            self._hold(unit)
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
         for group in unit.groups:
@@ -622,7 +572,7 @@ class UnitHooks:
                 group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
             self._comm.queue_reduction(unit)
-        self._release_after_backward(unit)
+        self.held.release_after_backward(unit)
 
     @translated(_store)
     def _root_post_backward(self) -> None:
@@ -639,7 +589,7 @@ class UnitHooks:
         self._comm.hand_over_reductions()
         for unit in self._units:  # prefetched for a backward that did not reach them
             if unit.state is not TrainingState.POST_BACKWARD:
-                self._release_after_backward(unit)
+                self.held.release_after_backward(unit)
         for unit in (self._root, *self._units):
             unit.state = TrainingState.IDLE
             unit.forwarded = False

@@ -1,31 +1,25 @@
-"""MegatronFSDP: the module wrapper, its construction and its public training controls.
+"""MegatronFSDP: the module wrapper and its public training controls.
 
-``MegatronFSDP`` splits the model's parameters into buckets (one per FSDP unit
-and dtype, split by row size where padding demands it, see ``buckets/units.py``),
-moves them into flat sharded buffers (``Bucket``, one ``FSDPParam`` per
-parameter) and exposes the Megatron-FSDP controls: gradient sync
-(``no_sync``, ``finish_grad_sync``, ...), parameter sync, broadcasts and
-introspection. It also keeps the torch contract of the module it wraps:
-which form of each parameter the modules hold (sharded between passes,
-compute during them, see [Note: parameter forms] in ``buckets/param.py``), attribute
-access, ``named_parameters()``, ``state_dict()``. The jobs around it live in
-their own modules:
+``MegatronFSDP`` wraps a model whose parameters live in flat sharded buckets
+and exposes the Megatron-FSDP controls: gradient sync (``no_sync``,
+``finish_grad_sync``, ...), parameter sync, broadcasts and introspection. The
+jobs around it live in their own modules:
 
-- ``engine/hooks.py``: the per-unit forward/backward hooks and the TrainingState machine;
-- ``engine/sharded_params.py``: the parameter-shaped DTensors the optimizer steps on;
-- ``optim/optimizer.py``, ``optim/state.py``: binding optimizers, their step hooks
-  and eagerly created state;
-- ``engine/load_hooks.py``: ``load_state_dict()`` from any layout, through the module's hooks;
-- ``engine/meta_init.py``: meta-device materialisation, one unit at a time;
-- ``engine/stats.py``: ``bucket_stats()`` and ``memory_footprint()``;
-- ``engine/backward_step.py``: ``optimizer_step_in_backward``, each bucket stepped once
-  its gradients are reduced.
-- ``buckets/host.py``: ``offload_optimizer_state``, main weights, grads' copy and
-  optimizer state in host memory (the engine copies the grads there at hand-out).
+- construction: ``engine/discover.py`` (every parameter checked and described),
+  ``engine/assemble.py`` (buckets and units built and filled),
+  ``engine/sharded_params.py`` (the DTensors the optimizer steps on);
+- a step: ``engine/hooks.py`` (the forward/backward state machine),
+  ``engine/comm_window.py`` (gathers ahead, reductions together),
+  ``engine/grad_sync.py`` (grads reduced, handed out, zeroed; when is
+  ``engine/sync_policy.py``'s), ``engine/backward_step.py`` (the step inside
+  the backward);
+- the module it wraps: ``engine/module_contract.py`` (attribute access, state
+  dicts, ``to_empty``), ``engine/forms.py`` (which parameter form the modules
+  hold), ``engine/load_hooks.py`` (loading from any layout);
+- the optimizer side, which the engine never imports: ``optim/``.
 
-When gradients are reduced is ``engine/sync_policy.py``'s; this module applies it
-at the end of each backward; the buffers themselves belong to
-``buckets/bucket.py``, and every collective on them to ``buckets/collectives.py``.
+The buffers themselves belong to ``buckets/bucket.py``, and every collective on
+them to ``buckets/collectives.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +38,6 @@ from torch import nn
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.buckets.buffer_pool import BufferPool
-from mf_fsdp.buckets.extension import ExtensionWeights
 from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.buckets.units import plan_buckets, resolve_unit_classes
@@ -62,6 +55,7 @@ from mf_fsdp.engine.grad_sync import GradSync
 from mf_fsdp.engine.hooks import UnitHooks
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import describe_meta_init
+from mf_fsdp.engine.module_contract import WrappedModule, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
 from mf_fsdp.engine.sharded_params import MANAGED_ATTR, OWNER_ATTR, build_sharded_params
@@ -90,38 +84,7 @@ def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
     return None if ref is None else ref()
 
 
-def check_module_to_wrap(module: object) -> None:
-    """Raise unless ``module`` is an ``nn.Module`` that no engine manages yet.
-
-    A module wraps once: the engine moves its parameters into its buffers and
-    replaces them with sharded forms, so a second engine would shard shards.
-    Caught here, before any buffer is touched: ``module`` being a
-    ``MegatronFSDP``, or holding a parameter that an engine manages (the module
-    that was wrapped, any of its submodules, or a module containing either).
-
-    Raises:
-        TypeError: if ``module`` is not an ``nn.Module``.
-        ValueError: naming the module's class and a managed parameter's name.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module: expected an nn.Module, got {module!r}")
-    managed = next((name for name, p in module.named_parameters() if hasattr(p, OWNER_ATTR)), None)
-    if isinstance(module, MegatronFSDP):
-        inner = type(module.module).__name__
-        raise ValueError(
-            f"module: got a MegatronFSDP (wrapping {inner}, managing parameter {managed!r}); "
-            "expected an unwrapped module: a model is wrapped once, then trained through the "
-            "MegatronFSDP that fully_shard returned"
-        )
-    if managed is not None:
-        raise ValueError(
-            f"module: {type(module).__name__} is already wrapped: its parameter {managed!r} "
-            "is managed by a MegatronFSDP; expected a module no engine manages yet (wrap a "
-            "model once, then train through the MegatronFSDP that fully_shard returned)"
-        )
-
-
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(WrappedModule):
     """Fully sharded data parallelism over flat, bucketed buffers (ZeRO-0..3).
 
     Args:
@@ -609,106 +572,3 @@ class MegatronFSDP(nn.Module):
         local pieces of its state tensors are counted under ``optimizer_state``.
         """
         return memory_footprint(self.groups, self._pool, optimizer)
-
-    # ------------------------------------------------------------------ module contract
-    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
-        """Give the wrapped module's meta buffers storage; FSDP2's meta-device flow.
-
-        Build the model on the meta device, wrap it, call this, then the model's
-        own init method: it writes the sharded parameters in place, exactly as on
-        one process with the same seed (see [Note: meta-device flows]). The
-        parameters already live in the engine's buffers; buffers still on the meta
-        device get empty storage on the engine's device (``recurse`` is accepted
-        for torch's signature). Returns ``self``.
-
-        Raises:
-            ValueError: if ``device`` is not the engine's device type.
-        """
-        del recurse
-        target = torch.device(device) if device is not None else self.device
-        if target.type != self.device.type:
-            raise ValueError(
-                f"to_empty: device={str(target)!r}, but the engine's buffers are on "
-                f"{str(self.device)!r}; expected that device (pass device= to fully_shard "
-                "to place them elsewhere)"
-            )
-        for module in self.module.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_meta:
-                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
-        for group in self.groups:
-            if isinstance(group.weights, ExtensionWeights):
-                group.weights.materialize(self.device)
-        self._awaiting_to_empty = False
-        self._install_pending = True
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        """Resolve what the wrapper lacks on the wrapped module, as if it were that module."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None or name == "module":
-                raise
-            return getattr(inner, name)
-
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """Tell torch's DSD that ``module`` is not part of the state-dict keys."""
-        return {"module": "module"}
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped module's parameters under their own names (sharded forms between passes)."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped module's buffers under their own names."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """The wrapped module's state dict: its keys, sharded parameter-shaped DTensors.
-
-        Parameters are the sharded forms (``UnevenDTensor``s of the parameters'
-        global shapes sharing storage with the engine's main weights, so
-        ``dcp.load`` into this dict writes the weights in place; or plain tensors
-        under ZeRO-0 without TP); buffers and extra state as the module gives them.
-        """
-        if args:
-            raise TypeError(
-                "MegatronFSDP.state_dict: positional arguments are not supported; pass "
-                "destination=, prefix= and keep_vars= by name"
-            )
-        with self._forms.sharded():
-            return self.module.state_dict(
-                destination=destination, prefix=prefix, keep_vars=keep_vars
-            )
-
-    def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Load a state dict in any layout, then install the weights; collective.
-
-        It is the wrapped module's own ``load_state_dict``, so the model's state-dict
-        hooks run (keys a hook renames, splits or fuses load as into the plain
-        module; see [Note: loading through the module's hooks]). Parameter values may
-        be this model's own sharded tensors (e.g. filled by ``dcp.load``), DTensors of
-        any other layout or world size, or full plain tensors; each rank keeps its
-        rows. ``assign`` is accepted for torch's API and has no effect (values are
-        always copied into the engine's buffers).
-
-        Returns:
-            ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
-
-        Raises:
-            RuntimeError: with ``strict``, for missing or unexpected keys; for a value
-                whose shape differs from its parameter's.
-        """
-        del assign  # values are always copied into the engine's buffers
-        with self._forms.sharded():
-            return self.module.load_state_dict(state_dict, strict=strict)
