@@ -13,7 +13,7 @@ size (no point-to-point transfers), packs through torch's
 ``_coalescing_manager`` for every kind, in-place reduce-scatters handed to the
 backend, and the division before the reduction (``divides_after_reduction``).
 gloo serves all of these, on torch 2.11 and 2.15 alike. The engine decides the
-branches from one fact per process group, ``_GroupFacts.gloo``; the switch
+branches from one fact per process group, ``transfers.GroupFacts.gloo``; the switch
 reports it False. Without it those branches run only on a multi-GPU machine:
 the CUDA tests run at world 1, where every collective is skipped.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets import transfers
 
 __all__ = ["REDUCTIONS", "Issued", "native_collectives", "spy_collectives"]
 
@@ -168,13 +168,13 @@ def native_collectives() -> Iterator[None]:
     Enter it before the model is wrapped: the engine reads the backend's facts when
     it is built (``divides_after_reduction``) and at every collective.
     """
-    facts = collectives._facts
+    facts = transfers.group_facts
 
-    def as_native(group: dist.ProcessGroup) -> collectives._GroupFacts:
+    def as_native(group: dist.ProcessGroup) -> transfers.GroupFacts:
         return dataclasses.replace(facts(group), gloo=False)
 
-    collectives._facts = as_native
+    transfers.group_facts = as_native
     try:
         yield
     finally:
-        collectives._facts = facts
+        transfers.group_facts = facts

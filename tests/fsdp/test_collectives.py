@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mf.bench import bytes_written
 from mf.bench.comm_counter import CommCounter
-from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets import collectives, transfers
 from tests._multiprocess import run_on_ranks
 
 SHARD_SIZES = (1, 7, 64, 1001)
@@ -30,13 +30,13 @@ SHARD_SIZES = (1, 7, 64, 1001)
 def _rank_against_torch(rank: int, world: int) -> None:
     # Point-to-point for every size (the threshold lowered to 0), then the default:
     # these small shards take the native path (gloo's reduce-scatter has no AVG).
-    default = collectives.POINT_TO_POINT_MIN_BYTES
+    default = transfers.POINT_TO_POINT_MIN_BYTES
     for threshold in (0, default):
-        collectives.POINT_TO_POINT_MIN_BYTES = threshold
+        transfers.POINT_TO_POINT_MIN_BYTES = threshold
         point_to_point = collectives.uses_point_to_point(torch.zeros(1001), dist.group.WORLD)
         assert point_to_point == (threshold == 0)
         _check_against_torch(rank, world)
-    collectives.POINT_TO_POINT_MIN_BYTES = default
+    transfers.POINT_TO_POINT_MIN_BYTES = default
 
 
 def _check_against_torch(rank: int, world: int) -> None:

@@ -78,7 +78,7 @@ def _rank_same_bits_fewer_collectives(rank: int, world: int) -> None:
             # Collectives of a steady step (the last): one per bucket and pass alone
             # (ZeRO-3: the last block is gathered once, it stays gathered into its
             # backward), one per pass when the whole model fits in the window (on gloo a
-            # packed reduce-scatter is an all-reduce of the pack, see collectives._run_pack).
+            # packed reduce-scatter is an all-reduce of the pack, see coalescing._run_pack).
             if strategy == 0:
                 alone_want, packed_want = {"all_reduce": buckets}, {"all_reduce": 1}
             elif strategy in (1, 2):

@@ -369,6 +369,6 @@ def grad_buffers_for(strategy: ZeroDPStrategy, store_is_local: bool) -> type[Gra
     reduced grads are the local ones. ZeRO-2/3 then keep them in one buffer, as
     ZeRO-0/1 do, instead of a local buffer per backward copied into a store that
     holds the same values: each backward saves a zeroing and a copy of every
-    bucket, and the peak one bucket (see [Note: a group of one] in ``collectives.py``).
+    bucket, and the peak one bucket (see [Note: a group of one] in ``transfers.py``).
     """
     return TransientGrads if strategy.shards_grads and not store_is_local else PersistentGrads

@@ -406,7 +406,7 @@ def weight_storage_for(
     even over one rank. Otherwise ``alone`` (the bucket is sharded over one
     rank, so its shard is the whole bucket) makes ZeRO-3 keep it whole, as
     ZeRO-1/2 do, and never gather or release (see [Note: a group of one] in
-    ``collectives``).
+    ``transfers``).
     """
     if strategy.shards_params and cast_main:
         return CastShardWeights
