@@ -11,6 +11,7 @@
 - :mod:`mf_tp.moe`: dropless expert-parallel mixture of experts (router, dispatch, MoELayer).
 - :mod:`mf_tp.inference`: inference layers with the fused RS + residual + RMSNorm + AG path.
 - :mod:`mf_tp.partition`: split helpers and VocabUtility.
+- :mod:`mf_tp.context_parallelism`: sequences split over ranks, attention over all of them.
 
 Every op takes an explicit ``group=`` / ``tp_group=``; the groups of
 :func:`initialize_model_parallel` are only the default.
@@ -19,6 +20,7 @@ Every op takes an explicit ``group=`` / ``tp_group=``; the groups of
 from __future__ import annotations
 
 from mf_tp.config import ModelParallelConfig
+from mf_tp.context_parallelism import context_parallel, context_parallel_unshard
 from mf_tp.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from mf_tp.data import broadcast_data
 from mf_tp.embedding import VocabParallelEmbedding
@@ -110,6 +112,8 @@ __all__ = [
     "all_to_all_sp2hp",
     "broadcast_data",
     "combine_tokens",
+    "context_parallel",
+    "context_parallel_unshard",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "destroy_model_parallel",
