@@ -33,3 +33,18 @@ def test_bad_config_and_input() -> None:
     model = GPT(PRESETS["tiny"])
     with pytest.raises(ValueError, match="tokens has 65 positions"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_positions_default_to_the_first_ones_and_are_checked() -> None:
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    tokens = torch.randint(0, 256, (2, 8))
+    plain = model(tokens)
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8)), plain)
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8).expand(2, 8)), plain)
+    # Positions are what the embedding sees: a shifted window differs.
+    assert not torch.allclose(model(tokens, positions=torch.arange(8) + 3), plain)
+    with pytest.raises(ValueError, match=r"positions must be integers of shape \(8,\) or \(2, 8\)"):
+        model(tokens, positions=torch.arange(9))
+    with pytest.raises(ValueError, match="got torch.float32 of shape"):
+        model(tokens, positions=torch.arange(8.0))

@@ -74,18 +74,32 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def check_positions(config: GPTConfig, tokens: torch.Tensor, caller: str) -> int:
-    """Return the sequence length of ``tokens`` [B, S], refusing more than the position table.
+def token_positions(
+    config: GPTConfig, tokens: torch.Tensor, positions: torch.Tensor | None, caller: str
+) -> torch.Tensor:
+    """The position of each token of ``tokens`` [B, S]: ``positions``, or ``0 .. S-1``.
+
+    A context-parallel rank holds ``S / N`` positions of each sequence, not the
+    first ones (see ``mf_tp.context_parallel``), so it passes them in, ``[S]``
+    for every sequence alike or ``[B, S]``.
 
     Raises:
-        ValueError: if ``S`` exceeds ``config.seq_len``.
+        ValueError: if ``S`` exceeds ``config.seq_len``, or ``positions`` is not
+            an integer tensor of shape ``[S]`` or ``[B, S]``.
     """
     seq = tokens.shape[1]
     if seq > config.seq_len:
         raise ValueError(
             f"{caller}: tokens has {seq} positions, the model takes at most {config.seq_len}"
         )
-    return seq
+    if positions is None:
+        return torch.arange(seq, device=tokens.device)
+    if positions.is_floating_point() or tuple(positions.shape) not in ((seq,), tuple(tokens.shape)):
+        raise ValueError(
+            f"{caller}: positions must be integers of shape ({seq},) or {tuple(tokens.shape)}, "
+            f"one per token, got {positions.dtype} of shape {tuple(positions.shape)}"
+        )
+    return positions
 
 
 def layer_drop(
@@ -186,10 +200,19 @@ class GPT(nn.Module):
         """Whether parameter ``name`` is left to its own module's init (none here)."""
         return False
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Return logits [B, S, V], or the mean cross-entropy loss when ``targets`` are given."""
-        seq = check_positions(self.config, tokens, "GPT.forward")
-        positions = torch.arange(seq, device=tokens.device)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return logits [B, S, V], or the mean cross-entropy loss when ``targets`` are given.
+
+        ``positions`` ([S] or [B, S]) are the tokens' places in their sequences,
+        ``0 .. S-1`` when None; under context parallelism, this rank's share.
+        """
+        positions = token_positions(self.config, tokens, positions, "GPT.forward")
         x = self.wte(tokens) + self.wpe(positions)
         blocks = self.blocks
         if self.training and self.layer_drop > 0:

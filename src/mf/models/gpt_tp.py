@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mf.models.gpt import GPTConfig, check_positions, layer_drop
+from mf.models.gpt import GPTConfig, layer_drop, token_positions
 from mf_tp import (
     ColumnParallelLinear,
     ModelParallelConfig,
@@ -161,10 +161,19 @@ class GPTTensorParallel(nn.Module):
             self.lm_head.weight = self.wte.weight
         nn.init.normal_(self.wpe.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Return full logits [B, S, V], or the mean cross-entropy loss given ``targets``."""
-        seq = check_positions(self.config, tokens, "GPTTensorParallel.forward")
-        x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return full logits [B, S, V], or the mean cross-entropy loss given ``targets``.
+
+        ``positions`` as in :meth:`mf.models.gpt.GPT.forward`.
+        """
+        positions = token_positions(self.config, tokens, positions, "GPTTensorParallel.forward")
+        x = self.wte(tokens) + self.wpe(positions)
         blocks = self.blocks
         if self.training and self.layer_drop > 0:
             blocks = layer_drop(self.blocks, self.layer_drop, self.layer_drop_generator)

@@ -158,9 +158,15 @@ class _RoutedModel(nn.Module):
     config: MoEGPTConfig
     blocks: nn.ModuleList
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, S, V]; given ``targets``, the mean cross entropy plus the balance term."""
-        out = super().forward(tokens, targets)
+        out = super().forward(tokens, targets, positions=positions)
         return out if targets is None else self._with_balance(out)
 
     def _with_balance(self, language_loss: torch.Tensor) -> torch.Tensor:
