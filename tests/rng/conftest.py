@@ -20,6 +20,6 @@ def isolated_rng() -> Iterator[None]:
             initialize_rng_tracker(device="cpu")
             yield
     finally:
-        for axis in ("tp", "ep", "etp"):
+        for axis in ("tp", "ep", "etp", "cp"):
             register_model_parallel_group(axis, None)
         torch.set_rng_state(cpu_state)

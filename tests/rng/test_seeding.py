@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from mf_rng import (
     InferenceRNGStatesTracker,
+    get_context_parallel_rng_tracker_name,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    get_model_and_context_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
     initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
@@ -116,7 +118,9 @@ def test_bad_seed_raises_and_leaves_the_tracker_untouched() -> None:
 
 
 def test_register_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match=r"axis must be one of \('tp', 'ep', 'etp'\), got 'dp'"):
+    with pytest.raises(
+        ValueError, match=r"axis must be one of \('tp', 'ep', 'etp', 'cp'\), got 'dp'"
+    ):
         register_model_parallel_group("dp", None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"group must be a ProcessGroup or None, got 3"):
         register_model_parallel_group("tp", 3)  # type: ignore[arg-type]
@@ -202,3 +206,86 @@ def _rank_dp_by_tp(rank: int, world_size: int) -> None:
 @pytest.mark.multiprocess
 def test_dropout_identical_across_dp_ranks_with_equal_tp_rank() -> None:
     run_on_ranks(_rank_dp_by_tp, 4)
+
+
+# --- context parallelism: [Note: dropout under context parallelism] in mf_rng.seeding -----------
+
+
+@pytest.mark.parametrize(("seed", "tp_rank", "cp_rank"), [(0, 0, 0), (1234, 1, 3), (2**40, 7, 1)])
+def test_context_parallel_states_add_to_the_reference_ones(
+    seed: int, tp_rank: int, cp_rank: int
+) -> None:
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank)
+    reference = get_cuda_rng_tracker().get_states()
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, cp_rank=cp_rank)
+    states = get_cuda_rng_tracker().get_states()
+    for name, state in reference.items():
+        assert torch.equal(states[name], state), f"cp changed the reference's {name}"
+    cp_offset = 65536 * (1 + cp_rank)
+    added = {
+        get_context_parallel_rng_tracker_name(): seed + cp_offset,
+        get_model_and_context_parallel_rng_tracker_name(): seed + 2718 + tp_rank + cp_offset,
+    }
+    assert set(states) == set(reference) | set(added)
+    for name, derived in added.items():
+        assert torch.equal(states[name], _fresh_state(derived)), name
+
+
+def test_without_context_parallelism_the_tracker_is_the_references() -> None:
+    model_parallel_cuda_manual_seed(SEED)
+    assert get_context_parallel_rng_tracker_name() not in get_cuda_rng_tracker().get_states()
+    fork = get_cuda_rng_tracker().fork(get_context_parallel_rng_tracker_name())
+    with pytest.raises(ValueError, match=r"no RNG state named 'context-parallel-rng'"), fork:
+        pass
+    with pytest.raises(ValueError, match=r"cp_rank must be non-negative, got -1"):
+        model_parallel_cuda_manual_seed(SEED, cp_rank=-1)
+
+
+def _rank_tp_by_cp(rank: int, world_size: int) -> None:
+    initialize_rng_tracker(device="cpu")
+    mesh = cpu_mesh((2, 2), ("cp", "tp"))
+    cp_rank, tp_rank = divmod(rank, 2)
+    # A cp group of one rank leaves context parallelism off: the reference's states only.
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    register_model_parallel_group("cp", singles[rank])
+    model_parallel_cuda_manual_seed(SEED)
+    assert get_context_parallel_rng_tracker_name() not in get_cuda_rng_tracker().get_states()
+
+    register_model_parallel_group("tp", mesh.get_group("tp"))
+    register_model_parallel_group("cp", mesh.get_group("cp"))
+    model_parallel_cuda_manual_seed(SEED)
+    assert registered_model_parallel_rank("cp") == cp_rank
+
+    names = {
+        "cp": get_context_parallel_rng_tracker_name(),
+        "tp x cp": get_model_and_context_parallel_rng_tracker_name(),
+        "tp": get_model_parallel_rng_tracker_name(),
+        "dp": get_data_parallel_rng_tracker_name(),
+    }
+    masks = {what: _masks(name)[0] for what, name in names.items()}
+    _, default = _masks(names["dp"])
+    seeds = {
+        "cp": SEED + 65536 * (1 + cp_rank),
+        "tp x cp": SEED + 2718 + tp_rank + 65536 * (1 + cp_rank),
+        "tp": SEED + 2718 + tp_rank,
+        "dp": SEED,
+    }
+    for what, mask in masks.items():
+        assert torch.equal(mask, _expected_mask(seeds[what])), what
+    # Which peers draw alike: (same cp rank, same tp rank) -> equal?
+    alike = {
+        "cp": lambda c, t: c == cp_rank,  # tp peers hold the same activations
+        "tp x cp": lambda c, t: c == cp_rank and t == tp_rank,
+        "tp": lambda c, t: t == tp_rank,  # the reference: cp peers share it (weights init)
+        "dp": lambda c, t: True,
+        "default": lambda c, t: True,  # the reference: cp peers share the default generator
+    }
+    for what, mask in [*masks.items(), ("default", default)]:
+        for other, theirs in enumerate(_gather(mask)):
+            c, t = divmod(other, 2)
+            assert torch.equal(theirs, mask) == alike[what](c, t), (what, rank, other)
+
+
+@pytest.mark.multiprocess
+def test_dropout_streams_over_tp_by_cp() -> None:
+    run_on_ranks(_rank_tp_by_cp, 4, timeout=120)

@@ -31,8 +31,10 @@ from mf_rng.tracker import (
     InferenceRNGStatesTracker,
     RNGStatesTracker,
     RNGTracker,
+    get_context_parallel_rng_tracker_name,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    get_model_and_context_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
 )
 
@@ -46,9 +48,11 @@ __all__ = [
     "RNGTracker",
     "checkpoint",
     "get_all_rng_states",
+    "get_context_parallel_rng_tracker_name",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "get_model_and_context_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "get_rng_state",
     "get_rng_tracker",

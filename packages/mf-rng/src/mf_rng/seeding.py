@@ -6,11 +6,36 @@ The seed arithmetic is the reference's, so runs are reproducible against it:
   (equal on every rank: use it for anything that must match across ranks);
 * the model-parallel state gets ``seed + 2718 + tp_rank`` (distinct per
   tensor-parallel rank: dropout on tensor-parallel shards);
-* the expert-parallel state gets ``seed + 1024 + 100 * ep_rank + etp_rank``.
+* the expert-parallel state gets ``seed + 1024 + 100 * ep_rank + etp_rank``;
+* while context parallelism is on, two more states (see [Note: dropout under
+  context parallelism]).
 
 Ranks come from the caller, or from process groups registered with
 :func:`register_model_parallel_group` (mf-tp registers its groups there, so
 mf-rng never imports mf-tp), or are 0 when nothing is registered.
+
+[Note: dropout under context parallelism] The reference gives the ranks of a
+context-parallel (cp) group the same default generator and the same data-,
+model- and expert-parallel states: its seed counts pipeline stages and,
+optionally, data-parallel ranks without cp, and no state depends on a cp
+rank. That is right for whatever must agree over the cp group: the weights
+are replicated over it, so their initialisation must draw alike. It is wrong
+for dropout on the activations cp splits: every cp rank then draws the same
+mask for different tokens of one sequence (token ``i`` of each rank's shard
+shares its mask), where one process draws independent ones. mf keeps the
+reference's states as they are and, while cp is on, adds:
+
+* ``context-parallel-rng``: ``seed + 65536 * (1 + cp_rank)``, equal on the
+  tensor-parallel ranks of a cp rank (they hold the same activations), for
+  dropout on hidden states outside a sequence-parallel region;
+* ``model-and-context-parallel-rng``: ``seed + 2718 + tp_rank + 65536 * (1 +
+  cp_rank)``, distinct on every (tp, cp) rank, for dropout on activations split
+  by both (attention heads, sequence-parallel hidden states).
+
+Both are equal across data-parallel ranks, as the reference's model-parallel
+state is. The 65536 stride keeps them clear of the reference's seeds (tp ranks
+and expert offsets below it). With cp off nothing is added, so the tracker,
+and the states a checkpoint saves, are the reference's.
 """
 
 from __future__ import annotations
@@ -23,8 +48,10 @@ import torch.distributed as dist
 from mf_rng.default_tracker import get_cuda_rng_tracker, initialize_rng_tracker
 from mf_rng.device_state import check_seed, seed_device
 from mf_rng.tracker import (
+    get_context_parallel_rng_tracker_name,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    get_model_and_context_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
 )
 
@@ -36,13 +63,14 @@ __all__ = [
     "registered_model_parallel_rank",
 ]
 
-ParallelAxis = Literal["tp", "ep", "etp"]
-"""Which rank a registered group gives: tensor-, expert- or expert-tensor-parallel."""
+ParallelAxis = Literal["tp", "ep", "etp", "cp"]
+"""Which rank a registered group gives: tensor-, expert-, expert-tensor- or context-parallel."""
 
-_AXES: tuple[str, ...] = ("tp", "ep", "etp")
+_AXES: tuple[str, ...] = ("tp", "ep", "etp", "cp")
 _TP_SEED_OFFSET = 2718
 _EXPERT_SEED_OFFSET = 1024
 _EXPERT_RANK_STRIDE = 100
+_CP_RANK_STRIDE = 65536
 
 _groups: dict[str, dist.ProcessGroup] = {}
 
@@ -103,6 +131,18 @@ def _resolve_rank(rank: int | None, axis: ParallelAxis) -> int:
     return rank
 
 
+def _resolve_cp_rank(cp_rank: int | None) -> int | None:
+    """The cp rank while context parallelism is on, else None.
+
+    On: ``cp_rank`` is given, or a ``"cp"`` group of more than one rank is registered.
+    """
+    if cp_rank is None:
+        group = _groups.get("cp")
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+    return _resolve_rank(cp_rank, "cp")
+
+
 def model_parallel_cuda_manual_seed(
     seed: int,
     te_rng_tracker: bool = False,
@@ -112,6 +152,7 @@ def model_parallel_cuda_manual_seed(
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    cp_rank: int | None = None,
     force_reset_rng: bool = False,
     device: torch.device | str | int | None = None,
 ) -> None:
@@ -129,6 +170,9 @@ def model_parallel_cuda_manual_seed(
         tp_rank: tensor-parallel rank; default: the registered ``"tp"`` group's, else 0.
         ep_rank: expert-parallel rank; default: the registered ``"ep"`` group's, else 0.
         etp_rank: expert-tensor-parallel rank; default: the ``"etp"`` group's, else 0.
+        cp_rank: context-parallel rank; giving it, or registering a ``"cp"``
+            group of more than one rank, adds the two context-parallel states
+            (see [Note: dropout under context parallelism]); otherwise there are none.
         force_reset_rng: replace the existing tracker with a new one of the
             requested flavour.
         device: the device of a tracker created here (see
@@ -145,6 +189,7 @@ def model_parallel_cuda_manual_seed(
     tp_rank = _resolve_rank(tp_rank, "tp")
     ep_rank = _resolve_rank(ep_rank, "ep")
     etp_rank = _resolve_rank(etp_rank, "etp")
+    cp_rank = _resolve_cp_rank(cp_rank)
     initialize_rng_tracker(
         te_rng_tracker,
         inference_rng_tracker,
@@ -159,11 +204,18 @@ def model_parallel_cuda_manual_seed(
             seed + _EXPERT_SEED_OFFSET + _EXPERT_RANK_STRIDE * ep_rank + etp_rank
         ),
     }
+    if cp_rank is not None:
+        cp_offset = _CP_RANK_STRIDE * (1 + cp_rank)
+        derived[get_context_parallel_rng_tracker_name()] = seed + cp_offset
+        derived[get_model_and_context_parallel_rng_tracker_name()] = (
+            seed + _TP_SEED_OFFSET + tp_rank + cp_offset
+        )
     if len(set(derived.values())) != len(derived):
         raise ValueError(
             f"model_parallel_cuda_manual_seed: the derived seeds {derived} collide for "
-            f"tp_rank={tp_rank}, ep_rank={ep_rank}, etp_rank={etp_rank}; the reference "
-            "arithmetic needs etp_rank < 100 and tp_rank, ep_rank small enough to stay apart"
+            f"tp_rank={tp_rank}, ep_rank={ep_rank}, etp_rank={etp_rank}, cp_rank={cp_rank}; "
+            "the reference arithmetic needs etp_rank < 100 and tp_rank, ep_rank small enough "
+            "to stay apart"
         )
     for name, derived_seed in derived.items():
         check_seed(derived_seed, f"model_parallel_cuda_manual_seed ({name})")

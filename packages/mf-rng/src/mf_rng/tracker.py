@@ -41,8 +41,10 @@ __all__ = [
     "InferenceRNGStatesTracker",
     "RNGStatesTracker",
     "RNGTracker",
+    "get_context_parallel_rng_tracker_name",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "get_model_and_context_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "te_rng_tracker_class",
 ]
@@ -50,6 +52,8 @@ __all__ = [
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+_CONTEXT_PARALLEL_RNG_TRACKER_NAME = "context-parallel-rng"
+_MODEL_AND_CONTEXT_PARALLEL_RNG_TRACKER_NAME = "model-and-context-parallel-rng"
 
 # Transformer Engine's tracker gained the interface mf relies on in 1.5.
 _MIN_TE_VERSION = "1.5.0"
@@ -68,6 +72,27 @@ def get_data_parallel_rng_tracker_name() -> str:
 def get_expert_parallel_rng_tracker_name() -> str:
     """Return the name of the state that differs across expert(-tensor)-parallel ranks."""
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_context_parallel_rng_tracker_name() -> str:
+    """Return the name of the state that differs across context-parallel ranks only.
+
+    For dropout on activations split over the sequence by context parallelism
+    and replicated over tensor parallelism (the hidden states outside a
+    sequence-parallel region). It exists while context parallelism is on; see
+    :func:`mf_rng.model_parallel_cuda_manual_seed`.
+    """
+    return _CONTEXT_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_model_and_context_parallel_rng_tracker_name() -> str:
+    """Return the name of the state that differs across tensor- and context-parallel ranks.
+
+    For dropout on activations split both ways: attention heads under tensor
+    parallelism, hidden states under sequence parallelism, with the sequence
+    split by context parallelism too. It exists while context parallelism is on.
+    """
+    return _MODEL_AND_CONTEXT_PARALLEL_RNG_TRACKER_NAME
 
 
 @runtime_checkable
