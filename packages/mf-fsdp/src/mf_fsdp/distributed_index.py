@@ -6,6 +6,12 @@ more than one dim), an optional ``dp_outer`` dim (replication across it, HSDP,
 or with ``hsdp_outer_dp_shard`` sharding across it too, hybrid-sharded HSDP)
 and an optional ``tp`` dim; a mesh without a tp dim is fine.
 
+A dim may be a flattened one (Megatron's ``dp_cp``: data and context
+parallelism sharded together, ``mesh["dp", "cp"]._flatten("dp_cp")``). The
+index never slices the root mesh by such a name, which torch deprecates: it
+takes the flattened mesh the root records and joins it with the other dims
+(see :func:`_sub_mesh`).
+
 Hybrid-sharded layout: a bucket is cut into ``dp_outer x dp_shard`` sub-shards;
 the rank at (outer ``o``, shard ``i``) owns sub-shard ``i * outer_size + o``
 (its *logical hybrid rank*), so the ``outer_size`` sub-shards of inner shard
@@ -95,6 +101,18 @@ class FSDPDistributedIndex:
                 "FSDPDistributedIndex: hsdp_outer_dp_shard=True (hybrid-sharded HSDP) needs "
                 "dp_outer_dim, got None; expected the name of the outer data-parallel dim"
             )
+        flattened = [
+            (arg, value)
+            for arg, value in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim))
+            if value is not None and value not in (device_mesh.mesh_dim_names or ())
+        ]
+        if hsdp_outer_dp_shard and flattened:
+            arg, value = flattened[0]
+            raise ValueError(
+                f"FSDPDistributedIndex: hsdp_outer_dp_shard=True (hybrid-sharded HSDP) needs "
+                f"dims of the mesh, got the flattened {arg}={value!r}; build the mesh with it "
+                "as a dim (e.g. init_device_mesh(..., (outer, shard * cp), (..., 'dp_shard_cp')))"
+            )
         self.device_mesh = device_mesh
         self.dp_shard_dim = dp_shard_dim
         self.dp_outer_dim = dp_outer_dim
@@ -105,7 +123,8 @@ class FSDPDistributedIndex:
         self.outer_fsdp_group = self._group(dp_outer_dim) if dp_outer_dim else None
         self.tp_group = self._group(tp_dim) if tp_dim else None
         if dp_outer_dim is not None and hybrid_fsdp_group is None:
-            hybrid_fsdp_group = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten().get_group()
+            pair = _sub_mesh(device_mesh, (dp_outer_dim, dp_shard_dim))
+            hybrid_fsdp_group = pair._flatten().get_group()
         self.hybrid_fsdp_group = hybrid_fsdp_group
         self._swapped_mesh = self._build_swapped_mesh() if hsdp_outer_dp_shard else None
         self._logical_mesh = (
@@ -129,10 +148,18 @@ class FSDPDistributedIndex:
         used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim}
         if self.device_mesh.ndim == 1:
             return ()
-        return tuple(
+        # A dim inside a used one (dp and cp under a flattened dp_cp) is no expert dim.
+        covering = [self.get_dp_group(), *([self.tp_group] if self.tp_group else [])]
+        covered = [set(dist.get_process_group_ranks(g)) for g in covering]
+        groups = (
             self.device_mesh.get_group(name)
             for name in get_mesh_names(self.device_mesh)
             if name not in used
+        )
+        return tuple(
+            group
+            for group in groups
+            if not any(set(dist.get_process_group_ranks(group)) <= ranks for ranks in covered)
         )
 
     def _build_expert_index(self, expt_device_mesh: DeviceMesh) -> FSDPDistributedIndex:
@@ -220,7 +247,7 @@ class FSDPDistributedIndex:
             )
         if mesh.ndim == 1 and dims == tuple(mesh.mesh_dim_names or ()):
             return mesh
-        return mesh[dims if len(dims) > 1 else dims[0]]
+        return _sub_mesh(mesh, dims)
 
     def get_dp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup:
         """The whole data-parallel group: the hybrid group under HSDP, else the FSDP group.
@@ -333,4 +360,19 @@ class FSDPDistributedIndex:
             raise ValueError("FSDPDistributedIndex.dp_tp_mesh: needs a tp_dim, got None")
         root = self._swapped_mesh if self._swapped_mesh is not None else self.device_mesh
         dp_dims = tuple(self.dp_mesh().mesh_dim_names or ())
-        return root[(*dp_dims, self.tp_dim)]
+        return _sub_mesh(root, (*dp_dims, self.tp_dim))
+
+
+def _sub_mesh(root: DeviceMesh, dims: Sequence[str]) -> DeviceMesh:
+    """``root[dims]``, where a dim may be a flattened one the root records.
+
+    torch deprecates slicing a root mesh by a flattened name and asks callers
+    to keep the flattened mesh; the root keeps it, so it is taken from there
+    and joined with the other dims by ``DeviceMesh._concatenate`` (their
+    existing groups: no new ones).
+    """
+    names = tuple(root.mesh_dim_names or ())
+    if all(d in names for d in dims):
+        return root[tuple(dims) if len(dims) > 1 else dims[0]]
+    parts = [root[d] if d in names else root._flatten_mapping[d] for d in dims]
+    return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
