@@ -264,6 +264,27 @@ def _rank_parity_cuda(rank: int, world: int) -> None:
                 torch.testing.assert_close(g.float(), e, rtol=tol, atol=tol)
 
 
+def _rank_overlapping_buffers(rank: int, world: int) -> None:
+    """Buffers that are overlapping views of one tensor (inputs, targets) shard and come back."""
+    mesh = cpu_mesh((world,), ("cp",))
+    windows = torch.arange(2 * 9).view(2, 9)
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    before = windows.clone()
+    positions = SequenceLayout.of(8, world, where="test").positions(rank)
+    with mf_tp.context_parallel(mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1]):
+        assert torch.equal(inputs, before[:, :-1][:, positions])
+        assert torch.equal(targets, before[:, 1:][:, positions])
+    assert torch.equal(windows, before), "the tensor the buffers view was written"
+    assert torch.equal(inputs, before[:, :-1])
+    assert inputs.stride() == (9, 1), "the view's strides were not restored"
+    assert inputs.data_ptr() == windows.data_ptr(), "the buffer no longer views its tensor"
+
+
+@pytest.mark.multiprocess
+def test_overlapping_buffers_shard_and_come_back_unchanged() -> None:
+    run_on_ranks(_rank_overlapping_buffers, 2, timeout=60)
+
+
 # --- calls it cannot serve: one clear line each ---------------------------------------------------
 
 

@@ -207,14 +207,17 @@ def context_parallel(
     The signature and semantics of torch's
     ``torch.distributed.tensor.experimental.context_parallel``, on CPU (gloo)
     and CUDA (NCCL) alike. On entry each buffer is sharded in place along its
-    sequence dim: this rank keeps ``S / N`` positions, the head-tail chunks
+    sequence dim (the same tensor object holds the shard; its old storage is
+    left as it was, so views of it, and buffers that overlap, are not
+    disturbed): this rank keeps ``S / N`` positions, the head-tail chunks
     ``r`` and ``2N - 1 - r`` of ``2N`` when ``S`` divides by ``2N`` (so causal
     work is balanced), else the contiguous chunk ``r`` of ``N``. Inside,
     ``torch.nn.functional.scaled_dot_product_attention`` on such shards
     returns this rank's rows of exact attention over the whole sequence,
     forward and backward (see ``SUPPORTED`` for the calls it serves; others
     raise). On exit the buffers get their full contents back, except those
-    in ``no_restore_buffers``.
+    in ``no_restore_buffers`` (the same storage, shape and strides as
+    before, without a copy).
 
     Run backward inside the block when activations are recomputed: the
     recomputation calls attention again and must be served the same way.
@@ -239,12 +242,18 @@ def context_parallel(
     buffers = list(buffers or [])
     no_restore = set() if no_restore_buffers is None else no_restore_buffers
     plans = _check_buffers(buffers, list(buffer_seq_dims or []), no_restore, world_size)
-    originals = [None if any(b is n for n in no_restore) else b.clone() for b in buffers]
     with torch.no_grad():
-        for buffer, (dim, layout) in zip(buffers, plans, strict=True):
-            shard = buffer.index_select(dim, layout.positions(rank, buffer.device))
-            buffer.resize_(shard.shape)
-            buffer.copy_(shard)
+        # Every shard is read before any buffer changes: buffers may be overlapping views
+        # of one tensor (inputs = windows[:, :-1], targets = windows[:, 1:]).
+        shards = [
+            buffer.index_select(dim, layout.positions(rank, buffer.device))
+            for buffer, (dim, layout) in zip(buffers, plans, strict=True)
+        ]
+        originals = [
+            None if any(b is n for n in no_restore) else b.new_empty(0).set_(b) for b in buffers
+        ]
+        for buffer, shard in zip(buffers, shards, strict=True):
+            buffer.set_(shard)
     try:
         with _ShardedAttentionMode(mesh):
             yield
@@ -252,8 +261,7 @@ def context_parallel(
         with torch.no_grad():
             for buffer, original in zip(buffers, originals, strict=True):
                 if original is not None:
-                    buffer.resize_(original.shape)
-                    buffer.copy_(original)
+                    buffer.set_(original)
 
 
 @torch.no_grad()
