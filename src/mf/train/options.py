@@ -71,6 +71,7 @@ class TrainOptions:
     sync_save: bool = False
     resume_from: str | None = None
     layer_drop: float = 0.0
+    cp: int = 1
 
     @property
     def use_cuda(self) -> bool:
@@ -79,8 +80,8 @@ class TrainOptions:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (dp_outer x dp_shard)."""
-        return self.nproc // self.tp
+        """Data-parallel ranks (dp_outer x dp_shard); each one's cp ranks share its batch."""
+        return self.nproc // (self.tp * self.cp)
 
 
 def _positive(name: str, value: int) -> None:
@@ -131,6 +132,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="processes on this machine (default: one per GPU on CUDA, else 2)",
     )
     add("--tp", type=int, default=1, help="tensor-parallel size")
+    add(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: each sequence is split over --cp ranks, which share one "
+        "data-parallel rank's --micro-batch",
+    )
     add("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO strategy")
     add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
     add(
@@ -244,7 +252,17 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         gpus = torch.cuda.device_count() if options.use_cuda else 0
         options = dataclasses.replace(options, nproc=gpus or 2)
     options = _hardware_defaults(options)
-    for name in ("nproc", "tp", "ep", "dp_outer", "steps", "micro_batch", "grad_accum", "seq_len"):
+    for name in (
+        "nproc",
+        "tp",
+        "cp",
+        "ep",
+        "dp_outer",
+        "steps",
+        "micro_batch",
+        "grad_accum",
+        "seq_len",
+    ):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
     for name in ("eval_every", "eval_batches"):
         _positive("--" + name.replace("_", "-"), getattr(options, name))
@@ -265,13 +283,20 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--tp {options.tp} does not divide the {options.nproc} processes (--nproc); "
             "choose a tensor-parallel size that divides it"
         )
+    if options.nproc % (options.tp * options.cp) != 0:
+        raise ValueError(
+            f"--cp {options.cp} does not divide the {options.nproc // options.tp} processes "
+            f"per tensor-parallel rank (--nproc {options.nproc} / --tp {options.tp}); choose a "
+            "context-parallel size that divides it"
+        )
     if options.dp_size % options.dp_outer != 0:
         raise ValueError(
             f"--dp-outer {options.dp_outer} does not divide the data-parallel size "
-            f"{options.dp_size} (= --nproc {options.nproc} / --tp {options.tp})"
+            f"{options.dp_size} (= --nproc {options.nproc} / --tp {options.tp} / --cp {options.cp})"
         )
     preset = MODEL_PRESETS[options.model]
     _check_experts(options, preset)
+    _check_context_parallel(options, preset)
     if options.layer_drop and isinstance(preset, MoEGPTConfig):
         raise ValueError(
             f"--layer-drop {options.layer_drop} is for dense models; --model "
@@ -349,6 +374,23 @@ def _check_float8(options: TrainOptions, preset: object) -> None:
     problem = float8_unavailable(device)
     if problem is not None:
         raise ValueError(f"--precision fp8: {problem}")
+
+
+def _check_context_parallel(options: TrainOptions, preset: object) -> None:
+    """Refuse a --cp the sequence or the model cannot take."""
+    if options.cp == 1:
+        return
+    if isinstance(preset, MoEGPTConfig):
+        raise ValueError(
+            f"--cp {options.cp} is for dense models; --model {options.model!r} is a mixture of "
+            "experts (its experts are sharded over the data-parallel ranks alone)"
+        )
+    chunks = 2 * options.cp
+    if options.seq_len % chunks != 0:
+        raise ValueError(
+            f"--seq-len {options.seq_len} does not split into {chunks} equal chunks (2 x --cp "
+            f"{options.cp}, for load-balanced causal attention); choose a multiple of {chunks}"
+        )
 
 
 def _check_experts(options: TrainOptions, preset: object) -> None:

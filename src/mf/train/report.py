@@ -134,9 +134,10 @@ class Reporter:
         self.history = self._earlier_records(start_step)
         self.metrics_path.write_text("".join(_json_line(r) for r in self.history))
         experts = f"ep={options.ep}, " if options.ep > 1 else ""
+        context = f"cp={options.cp}, " if options.cp > 1 else ""
         print(
             f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
-            f"{options.nproc} processes (tp={options.tp}, {experts}"
+            f"{options.nproc} processes (tp={options.tp}, {context}{experts}"
             f"dp_outer={options.dp_outer}, ZeRO-{options.zero}, {options.precision}), "
             f"corpus {corpus}: {train_tokens:,} train / {validation_tokens:,} validation tokens",
             flush=True,

@@ -54,6 +54,7 @@ from mf.train.run_lock import (
     started_by_launcher,
     worker_takes_locks,
 )
+from mf.train.sequence_shards import sequence_shards
 from mf_fsdp import load_checkpoint, save_checkpoint
 
 __all__ = ["RunStoppedError", "main", "train"]
@@ -127,12 +128,14 @@ def _setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
-    dp_shard = world // options.tp // options.dp_outer
+    dp_shard = world // options.tp // options.cp // options.dp_outer
     mesh = init_device_mesh(
         device.type,
-        (options.dp_outer, dp_shard, options.tp),
-        mesh_dim_names=("dp_outer", "dp", "tp"),
+        (options.dp_outer, dp_shard, options.cp, options.tp),
+        mesh_dim_names=("dp_outer", "dp", "cp", "tp"),
     )
+    # The weights are replicated over cp as over dp: sharded and reduced over both.
+    mesh["dp", "cp"]._flatten("dp_cp")
     return device, mesh
 
 
@@ -180,14 +183,15 @@ def _dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
 def _expert_mesh(options: TrainOptions, mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of a MoE model's experts: each ``ep`` group is ``--ep`` consecutive dp ranks.
 
-    Same ranks and row-major order as ``mesh``, its ``dp`` dim split into the
-    expert-data-parallel ``dp`` (the ranks holding the same experts, which
-    their gradients are reduced over) and ``ep``.
+    Same ranks and row-major order as ``mesh`` (whose cp size is 1 for a MoE
+    model), its ``dp`` dim split into the expert-data-parallel ``dp_cp`` (the
+    ranks holding the same experts, which their gradients are reduced over;
+    named as the dense mesh's shard dim) and ``ep``.
     """
     return init_device_mesh(
         mesh.device_type,
         (options.dp_outer, mesh["dp"].size() // options.ep, options.ep, options.tp),
-        mesh_dim_names=("dp_outer", "dp", "ep", "tp"),
+        mesh_dim_names=("dp_outer", "dp_cp", "ep", "tp"),
     )
 
 
@@ -223,7 +227,7 @@ def _build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         module,
         optimizers,
         device_mesh=mesh,
-        dp_shard_dim="dp",
+        dp_shard_dim="dp_cp",
         dp_outer_dim="dp_outer",
         tp_dim="tp",
         expt_device_mesh=expert_mesh,
@@ -399,7 +403,9 @@ def _validate(
             options.micro_batch,
             options.seq_len,
         )
-        losses.append(model(inputs.to(device), targets.to(device)))
+        inputs, targets = inputs.to(device), targets.to(device)
+        with sequence_shards(mesh["cp"], inputs, targets) as positions:
+            losses.append(model(inputs, targets, positions=positions))
     model.train()
     return _mean_over(torch.stack(losses).mean(), mesh)
 
@@ -455,8 +461,11 @@ def _train_step(
         last = micro == options.grad_accum - 1
         if options.layer_drop:
             _seed_layer_drop(model, options, step * options.grad_accum + micro, dp_rank)
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss = model(inputs, targets) / options.grad_accum
+        with (
+            contextlib.nullcontext() if last else model.no_sync(),
+            sequence_shards(mesh["cp"], inputs, targets) as positions,
+        ):
+            loss = model(inputs, targets, positions=positions) / options.grad_accum
             loss.backward()
         losses.append(loss.detach())
     for optimizer in optimizers:
@@ -515,6 +524,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     info = {
         "model": options.model,
         "tp": options.tp,
+        "cp": options.cp,
         "ep": options.ep,
         "zero": options.zero,
         "optimizer": options.optimizer,
