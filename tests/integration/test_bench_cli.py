@@ -89,3 +89,42 @@ def test_meta_init_gives_every_engine_the_single_process_init(capsys) -> None:
     assert dloss == dict.fromkeys(engines, "0.00e+00")
     assert main([*argv[:2], "--engines=mf-zero3", *argv[3:], "--no-reference"]) == 0
     assert _rows(capsys.readouterr().out, ("mf-zero3",))["mf-zero3"][0][-3] == "-"
+
+
+def test_cp_runs_report_activations_and_the_traffic_against_its_floors(capsys) -> None:
+    argv = [
+        "--presets=tiny",
+        "--world=2",
+        "--cp=1,2",
+        "--engines=mf-zero3",
+        "--rounds=1",
+        "--steps=1",
+        "--warmup=1",
+        "--seq-len=32",
+        "--device=cpu",
+        "--no-reference",  # parity under CP is tests/fsdp/test_context_parallel.py's
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("mf-zero3 ")]
+    # The cp table: engine, optim, cp, step ms, tokens/s, act MiB, x cp1, peak MiB, cp MiB,
+    # x ring, x causal, x mf model.
+    cp_rows = {row[2]: row for row in rows if len(row) == 12 and row[2] in ("1", "2")}
+    one, two = cp_rows["1"], cp_rows["2"]
+    # Half the tokens per rank, fewer saved bytes; cp traffic as mf's model says, exactly.
+    assert float(two[6]) < 1.0
+    assert one[8:] == ["-", "-", "-", "-"]
+    assert float(two[8]) > 0
+    assert (two[9], two[10], two[11]) == ("1.50", "2.00", "1.00")
+
+
+def test_bad_cp_sizes_are_refused(capsys) -> None:
+    for argv, message in (
+        (["--world=2", "--cp=3"], "--cp: 3 does not divide --world 2"),
+        (["--world=2", "--cp=2", "--seq-len=30"], "--seq-len 30 does not split into 2 x 2"),
+        (["--world=2", "--cp=2", "--engines=mf-zero3+compile"], "not measured with compiled"),
+        (["--cp=two"], "expected comma-separated positive ints, got 'two'"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err

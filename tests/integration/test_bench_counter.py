@@ -49,7 +49,19 @@ def _rank_counts(rank: int, world_size: int) -> None:
     expected += (rank + 1) * (world_size - 1) * element
     expected += 6 * element * (world_size - 1)
     assert counter.bytes_sent == pytest.approx(expected)
+    assert counter.bytes_by_group == {"0": pytest.approx(expected)}  # all on the default group
     assert dist.all_reduce is original  # the originals are back
+    # The group's own coalesced all-gather works again once uninstalled (it once lost its self).
+    group = dist.group.WORLD
+    group.allgather_into_tensor_coalesced([full], [shard]).wait()
+    # A collective over another group is tallied under that group's name.
+    pair, _ = dist.new_subgroups_by_enumeration([list(range(world_size))])
+    with counter.installed():
+        counter.enabled = True
+        dist.all_reduce(shard, group=pair)
+    assert counter.bytes_by_group[pair.group_name] == pytest.approx(
+        2 * 6 * element * (world_size - 1) / world_size
+    )
 
 
 @pytest.mark.multiprocess

@@ -30,6 +30,14 @@ A second table per preset shows the host's cost per step against ``plain``
 (the bare model, no wrapper, no communication): the main thread's CPU ms, the
 aten ops one step dispatches and, on CUDA, the kernels it launches. Run the
 ``tiny`` preset to see the host alone (its tensors make the compute nothing).
+
+``--cp 1,2`` runs every engine at each context-parallel size: each
+data-parallel rank's ``--micro-batch`` sequences are split over ``cp`` ranks
+(``mf_tp.context_parallel``), the engines shard over all of them. A further
+table compares each cp size with cp 1 per rank: step time, tokens/s, the
+activation bytes the forward saves for the backward, and the bytes sent over
+the cp group against a ring's least and the causal least (the ``long``
+preset is made for it: 8192 positions).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from typing import Any
 
 import torch
 
+from mf.bench.context_parallel import cp_traffic
 from mf.bench.engines import ENGINES, OPTIMIZERS
 from mf.bench.worker import COMPILED, RunSpec, run
 from mf.launch import local_launch_config, new_run_id
@@ -113,8 +122,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip the single-process run of the global batch (no max dloss column)",
     )
+    parser.add_argument(
+        "--cp",
+        default="1",
+        help="comma-separated context-parallel sizes, each run with every engine (e.g. 1,2): "
+        "each data-parallel rank's --micro-batch sequences split over cp ranks",
+    )
     parser.add_argument("--json", default=None, help="also write every run's results here")
     args = parser.parse_args(argv)
+    args.cp = _cp_sizes(parser, args)
     for preset in args.presets.split(","):
         if preset not in PRESETS:
             parser.error(f"--presets: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -147,8 +163,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _cp_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The --cp sizes, each dividing --world and splitting --seq-len into 2 x cp chunks."""
+    try:
+        sizes = [int(text) for text in args.cp.split(",")]
+    except ValueError:
+        parser.error(f"--cp: expected comma-separated positive ints, got {args.cp!r}")
+    for cp in sizes:
+        if cp < 1 or args.world % cp:
+            parser.error(f"--cp: {cp} does not divide --world {args.world}")
+        if cp > 1 and args.seq_len % (2 * cp):
+            parser.error(
+                f"--cp: --seq-len {args.seq_len} does not split into 2 x {cp} equal chunks "
+                "(load-balanced causal attention)"
+            )
+        if cp > 1 and any(e.endswith("+" + COMPILED) for e in args.engines.split(",")):
+            parser.error(f"--cp: {cp} is not measured with compiled engines (+{COMPILED})")
+    return sizes
+
+
 Runs = dict[tuple[str, str], list[dict[str, Any]]]
-"""Every run's results, by (engine, optimizer recipe)."""
+"""Every run's results, by (engine label, optimizer recipe); a cp run's label ends in " cpN"."""
 
 
 def _median_step(results: list[dict[str, Any]], key: str = "step_seconds") -> float:
@@ -167,11 +202,11 @@ def _share(value: float, minimum: float, width: int) -> str:
 def _summarise(
     preset: str,
     runs: Runs,
-    references: dict[str, list[float] | None],
+    references: dict[tuple[str, int], list[float] | None],
     seq_len: int,
     device_peak: tuple[float, str] | None,
 ) -> list[str]:
-    first_recipe = next(iter(references))
+    first_recipe = next(iter(references))[0]
     header = (
         f"{'engine':<25} {'optim':<11} {'step ms':>8} {'vs fsdp2':>8} {'vs ' + first_recipe:>8} "
         f"{'opt ms':>7} {'opt %':>6} {'peak MiB':>9} {'state MiB':>9} {'vs 16P/w':>8} "
@@ -188,7 +223,7 @@ def _summarise(
         state = first["state_bytes"]
         sent = first["bytes_sent_per_step"]
         ideal_sent = 3 * params * (world - 1) / world * 4
-        reference = references[recipe]
+        reference = references[(recipe, first["cp"])]
         dloss_text = f"{'-':>10}"
         if reference is not None and not (engine.startswith("plain") and world > 1):
             dloss = max(
@@ -205,9 +240,8 @@ def _summarise(
             if wire is None
             else f"{wire / _MIB:9.1f} {_share(wire, ideal_sent, 8)}"
         )
-        suffix = engine[len(engine.partition("+")[0]) :]  # compiled rows against compiled peers
-        vs_ddp = _ratio(step, runs.get(("ddp" + suffix, recipe)) or runs.get(("ddp", recipe)))
-        vs_fsdp2 = _ratio(step, runs.get(("fsdp2" + suffix, recipe)) or runs.get(("fsdp2", recipe)))
+        vs_ddp = _ratio(step, _peer(runs, "ddp", first, recipe))
+        vs_fsdp2 = _ratio(step, _peer(runs, "fsdp2", first, recipe))
         vs_first = _ratio(step, runs.get((engine, first_recipe)))
         rows.append(
             f"{engine:<25} {recipe:<11} {step * 1e3:8.1f} {vs_fsdp2} {vs_first} "
@@ -223,7 +257,61 @@ def _summarise(
         if device_peak
         else "MFU: no known peak for this device"
     )
-    return [title, *rows, footnote, "", *_host_cost(runs)]
+    return [title, *rows, footnote, "", *_host_cost(runs), *_context_parallel(runs, seq_len)]
+
+
+def _context_parallel(runs: Runs, seq_len: int) -> list[str]:
+    """Each cp run against the same engine at cp 1, per rank; empty without cp runs."""
+    if all(results[0]["cp"] == 1 for results in runs.values()):
+        return []
+    rows = [
+        "",
+        f"{'engine':<25} {'optim':<11} {'cp':>3} {'step ms':>8} {'tokens/s':>10} "
+        f"{'act MiB':>8} {'x cp1':>6} {'peak MiB':>9} {'cp MiB':>8} {'x ring':>7} "
+        f"{'x causal':>8} {'x mf model':>10}",
+    ]
+    for (_, recipe), results in runs.items():
+        first = results[0]
+        cp, engine = first["cp"], first["engine"]
+        base = runs.get((engine, recipe))
+        activations = first["activation_bytes"]
+        ratio = f"{activations / base[0]['activation_bytes']:6.2f}" if base else f"{'-':>6}"
+        step = _median_step(results)
+        traffic_text = f"{'-':>8} {'-':>7} {'-':>8} {'-':>10}"
+        if cp > 1:
+            itemsize = 4 if first["precision"] == "fp32" else 2  # fp8: bf16 attention
+            floors = cp_traffic(
+                PRESETS[first["preset"]], first["micro_batch"], seq_len, cp, itemsize
+            )
+            sent = first["cp_bytes_per_step"]
+            traffic_text = (
+                f"{sent / _MIB:8.2f} {sent / floors.ring:7.2f} {sent / floors.causal:8.2f} "
+                f"{sent / floors.mf:10.2f}"
+            )
+        rows.append(
+            f"{engine:<25} {recipe:<11} {cp:3d} {step * 1e3:8.1f} "
+            f"{first['tokens_per_step'] / step:10.0f} {activations / _MIB:8.1f} {ratio} "
+            f"{max(r['peak_bytes'] for r in results) / _MIB:9.1f} {traffic_text}"
+        )
+    rows.append(
+        "act: bytes the forward saved for the backward per rank; cp MiB: sent over the cp "
+        "group per step and rank, against a ring's least 2(cp-1)kv, the causal least "
+        "1.5(cp-1)kv and mf's own 3(cp-1)kv per attention (kv: a rank's K and V shard)"
+    )
+    return rows
+
+
+def _peer(runs: Runs, peer: str, result: dict[str, Any], recipe: str) -> list[dict] | None:
+    """The runs of engine ``peer`` to compare ``result``'s with: compiled if it is, same cp."""
+    name = result["engine"]
+    suffix = name[len(name.partition("+")[0]) :]
+    cp = result["cp"]
+    return runs.get((_label(peer + suffix, cp), recipe)) or runs.get((_label(peer, cp), recipe))
+
+
+def _label(engine: str, cp: int) -> str:
+    """A run's row name: the engine, then `` cpN`` for a context-parallel run."""
+    return engine if cp == 1 else f"{engine} cp{cp}"
 
 
 def _host_cost(runs: Runs) -> list[str]:
@@ -233,8 +321,7 @@ def _host_cost(runs: Runs) -> list[str]:
         f"{'ops/step':>9} {'x plain':>8} {'kernels':>8}"
     ]
     for (engine, recipe), results in runs.items():
-        suffix = engine[len(engine.partition("+")[0]) :]
-        plain = runs.get(("plain" + suffix, recipe)) or runs.get(("plain", recipe))
+        plain = _peer(runs, "plain", results[0], recipe)
         step, cpu = _median_step(results), _median_step(results, "cpu_seconds")
         ops = results[0]["ops_per_step"]
         kernels = results[0]["kernels_per_step"]
@@ -256,7 +343,7 @@ def _run_preset(
     """
     engines, recipes = args.engines.split(","), args.optimizers.split(",")
 
-    def spec(engine: str, recipe: str, micro_batch: int) -> RunSpec:
+    def spec(engine: str, recipe: str, micro_batch: int, cp: int = 1) -> RunSpec:
         return RunSpec(
             engine,
             preset,
@@ -268,25 +355,29 @@ def _run_preset(
             device=args.device,
             precision=precision,
             meta_init=args.meta_init,
+            cp=cp,
         )
 
+    # The global batch: --micro-batch sequences per data-parallel rank (world / cp).
     references = {
-        recipe: None
+        (recipe, cp): None
         if args.no_reference
-        else _launch(spec("single", recipe, args.micro_batch * args.world), 1)["losses"]
+        else _launch(spec("single", recipe, args.micro_batch * args.world // cp), 1)["losses"]
         for recipe in recipes
+        for cp in args.cp
     }
-    cases = [(engine, recipe) for recipe in recipes for engine in engines]
-    runs: Runs = {case: [] for case in cases}
+    cases = [(e, r, cp) for cp in args.cp for r in recipes for e in engines]
+    runs: Runs = {(_label(e, cp), r): [] for e, r, cp in cases}
     for round_index in range(args.rounds):
         shift = round_index % len(cases)
-        for engine, recipe in cases[shift:] + cases[:shift]:
-            result = _launch(spec(engine, recipe, args.micro_batch), args.world)
-            runs[(engine, recipe)].append(result)
-            everything.append({**result, "precision": precision})
+        for engine, recipe, cp in cases[shift:] + cases[:shift]:
+            result = _launch(spec(engine, recipe, args.micro_batch, cp), args.world)
+            result.update(precision=precision, micro_batch=args.micro_batch)
+            runs[(_label(engine, cp), recipe)].append(result)
+            everything.append(result)
             print(
-                f"  round {round_index} {precision} {engine:<25} {recipe:<11} median step "
-                f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms",
+                f"  round {round_index} {precision} {_label(engine, cp):<25} {recipe:<11} "
+                f"median step {statistics.median(result['step_seconds']) * 1e3:.1f} ms",
                 flush=True,
             )
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # fp8: the bf16 peak
@@ -328,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     everything: list[dict[str, Any]] = []
     print(
         f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
-        f"micro-batch {args.micro_batch} x seq {args.seq_len}, {args.warmup}+{args.steps} steps, "
+        f"micro-batch {args.micro_batch} x seq {args.seq_len}, cp {args.cp}, "
+        f"{args.warmup}+{args.steps} steps, "
         f"{args.rounds} rounds, optimizers {args.optimizers.replace(',', '/')}, "
         f"{args.precision.replace(',', '/')}",
         flush=True,

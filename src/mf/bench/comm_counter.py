@@ -25,6 +25,10 @@ which mf calls directly on gloo) counts as one all-gather of all its outputs,
 unless a ``_coalescing_manager`` batch made it (its calls were counted). DDP
 reduces in C++ and is not seen here: its traffic (one all-reduce of every
 gradient) is reported by the benchmark from its bucket sizes.
+
+Bytes are also tallied per process group (``bytes_by_group``, by group
+name), so a run can tell, say, context parallelism's traffic over the cp
+group from the sharding engine's over the data-parallel one.
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ from torch.distributed import distributed_c10d
 
 from mf_utils import collective_name
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "group_key"]
 
 
 def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def group_key(group: dist.ProcessGroup | None) -> str:
+    """The name ``bytes_by_group`` keys a process group by (None: the default group)."""
+    return (group or distributed_c10d._get_default_group()).group_name
 
 
 # For each counted collective: the bytes that the table above scales by (w - 1) / w.
@@ -70,11 +79,12 @@ class CommCounter:
 
     calls: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
+    bytes_by_group: dict[str, float] = field(default_factory=dict)
     enabled: bool = False
     _batch: set[str] | None = field(default=None, repr=False)  # kinds seen in an open batch
 
-    def record(self, name: str, sent_bytes: float) -> None:
-        """Add one collective in which this rank sends ``sent_bytes``.
+    def record(self, name: str, sent_bytes: float, group: dist.ProcessGroup | None = None) -> None:
+        """Add one collective over ``group`` in which this rank sends ``sent_bytes``.
 
         Inside a coalesced batch, only the first of each kind adds a call.
         """
@@ -85,6 +95,8 @@ class CommCounter:
         if self._batch is not None:
             self._batch.add(name)
         self.bytes_sent += sent_bytes
+        key = group_key(group)
+        self.bytes_by_group[key] = self.bytes_by_group.get(key, 0.0) + sent_bytes
 
     def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @contextlib.contextmanager
@@ -105,7 +117,7 @@ class CommCounter:
             world = group.size()
             if self.enabled and self._batch is None and world > 1:
                 total = sum(_nbytes(t) for t in outputs)
-                self.record("all_gather_single", total * (world - 1) / world)
+                self.record("all_gather_single", total * (world - 1) / world, group)
             return original(group, outputs, *args)
 
         return counted
@@ -114,6 +126,7 @@ class CommCounter:
         """Forget everything counted so far."""
         self.calls.clear()
         self.bytes_sent = 0.0
+        self.bytes_by_group.clear()
 
     @property
     def num_calls(self) -> int:
@@ -127,7 +140,9 @@ class CommCounter:
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.enabled and byte_model is None:
-                self.record(name, _EXACT_BYTES[name](list(args) + list(kwargs.values())))
+                arguments = list(args) + list(kwargs.values())
+                ops = arguments[0]
+                self.record(name, _EXACT_BYTES[name](arguments), ops[0].group if ops else None)
             elif self.enabled:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
@@ -139,10 +154,11 @@ class CommCounter:
                 elif splits:  # an uneven all-to-all: exactly what goes to the other ranks
                     element = bound.arguments["input"].element_size()
                     me = dist.get_rank(group)
-                    self.record(name, sum(n for r, n in enumerate(splits) if r != me) * element)
+                    sent = sum(n for r, n in enumerate(splits) if r != me) * element
+                    self.record(name, sent, group)
                 else:
                     total = byte_model(list(bound.arguments.values()))
-                    self.record(name, total * (world - 1) / world)
+                    self.record(name, total * (world - 1) / world, group)
             return original(*args, **kwargs)
 
         return counted

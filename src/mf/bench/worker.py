@@ -7,6 +7,7 @@ memory it reports belongs to that engine alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -18,10 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mf.bench.comm_counter import CommCounter
+from mf.bench.comm_counter import CommCounter, group_key
+from mf.bench.context_parallel import SavedBytes, cp_group_mesh, saved_activation_bytes
 from mf.bench.engines import AUTOCAST, build_engine, gathers_float8
 from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS, Block, GPTConfig
+from mf.train.sequence_shards import sequence_shards
 
 __all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run", "train_step"]
 
@@ -45,6 +48,7 @@ class RunSpec:
     device: str = "cpu"
     precision: str = "fp32"
     meta_init: bool = False
+    cp: int = 1
 
 
 @dataclass
@@ -55,6 +59,10 @@ class RunResult:
     dispatch, kernel launches; on a CPU device the compute too). ``ops_per_step``:
     aten ops one training step dispatches, ``kernels_per_step`` the GPU kernels it
     launches (CUDA only); both counted by torch's profiler on one extra step.
+    ``cp``: the context-parallel size (each data-parallel rank's ``micro_batch``
+    sequences split over ``cp`` ranks); ``activation_bytes``: what the forward
+    saved for the backward on this rank (``saved_activation_bytes``);
+    ``cp_bytes_per_step``: the bytes sent over the cp group.
     """
 
     engine: str
@@ -77,6 +85,9 @@ class RunResult:
     calls_by_kind: dict[str, float] = field(default_factory=dict)
     forward_gather_bytes: float = 0.0
     gathers_fp8: bool = False
+    cp: int = 1
+    activation_bytes: int = 0
+    cp_bytes_per_step: float = 0.0
 
 
 def _rss_bytes(field_name: str) -> int:
@@ -199,11 +210,15 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     world_size = dist.get_world_size() if distributed else 1
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world_size, 1)))
-    mesh = None
+    mesh = cp_mesh = None
     if distributed:
         from torch.distributed.device_mesh import init_device_mesh
 
+        # The engines shard over every rank: the data-parallel ranks and their cp ranks.
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+        if spec.cp > 1:
+            cp_mesh = cp_group_mesh(spec.cp, device.type)
+    dp_rank, dp_size = rank // spec.cp, world_size // spec.cp
 
     config = PRESETS[spec.preset]
     if spec.seq_len > config.seq_len:
@@ -218,7 +233,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     unsharded = name in AUTOCAST
     model = _built_model(config, device, spec.meta_init, unsharded, spec.seed)
     result = RunResult(
-        spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters()
+        spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters(), cp=spec.cp
     )
     if spec.precision == "fp8":
         result.gathers_fp8 = gathers_float8(name, device.type)
@@ -229,7 +244,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     if spec.meta_init and not unsharded:
         _materialise(model, device, spec.seed)
     autocast = bf16 and unsharded  # engines with no mixed-precision policy of their own
-    result.tokens_per_step = world_size * spec.micro_batch * spec.seq_len
+    result.tokens_per_step = dp_size * spec.micro_batch * spec.seq_len
     if mode == COMPILED:  # torchtitan's recipe: each block on its own, the rest eager
         for module in model.modules():
             if isinstance(module, Block):
@@ -239,8 +254,9 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     optimizer_local: list[float] = []
     wire_local = 0
     with counter.installed():
+        last = spec.warmup + spec.steps - 1
         for step in range(spec.warmup + spec.steps):
-            tokens, targets = _batch(spec, step, rank, world_size, config.vocab_size, device)
+            tokens, targets = _batch(spec, step, dp_rank, dp_size, config.vocab_size, device)
             measured = step >= spec.warmup
             counter.enabled = measured
             if distributed:
@@ -250,9 +266,18 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
             _sync(device)
             written = bytes_written()
             start, cpu_start = time.perf_counter(), time.thread_time()
-            with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-                loss = model(tokens, targets)
-            loss.backward()
+            with sequence_shards(cp_mesh, tokens, targets) as positions:
+                counting = (  # the hooks cost host time: only on the last step
+                    saved_activation_bytes()
+                    if step == last
+                    else contextlib.nullcontext(SavedBytes())
+                )
+                with (
+                    counting as saved,
+                    torch.autocast(device.type, torch.bfloat16, enabled=autocast),
+                ):
+                    loss = model(tokens, targets, **_positions(positions))
+                loss.backward()
             _sync(device)
             optimizer_start = time.perf_counter()
             for optimizer in optimizers:
@@ -261,8 +286,9 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
                 after_step()
             _sync(device)
             optimizer_elapsed = time.perf_counter() - optimizer_start
-            if step == spec.warmup + spec.steps - 1:
+            if step == last:
                 result.state_bytes = model_state_bytes(model, optimizers)
+                result.activation_bytes = int(_max_over_ranks(float(saved.total), device))
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             _sync(device)
@@ -277,15 +303,21 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
                 step_local.append(elapsed)
                 optimizer_local.append(optimizer_elapsed)
                 result.cpu_seconds.append(cpu_elapsed)
-    batch = _batch(spec, spec.warmup + spec.steps, rank, world_size, config.vocab_size, device)
-    result.ops_per_step, result.kernels_per_step = _count_dispatch(
-        lambda: train_step(model, optimizers, batch, autocast, device), device
-    )
+    batch = _batch(spec, spec.warmup + spec.steps, dp_rank, dp_size, config.vocab_size, device)
+
+    def one_step() -> None:
+        with sequence_shards(cp_mesh, *batch) as positions:
+            train_step(model, optimizers, batch, autocast, device, positions)
+
+    result.ops_per_step, result.kernels_per_step = _count_dispatch(one_step, device)
     result.step_seconds = [_max_over_ranks(t, device) for t in step_local]
     result.optimizer_seconds = [_max_over_ranks(t, device) for t in optimizer_local]
     result.calls_per_step = counter.num_calls / spec.steps
     result.calls_by_kind = {k: v / spec.steps for k, v in counter.calls.items()}
     result.bytes_sent_per_step = counter.bytes_sent / spec.steps
+    if cp_mesh is not None:
+        cp_bytes = counter.bytes_by_group.get(group_key(cp_mesh.get_group()), 0.0)
+        result.cp_bytes_per_step = cp_bytes / spec.steps
     result.forward_gather_bytes = _forward_gather_bytes(model, batch[0], autocast, device)
     if distributed and bytes_written() is not None and device.type == "cpu":
         result.wire_bytes_per_step = _mean_over_ranks(wire_local / spec.steps, device)
@@ -370,20 +402,27 @@ def _initialise(model: nn.Module, seed: int) -> None:
         model.reset_parameters()
 
 
+def _positions(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The forward's keyword for a cp rank's positions (none without CP)."""
+    return {} if positions is None else {"positions": positions}
+
+
 def train_step(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     batch: tuple[torch.Tensor, torch.Tensor],
     autocast: bool,
     device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """One training step as every engine runs it (forward, backward, steps, zero_grad).
 
     The forward runs under bf16 autocast when ``autocast``; every optimizer steps,
-    then every one zeroes its grads with ``set_to_none=True``.
+    then every one zeroes its grads with ``set_to_none=True``. ``positions``: a cp
+    rank's, inside ``sequence_shards``.
     """
     with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-        loss = model(*batch)
+        loss = model(*batch, **_positions(positions))
     loss.backward()
     for optimizer in optimizers:
         optimizer.step()

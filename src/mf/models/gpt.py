@@ -71,6 +71,9 @@ PRESETS: dict[str, GPTConfig] = {
     "150m": GPTConfig(vocab_size=32768, seq_len=512, d_model=896, n_layers=12, n_heads=14),
     "880m": GPTConfig(vocab_size=32768, seq_len=2048, d_model=2048, n_layers=16, n_heads=16),
     "4b": GPTConfig(vocab_size=32768, seq_len=2048, d_model=4096, n_layers=20, n_heads=32),
+    # Long sequences, small everything else: attention's share of the work and activations
+    # grows with the length, which context parallelism splits (mf-bench --cp).
+    "long": GPTConfig(vocab_size=256, seq_len=8192, d_model=128, n_layers=2, n_heads=4),
 }
 
 

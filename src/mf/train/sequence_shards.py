@@ -26,14 +26,14 @@ __all__ = ["sequence_shards"]
 
 @contextmanager
 def sequence_shards(
-    cp_mesh: DeviceMesh, inputs: torch.Tensor, targets: torch.Tensor
+    cp_mesh: DeviceMesh | None, inputs: torch.Tensor, targets: torch.Tensor
 ) -> Iterator[torch.Tensor | None]:
     """Shard ``inputs`` and ``targets`` [B, S] over ``cp_mesh``; yield this rank's positions.
 
-    Run the forward and backward inside. With one cp rank it yields None (the
-    model's own positions) and shards nothing.
+    Run the forward and backward inside. Without a cp mesh, or with one rank in
+    it, it yields None (the model's own positions) and shards nothing.
     """
-    if cp_mesh.size() == 1:
+    if cp_mesh is None or cp_mesh.size() == 1:
         yield None
         return
     positions = torch.arange(inputs.shape[1], device=inputs.device)
