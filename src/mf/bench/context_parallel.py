@@ -58,14 +58,30 @@ def saved_activation_bytes() -> Iterator[SavedBytes]:
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                tally.total += storage.nbytes()
+            for pointer, nbytes in _storages(tensor):
+                if pointer not in seen:
+                    seen.add(pointer)
+                    tally.total += nbytes
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield tally
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """``(data pointer, bytes)`` of the storages holding ``tensor``.
+
+    A wrapper subclass (torchao's float8 tensors) has no storage of its own: its
+    inner tensors are counted instead.
+    """
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None and type(tensor) is not torch.Tensor:
+        names, _ = flatten()
+        for name in names:
+            yield from _storages(getattr(tensor, name))
+        return
+    storage = tensor.untyped_storage()
+    yield storage.data_ptr(), storage.nbytes()
 
 
 @dataclass(frozen=True)
