@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mf.bench import CommCounter, model_state_bytes
-from mf_fsdp.buckets import collectives
+from mf_fsdp.buckets import collectives, transfers
 from tests._multiprocess import run_on_ranks
 
 
@@ -32,9 +32,9 @@ def _rank_counts(rank: int, world_size: int) -> None:
         )
         # mf's gloo reduce-scatter: point-to-point sends, counted exactly (24 bytes per peer);
         # a bucket this small would take the native call, so the threshold is lowered.
-        default, collectives.POINT_TO_POINT_MIN_BYTES = collectives.POINT_TO_POINT_MIN_BYTES, 0
+        default, transfers.POINT_TO_POINT_MIN_BYTES = transfers.POINT_TO_POINT_MIN_BYTES, 0
         collectives.reduce_scatter_into(shard, full, dist.ReduceOp.SUM, dist.group.WORLD)
-        collectives.POINT_TO_POINT_MIN_BYTES = default
+        transfers.POINT_TO_POINT_MIN_BYTES = default
     dist.all_reduce(shard)  # uninstalled: not counted
     assert counter.calls == {
         "all_gather_single": 1,
