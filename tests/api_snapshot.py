@@ -80,9 +80,22 @@ def _constructor(cls: type) -> str:
     return _signature(cls)
 
 
+def _own_members(cls: type) -> dict[str, object]:
+    """The members ``cls`` defines or inherits from mf's own classes (the nearest wins).
+
+    A method moved to an mf base class (``MegatronFSDP``'s module contract) is the
+    same promise; what a class inherits from torch is torch's.
+    """
+    members: dict[str, object] = {}
+    for base in reversed(cls.__mro__):
+        if base.__module__.split(".")[0] in ("mf", *_MEMBER_MODULES):
+            members.update(vars(base))
+    return members
+
+
 def _class_lines(name: str, cls: type) -> list[str]:
     lines = [f"class {name}{_constructor(cls)}"]
-    for attr, value in sorted(vars(cls).items()):
+    for attr, value in sorted(_own_members(cls).items()):
         if attr.startswith("_"):
             continue
         if isinstance(value, property):
