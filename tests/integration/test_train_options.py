@@ -17,7 +17,7 @@ from mf.train.cli import _interrupted, check_local_processes, main
 from mf.train.data import TextData, decode, encode, load_corpus
 from mf.train.options import RESULT_SETTINGS, parse_options
 from mf.train.report import Reporter, host_bound_hint, last_saved_checkpoint
-from mf.train.worker import _seed_layer_drop
+from mf.train.step import seed_layer_drop
 from mf.train.worker import main as worker_main
 
 
@@ -101,7 +101,7 @@ def test_layer_drop_differs_between_ranks_and_repeats() -> None:
     model = types.SimpleNamespace(module=GPT(PRESETS["tiny"]))
 
     def kept(micro_batch: int, dp_rank: int) -> list[int]:
-        _seed_layer_drop(model, options, micro_batch, dp_rank)
+        seed_layer_drop(model, options, micro_batch, dp_rank)
         module = model.module
         blocks = layer_drop(module.blocks, module.layer_drop, module.layer_drop_generator)
         return [next(i for i, b in enumerate(module.blocks) if b is block) for block in blocks]

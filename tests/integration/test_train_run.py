@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mf.train.checkpoints
 import mf.train.worker
 from mf.models import GPT, PRESETS
 from mf.train.export import CONFIG_FILE, load_model
@@ -225,7 +226,7 @@ def _failing_saves(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
             raise RuntimeError(_NO_SPACE.format(step) + "\n<details>")
         return save_checkpoint(*args, step=step, **kwargs)
 
-    monkeypatch.setattr(mf.train.worker, "save_checkpoint", save)
+    monkeypatch.setattr(mf.train.checkpoints, "save_checkpoint", save)
 
 
 def _rank_save_failures(rank: int, world_size: int, tmp: str) -> None:
@@ -297,7 +298,7 @@ def test_a_real_failed_save_stops_with_its_first_line(tmp_path: Path) -> None:
 
 
 def _rank_interrupt_then_save_fails(rank: int, world_size: int, tmp: str) -> None:
-    real_step = mf.train.worker._train_step
+    real_step = mf.train.worker.train_step
 
     def step_then_interrupt(*args, **kwargs) -> float:
         loss = real_step(*args, **kwargs)
@@ -309,7 +310,7 @@ def _rank_interrupt_then_save_fails(rank: int, world_size: int, tmp: str) -> Non
     handler = signal.getsignal(signal.SIGINT)  # whatever this process inherited
     with pytest.MonkeyPatch.context() as monkeypatch:
         _failing_saves(monkeypatch, {1})
-        monkeypatch.setattr(mf.train.worker, "_train_step", step_then_interrupt)
+        monkeypatch.setattr(mf.train.worker, "train_step", step_then_interrupt)
         error, err = _train_capturing_stderr(argv)
     expected = (
         f"could not save the checkpoint of step 1 after the interrupt: {_NO_SPACE.format(1)}; "

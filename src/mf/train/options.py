@@ -11,7 +11,6 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
@@ -20,6 +19,7 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
+from mf.train.settings import TrainOptions
 
 __all__ = [
     "CPU_MICRO_BATCH",
@@ -35,53 +35,6 @@ CPU_MICRO_BATCH = 4
 CUDA_MICRO_BATCH = 16
 """On a GPU by default: with the model's full sequence length, enough work per step
 that the GPU does not wait on the host for small presets."""
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """Everything one training run needs; the same object reaches every rank."""
-
-    nproc: int
-    tp: int
-    zero: int
-    dp_outer: int
-    model: str
-    steps: int
-    micro_batch: int
-    grad_accum: int
-    seq_len: int
-    lr: float
-    optimizer: str
-    precision: str
-    device: str
-    data: str | None
-    ckpt_dir: str
-    save_every: int
-    resume: bool
-    seed: int
-    eval_every: int
-    eval_batches: int
-    sample_tokens: int
-    out_dir: str
-    plot: bool = True
-    timeout: float = 300.0
-    max_restarts: int = 0
-    ep: int = 1
-    allow_changed_settings: bool = False
-    sync_save: bool = False
-    resume_from: str | None = None
-    layer_drop: float = 0.0
-    cp: int = 1
-
-    @property
-    def use_cuda(self) -> bool:
-        """Whether the ranks run on CUDA GPUs with NCCL (else on the CPU with gloo)."""
-        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks (dp_outer x dp_shard); each one's cp ranks share its batch."""
-        return self.nproc // (self.tp * self.cp)
 
 
 def _positive(name: str, value: int) -> None:

@@ -32,7 +32,7 @@ import torch
 from mf.models import MODEL_PRESETS, build_optimizers, plain_model
 
 if TYPE_CHECKING:
-    from mf.train.options import TrainOptions
+    from mf.train.settings import TrainOptions
 
 __all__ = [
     "RESULT_SETTINGS",

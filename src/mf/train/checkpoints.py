@@ -1,0 +1,119 @@
+"""Checkpoints of an ``mf-train`` run: where it resumes from, and when and how it saves.
+
+Periodic saves go to host memory and are written in the background (``--sync-save``:
+before training goes on); the last save is always written in the foreground.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from mf.train.options import TrainOptions
+from mf.train.report import Reporter, last_saved_checkpoint
+from mf.train.resume import resume_checkpoint
+from mf.train.stopping import newest, stop
+from mf_fsdp import load_checkpoint, save_checkpoint
+
+__all__ = ["Checkpoints", "last_save_reason", "restart_checkpoint", "resume"]
+
+
+def resume(options: TrainOptions, model, optimizers) -> int:
+    """Load the checkpoint --resume continues from; return the step it was saved at.
+
+    ``--resume-from``'s, else the newest complete one in ``--ckpt-dir``
+    (``resume_checkpoint``), which the launcher verified. Any ``--zero``, ``--tp`` or
+    world size may resume (the checkpoint reshards); the optimizer state is built
+    from the checkpoint, never by a synthetic step.
+    """
+    return load_checkpoint(resume_checkpoint(options), model, optimizers)["step"]
+
+
+def restart_checkpoint(options: TrainOptions) -> Path | None:
+    """After an elastic restart: the newest checkpoint this run saved, else None.
+
+    Every rank reads the same ``last_checkpoint.json`` (the launcher's run id
+    survives restarts), so all resume from the same step by themselves; a
+    newer checkpoint of another run in the same folder is never picked.
+    """
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return None
+    return last_saved_checkpoint(Path(options.out_dir), os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def last_save_reason(step: int, steps: int, interrupted: bool) -> str | None:
+    """Why the save after ``step`` is the run's last, or None when training goes on."""
+    if interrupted:
+        return "after the interrupt"
+    if step == steps:
+        return "at the end of the run"
+    return None
+
+
+class Checkpoints:
+    """This run's saves: periodic ones written in the background, the last in the foreground.
+
+    save_checkpoint raises RuntimeError on every rank when a save fails (first
+    line: the cause); a background save's future raises it. A periodic save
+    that fails is a warning: training goes on, the next save retries and the
+    older checkpoints stay. A final save that fails stops the run with that
+    cause. A background save is reported (and becomes the newest checkpoint)
+    once it is published, at the next save at the latest.
+    """
+
+    def __init__(
+        self, ckpt_dir: Path, model, optimizers, info: dict[str, Any], reporter: Reporter
+    ) -> None:
+        self.ckpt_dir, self.model, self.optimizers = ckpt_dir, model, optimizers
+        self.info, self.reporter = info, reporter
+        self.newest: Path | None = None
+        self._pending: tuple[int, Future[Path]] | None = None
+
+    def save(self, step: int, final: str | None, in_background: bool) -> None:
+        """Save the checkpoint of ``step``; ``final``: why it is the run's last, else None."""
+        self.settle()
+        try:
+            if final is None and in_background:
+                self._pending = (step, self._save(step, async_save=True))
+                return
+            path = self._save(step, async_save=False)
+        except RuntimeError as error:
+            self._failed(step, error, final)
+            return
+        self.reporter.saved(path, step)
+        self.newest = path
+
+    def _save(self, step: int, async_save: bool) -> Any:
+        return save_checkpoint(
+            self.ckpt_dir,
+            self.model,
+            self.optimizers,
+            step=step,
+            extra=self.info,
+            async_save=async_save,
+        )
+
+    def settle(self) -> None:
+        """Wait for the background save, and report how it ended."""
+        if self._pending is None:
+            return
+        (step, future), self._pending = self._pending, None
+        try:
+            path = future.result()
+        except RuntimeError as error:
+            self._failed(step, error, None)
+            return
+        self.reporter.saved(path, step)
+        self.newest = path
+
+    def _failed(self, step: int, error: RuntimeError, final: str | None) -> None:
+        cause = (str(error).splitlines() or [type(error).__name__])[0]
+        if final is None:
+            self.reporter.save_failed(step, cause)
+            return
+        stop(
+            self.reporter,
+            f"could not save the checkpoint of step {step} {final}: {cause}; {newest(self.newest)}",
+        )

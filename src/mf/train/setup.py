@@ -1,0 +1,162 @@
+"""Setting up an ``mf-train`` rank: its process group and mesh, the model, its optimizers.
+
+Every rank builds the same model from the seed, converts what ``--precision``
+asks, and shards it with mf-fsdp over the mesh ``--tp``, ``--dp-outer``, ``--cp``
+and ``--ep`` describe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mf.models import (
+    MODEL_PRESETS,
+    Block,
+    GPTTensorParallel,
+    MoEBlock,
+    MoEGPTConfig,
+    MoEGPTTensorParallel,
+    TensorParallelBlock,
+    build_optimizers,
+    plain_model,
+)
+from mf.models.float8 import (
+    FSDP_FLOAT8_ALL_GATHER,
+    convert_gpt_to_float8,
+)
+from mf.train.options import TrainOptions, local_cpu_cores
+from mf.train.stopping import RunStoppedError, join
+
+__all__ = ["build", "dp_coordinates", "setup"]
+
+
+def setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
+    """Pick the device, join the process group (if the caller has not) and build the mesh."""
+    if options.use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", options.nproc))
+        torch.set_num_threads(max(1, local_cpu_cores() // local_ranks))
+    if not dist.is_initialized():
+        join(options)
+    _check_same_settings(options)
+    world = dist.get_world_size()
+    if world != options.nproc:
+        raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
+    dp_shard = world // options.tp // options.cp // options.dp_outer
+    mesh = init_device_mesh(
+        device.type,
+        (options.dp_outer, dp_shard, options.cp, options.tp),
+        mesh_dim_names=("dp_outer", "dp", "cp", "tp"),
+    )
+    # The weights are replicated over cp as over dp: sharded and reduced over both.
+    mesh["dp", "cp"]._flatten("dp_cp")
+    return device, mesh
+
+
+def _check_same_settings(options: TrainOptions) -> None:
+    """Stop every rank, rank 0 printing one line, unless all ranks run the same options.
+
+    Ranks started with different settings (``torchrun`` with other flags on one
+    node) would build different meshes and models and issue different
+    collectives: gloo aborts the process (SIGABRT), NCCL hangs or exchanges the
+    wrong bytes. One object all-gather, before the first mesh, is safe whatever
+    the options are.
+    """
+    mine = dataclasses.asdict(options)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if not differ:
+            continue
+        shown = ", ".join(
+            f"--{k.replace('_', '-')} {theirs.get(k)} (rank 0: {first.get(k)})" for k in differ
+        )
+        message = (
+            f"the ranks were started with different settings: rank {rank} has {shown}; "
+            "start every rank with the same options"
+        )
+        if dist.get_rank() == 0:
+            from mf.train.cli import user_error
+
+            user_error(message)
+        dist.barrier()  # every rank stays until rank 0's line is out
+        raise RunStoppedError(message)
+
+
+def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks, and their number."""
+    outer, shard = mesh["dp_outer"], mesh["dp"]
+    return (
+        outer.get_local_rank() * shard.size() + shard.get_local_rank(),
+        outer.size() * shard.size(),
+    )
+
+
+def _expert_mesh(options: TrainOptions, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of a MoE model's experts: each ``ep`` group is ``--ep`` consecutive dp ranks.
+
+    Same ranks and row-major order as ``mesh`` (whose cp size is 1 for a MoE
+    model), its ``dp`` dim split into the expert-data-parallel ``dp_cp`` (the
+    ranks holding the same experts, which their gradients are reduced over;
+    named as the dense mesh's shard dim) and ``ep``.
+    """
+    return init_device_mesh(
+        mesh.device_type,
+        (options.dp_outer, mesh["dp"].size() // options.ep, options.ep, options.tp),
+        mesh_dim_names=("dp_outer", "dp_cp", "ep", "tp"),
+    )
+
+
+def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
+    """The GPT of the preset (tensor-parallel when --tp > 1), sharded, and its optimizers.
+
+    The optimizers are ``--optimizer``'s recipe, a list (AdamW; or Muon and AdamW).
+    """
+    from mf_fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(options.seed)  # the same full weights on every rank
+    config = MODEL_PRESETS[options.model]
+    moe = isinstance(config, MoEGPTConfig)
+    expert_mesh = _expert_mesh(options, mesh) if moe else None
+    ep_group = None if expert_mesh is None else expert_mesh["ep"].get_group()
+    if options.tp == 1:  # experts are keyed globally: --ep does not change the model either
+        module, unit = plain_model(config, ep_group), (MoEBlock if moe else Block)
+    else:  # the same weights, split: --tp does not change the initial model
+        tp_group = mesh["tp"].get_group()
+        full_weights = plain_model(config).state_dict()
+        if moe:
+            module, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
+        else:
+            module, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
+        module.load_full_weights(full_weights)
+    module.to(device)
+    if options.precision == "fp8":  # before the optimizers: FP8 gathering swaps the weights
+        gathers_fp8 = FSDP_FLOAT8_ALL_GATHER and options.zero == 3
+        convert_gpt_to_float8(module, fsdp_float8_all_gather=gathers_fp8)
+    optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
+    compute = torch.float32 if options.precision == "fp32" else torch.bfloat16
+    return fully_shard(
+        module,
+        optimizers,
+        device_mesh=mesh,
+        dp_shard_dim="dp_cp",
+        dp_outer_dim="dp_outer",
+        tp_dim="tp",
+        expt_device_mesh=expert_mesh,
+        fsdp_unit_modules=[unit],
+        zero_dp_strategy=options.zero,
+        mixed_precision_policy=MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, param_dtype=compute
+        ),
+    )
