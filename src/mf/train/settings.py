@@ -14,7 +14,6 @@ __all__ = ["TrainOptions"]
 
 
 @dataclass(frozen=True)
-@dataclass(frozen=True)
 class TrainOptions:
     """Everything one training run needs; the same object reaches every rank."""
 
