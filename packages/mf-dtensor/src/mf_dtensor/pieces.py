@@ -33,6 +33,7 @@ __all__ = [
     "cut_boxes",
     "normalize_placements",
     "place_boxes",
+    "same_pieces",
     "take_boxes",
 ]
 
@@ -266,3 +267,8 @@ def take_boxes(
 def boxes_numel(boxes: Sequence[ChunkStorageMetadata]) -> int:
     """How many elements ``boxes`` hold together (the numel of the local tensor)."""
     return sum(math.prod(box.sizes) for box in boxes)
+
+
+def same_pieces(a: PieceMap, b: PieceMap) -> bool:
+    """Whether two PieceMaps give every rank the same boxes: the same object, or equal."""
+    return a is b or a == b

@@ -13,22 +13,21 @@ from mf_fsdp.buckets.layout import (
     partition_bucket,
 )
 from mf_fsdp.buckets.units import plan_bucket_layouts
-from mf_fsdp.checkpoint.folder import (
-    RECORD_FILE,
+from mf_fsdp.checkpoint.convert import (
     checkpoint_to_full_state_dict,
     full_state_dict_to_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
     save_full_state_dict,
-    verify_checkpoint,
 )
+from mf_fsdp.checkpoint.load import latest_checkpoint, load_checkpoint
+from mf_fsdp.checkpoint.record import RECORD_FILE
+from mf_fsdp.checkpoint.save import save_checkpoint
 from mf_fsdp.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from mf_fsdp.checkpoint.verify import verify_checkpoint
 from mf_fsdp.config import (
     DEFAULT_COMMUNICATION_UNIT_SIZE,
     DistributedDataParallelConfig,

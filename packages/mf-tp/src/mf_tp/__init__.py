@@ -4,7 +4,8 @@
 - :mod:`mf_tp.config`: :class:`ModelParallelConfig`.
 - :mod:`mf_tp.mappings`: autograd-aware TP/SP collectives.
 - :mod:`mf_tp.init`: TP-size-independent sharded weight initialisation.
-- :mod:`mf_tp.linear`: Column/RowParallelLinear and their linear functions.
+- :mod:`mf_tp.linear`: Column/RowParallelLinear.
+- :mod:`mf_tp.linear_autograd`: the linear functions they run (async all-reduce, main_grad).
 - :mod:`mf_tp.embedding`: VocabParallelEmbedding.
 - :mod:`mf_tp.cross_entropy`: vocab-parallel cross entropy.
 - :mod:`mf_tp.data`: broadcast_data.
@@ -32,12 +33,14 @@ from mf_tp.inference import (
 from mf_tp.init import initialize_affine_weight_cpu, initialize_affine_weight_on_device
 from mf_tp.linear import (
     ColumnParallelLinear,
+    RowParallelLinear,
+    param_is_not_tensor_parallel_duplicate,
+)
+from mf_tp.linear_autograd import (
     LinearWithFrozenWeight,
     LinearWithGradAccumulationAndAsyncCommunication,
-    RowParallelLinear,
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
-    param_is_not_tensor_parallel_duplicate,
 )
 from mf_tp.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mf_tp.config import ModelParallelConfig
 from mf_tp.init import allocate_sharded_weight
-from mf_tp.linear import check_config_tp_size, check_positive_size, per_partition_size
+from mf_tp.layer_checks import check_config_tp_size, check_positive_size, per_partition_size
 from mf_tp.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,

@@ -15,7 +15,7 @@ PyTorch FSDP2 or a plain module (``dcp_to_torch_save``). Tied parameters are
 stored once, under their canonical (first) name.
 
 This module only builds and applies state dicts (no file I/O); see
-``mf_fsdp.checkpoint.folder`` for saving and loading.
+``checkpoint/save.py`` and ``checkpoint/load.py`` for saving and loading.
 """
 
 from __future__ import annotations
