@@ -282,7 +282,7 @@ class FSDPModule(TorchFSDPModule):
         engine, record = self._engine_and_record()
         if record.is_root:
             engine.set_gradient_divide_factor(factor)
-        elif engine._gradient_divide_factor != factor:
+        elif engine._bucket_options.divide_factor != factor:
             raise NotImplementedError(
                 "set_gradient_divide_factor on a module other than the root: mf uses one "
                 "factor per model; call it on the root"
