@@ -8,7 +8,8 @@ Parses every member's pyproject.toml and scans the imports of its src/ with
 
 Inside mf-fsdp, its sub-packages form layers (``FSDP_LAYERS``) and a module
 imports only from its own layer or lower ones, type-only imports included: the
-engine never reaches up to the optimizer side or the checkpoints.
+engine never reaches up to the optimizer side or the checkpoints. The modules of
+``mf_fsdp.fsdp2`` import one another one way (``FSDP2_ORDER``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ FSDP_LAYERS = {
     "checkpoint": 4,
     "fully_shard": 5,
     "fsdp2": 5,
-    "fsdp2_state": 5,
 }
+# mf_fsdp.fsdp2's modules (all at the front-end layer), in the order they may import one
+# another: each only those before it, so the package has no import circle.
+FSDP2_ORDER = ("torch_state", "mixed_precision", "records", "module", "entry")
 
 
 def _import_name(distribution: str) -> str:
@@ -167,4 +170,33 @@ def test_mf_fsdp_layers_import_downward_only() -> None:
                     problems.append(f"{where}:{node.lineno} imports {target} from mf_fsdp's top")
                 elif FSDP_LAYERS[target] > FSDP_LAYERS[layer]:
                     problems.append(f"{where}:{node.lineno} ({layer}) reaches up to {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_fsdp2_modules_import_one_way() -> None:
+    package = FSDP_SOURCE / "fsdp2"
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    assert modules == sorted(FSDP2_ORDER), "add each module of mf_fsdp/fsdp2/ to FSDP2_ORDER"
+    problems = []
+    for rank, name in enumerate(FSDP2_ORDER):
+        path = package / f"{name}.py"
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "mf_fsdp":
+                targets = ["the package's face" for a in node.names if a.name == "fsdp2"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "mf_fsdp.fsdp2"
+            ):
+                parts = node.module.split(".")
+                targets = [parts[2] if len(parts) > 2 else "the package's face"]
+            elif isinstance(node, ast.Import):
+                names = [
+                    a.name.split(".") for a in node.names if a.name.startswith("mf_fsdp.fsdp2")
+                ]
+                targets = [n[2] if len(n) > 2 else "the package's face" for n in names]
+            else:
+                continue
+            for target in targets:
+                if target not in FSDP2_ORDER[:rank]:
+                    problems.append(f"{where}:{node.lineno} ({name}) imports {target}")
     assert not problems, "\n".join(problems)

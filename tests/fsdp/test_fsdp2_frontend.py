@@ -32,6 +32,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from mf_fsdp import fsdp2
+from mf_fsdp.fsdp2.entry import reshard_flag
+from mf_fsdp.fsdp2.module import UNSUPPORTED
+from mf_fsdp.fsdp2.records import record_of
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
     assert_bf16_trained,
@@ -170,7 +173,7 @@ def _rank_cpu_offload(rank: int, world: int) -> None:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        assert fsdp2._record(model).engine.offloads_optimizer_state
+        assert record_of(model).engine.offloads_optimizer_state
         ref_losses, ref_params = reference_run(opt_name, world, STEPS)
         assert_matches_reference(
             losses, full_params(model), ref_losses, ref_params, f"{opt_name} offload", **TOL
@@ -251,7 +254,7 @@ def _rank_unsupported(rank: int, world: int) -> None:
     for size, flag in ((world, True), (1, False)):
         model = make_model()
         fsdp2.fully_shard(model, reshard_after_forward=size)
-        assert fsdp2._record(model).reshard_after_forward is flag
+        assert record_of(model).reshard_after_forward is flag
     with pytest.raises(ValueError, match="reshard_after_forward=3: an int must divide"):
         fsdp2.fully_shard(make_model(), reshard_after_forward=3)
     with pytest.raises(TypeError, match="mp_policy"):
@@ -260,7 +263,7 @@ def _rank_unsupported(rank: int, world: int) -> None:
     shard_like_torchtitan(model)
     with pytest.raises(ValueError, match="already passed to fully_shard"):
         fsdp2.fully_shard(model)
-    for name in fsdp2._UNSUPPORTED:
+    for name in UNSUPPORTED:
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name}"):
             getattr(model, name)()
     model.set_requires_gradient_sync(False)  # the whole model: one unit cannot sync alone
@@ -284,7 +287,7 @@ def test_unsupported_options_and_methods_raise_naming_themselves() -> None:
 
 
 class _ShardMesh:
-    """What ``_reshard_flag`` reads of a (replicate 2, shard 4) mesh: dims and sizes."""
+    """What ``reshard_flag`` reads of a (replicate 2, shard 4) mesh: dims and sizes."""
 
     ndim = 2
 
@@ -294,9 +297,9 @@ class _ShardMesh:
 
 def test_int_reshard_after_forward_to_a_smaller_group_raises_naming_it() -> None:
     """FSDP2 reshards to a group of 2 of 4 shard ranks; mf has no such group."""
-    assert fsdp2._reshard_flag(4, _ShardMesh()) is True
-    assert fsdp2._reshard_flag(1, _ShardMesh()) is False
+    assert reshard_flag(4, _ShardMesh()) is True
+    assert reshard_flag(1, _ShardMesh()) is False
     with pytest.raises(NotImplementedError, match="reshard_after_forward=2 .* 2 of the 4 shard"):
-        fsdp2._reshard_flag(2, _ShardMesh())
+        reshard_flag(2, _ShardMesh())
     with pytest.raises(TypeError, match="reshard_after_forward must be"):
-        fsdp2._reshard_flag(2.0, _ShardMesh())
+        reshard_flag(2.0, _ShardMesh())

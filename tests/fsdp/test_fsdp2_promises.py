@@ -30,7 +30,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from mf_fsdp import fsdp2
-from mf_fsdp.fsdp2_state import CALLER_STREAM
+from mf_fsdp.fsdp2.torch_state import CALLER_STREAM
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import batch, make_model, make_optimizer, optimizer_step
 from tests.fsdp.test_fsdp2_frontend import shard_like_torchtitan

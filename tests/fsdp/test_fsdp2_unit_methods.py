@@ -37,6 +37,7 @@ from torch.distributed.fsdp import UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from mf_fsdp import fsdp2
+from mf_fsdp.fsdp2.records import RECORD_ATTR, record_of
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import full_params, make_optimizer
 from tests.fsdp.test_accumulation import count_collectives
@@ -81,7 +82,7 @@ def _batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Te
 
 def _groups(module) -> list:
     """mf's buckets of ``module``'s unit (test introspection)."""
-    return module.__dict__[fsdp2._RECORD_ATTR].unit.groups
+    return module.__dict__[RECORD_ATTR].unit.groups
 
 
 def _chunked(model: Net, rank: int, step: int, mf: bool) -> float:
@@ -131,7 +132,7 @@ def _unit_sync(model: Net, rank: int, step: int, mf: bool) -> float:
         reductions.append(counts["reduce_scatter_into"])
         total += loss.item() / 2
     if mf:
-        root = fsdp2._record(model).engine._root
+        root = record_of(model).engine._root
         kept = len(_groups(model.blocks[1])) + len(_groups(model.head)) + len(root.groups)
         assert reductions[0] == reductions[1] - kept, reductions
     return total
@@ -197,7 +198,7 @@ def _prefetch(model: Net, rank: int, step: int, mf: bool) -> float:
         blocks[0].set_modules_to_forward_prefetch([blocks[2]])
         blocks[2].set_modules_to_backward_prefetch([blocks[0]])
     if mf and step == 0:  # a window of one unit: the default prefetches the next one only
-        fsdp2._record(model).engine.ddp_config.suggested_communication_unit_size = 1
+        record_of(model).engine.ddp_config.suggested_communication_unit_size = 1
 
         def released(block) -> bool:
             return all(group.released for group in _groups(block))
@@ -237,7 +238,7 @@ def _run(shard, script, opt_name: str, rank: int) -> tuple[list[float], dict[str
         opt.step()
         opt.zero_grad()
         if shard is fsdp2.fully_shard:  # kept or explicitly gathered units: released
-            units = [r.unit for m in model.modules() if (r := m.__dict__.get(fsdp2._RECORD_ATTR))]
+            units = [r.unit for m in model.modules() if (r := m.__dict__.get(RECORD_ATTR))]
             assert all(g.released for u in units if u is not None for g in u.groups)
         dist.all_reduce(local)
         losses.append(local.item() / WORLD)

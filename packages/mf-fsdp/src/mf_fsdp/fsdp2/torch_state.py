@@ -18,6 +18,12 @@ its own, so all mf modules already share one communication context: the view's
 ``_comm_ctx`` is the one ``CALLER_STREAM`` object, and it has no param groups to
 hand it to. Any other piece of FSDP2's state (its memory tracker reads many) raises
 naming itself.
+
+Invariants: a view runs only the hooks whose ids it was given, in the module's
+registration order, and keeps only the keyword arguments of the method calls in
+flight. It is handed the engine's builder (``records.ensure_built``) rather than
+importing it: this module imports nothing else of ``mf_fsdp.fsdp2``, registers no
+hook, and must not gather, release or reduce anything except through those hooks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,228 @@
+"""FSDP2's ``fully_shard`` on mf: check the call's options, mark its modules, swap their class.
+
+``fully_shard(module, *, mesh=..., ...)`` does at the call only what FSDP2 does
+eagerly and mf can honour: it refuses an option mf cannot honour, naming it (see
+[Note: what is honoured]); leaves a ``CallRecord`` on each module it was given and
+links the pending records below it (``records.py``); registers the policy's input
+and output casts (``mixed_precision.py``); and makes each module's class an
+``FSDPModule`` subclass (``module.py``). The engine is built later, at the model's
+first use.
+
+Invariants: a module is passed to ``fully_shard`` once; every check that needs no
+engine runs here, before anything is marked, so a refused call leaves the module
+as it was. This module builds no engine, moves no parameter and runs no
+collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from mf_fsdp.engine.megatron_fsdp import check_module_to_wrap
+from mf_fsdp.fsdp2.mixed_precision import cast_inputs, cast_output
+from mf_fsdp.fsdp2.module import fsdp_class
+from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, link_pending
+
+if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+__all__ = ["fully_shard", "reshard_flag"]
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, as torch's)
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module`` with mf's flat-bucket engine, in place, as FSDP2's ``fully_shard``.
+
+    Call it on each block, then on the root (torchtitan's order); a list of modules
+    makes one unit (gathered and released together). The module's class becomes a
+    subclass of torch's ``FSDPModule``. Build the optimizer afterwards on
+    ``model.parameters()``.
+
+    Args:
+        module: a module, or a list of modules forming one unit.
+        mesh: a 1-D mesh over every rank (shard), or a named 2-D one
+            ``(replicate, shard)`` for HSDP; None: a 1-D mesh over the world.
+        reshard_after_forward: True frees the unit's gathered weights after its
+            forward (gathered again in backward); False keeps them until the
+            backward. None means True. The root always keeps its own (as FSDP2's).
+            An int is the group size to reshard to, as FSDP2's: the shard group's
+            size means True, 1 means False; other sizes are not supported.
+        shard_placement_fn: must be None (mf shards flat buckets by rows).
+        mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
+            ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
+            ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2; torch 2.15's
+            ``param_dtype_override_fn`` too, called on each parameter of the call when
+            the engine is built (its first use), as long as it picks one compute dtype
+            for all of them: mf computes a unit in one dtype (call ``fully_shard``
+            separately on the modules whose parameters keep their dtype).
+        offload_policy: torch's ``OffloadPolicy()`` (no offload) or
+            ``CPUOffloadPolicy``: mf's ``offload_optimizer_state``, the sharded
+            parameters (fp32 main weights), their grads and the optimizer state in
+            host memory, the step on the host; the device keeps the compute-dtype
+            shard the all-gather reads. Host buffers are pinned on CUDA whatever
+            ``pin_memory`` says. The same policy for every call on one model.
+        ignored_params: parameters left out of sharding, as FSDP2's: plain tensors
+            on every rank, never gathered or reduced (their grads are each rank's
+            own; syncing them, e.g. with DDP, is the caller's). The calls on one
+            model may each pass some; the engine ignores all of them.
+        dp_mesh_dims: must be None (torch 2.15's full SPMD mesh, whose parameters are
+            DTensors over every dim, is not supported): pass the data-parallel mesh as
+            ``mesh`` and tensor-parallel parameters as DTensors over their own tp mesh.
+
+    Returns:
+        ``module``, now an ``FSDPModule`` (each module of a list).
+
+    Raises:
+        TypeError: for a module that is not an ``nn.Module`` (or a list of them), or a
+            policy of another type.
+        ValueError: for a module already sharded.
+        NotImplementedError: naming an option mf cannot honour yet.
+    """
+    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
+    if not modules:
+        raise ValueError("fully_shard: module is an empty list; expected modules to shard")
+    for item in modules:
+        if not isinstance(item, nn.Module):
+            raise TypeError(
+                f"fully_shard: module must be an nn.Module or a list of them, got {item!r}"
+            )
+        if RECORD_ATTR in item.__dict__:
+            raise ValueError(
+                f"fully_shard: {type(item).__name__} was already passed to fully_shard; "
+                "expected each module once"
+            )
+        check_module_to_wrap(item)
+    _check_options(mesh, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims)
+    reshard = reshard_flag(reshard_after_forward, mesh)
+    record = CallRecord(modules, mesh, reshard, mp_policy)
+    record.ignored_params = _ignored_tuple(ignored_params)
+    record.offload = isinstance(offload_policy, CPUOffloadPolicy)
+    for item in modules:
+        item.__dict__[RECORD_ATTR] = record
+        # Only the casts the policy asks for: a hook that does nothing still costs a call.
+        if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
+            record.hooks.append(
+                item.register_forward_pre_hook(cast_inputs(mp_policy), with_kwargs=True)
+            )
+        if mp_policy.output_dtype is not None:
+            record.hooks.append(item.register_forward_hook(cast_output(mp_policy)))
+        item.__class__ = fsdp_class(type(item))
+    link_pending(record)  # the pending calls below now reach their root through it
+    return module
+
+
+def _ignored_tuple(ignored_params: object) -> tuple[nn.Parameter, ...]:
+    """``ignored_params`` as a tuple (None: none).
+
+    Raises:
+        TypeError: if it is not a collection of tensors.
+    """
+    if ignored_params is None:
+        return ()
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Collection):
+        raise TypeError(
+            f"fully_shard: ignored_params must be a set of parameters, got {ignored_params!r}"
+        )
+    params = tuple(ignored_params)
+    wrong = next((p for p in params if not isinstance(p, torch.Tensor)), None)
+    if wrong is not None:
+        raise TypeError(f"fully_shard: ignored_params holds {wrong!r}; expected parameters")
+    return params
+
+
+def _check_options(
+    mesh: object,
+    shard_placement_fn: object,
+    mp_policy: object,
+    offload_policy: object,
+    dp_mesh_dims: object,
+) -> None:
+    """Raise naming the first option mf cannot honour (see [Note: what is honoured])."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {mesh!r}")
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise NotImplementedError(
+            f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
+            "(shard) or a 2-D one (replicate, shard)"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (parameters as DTensors over a full "
+            "SPMD mesh) is not supported by mf_fsdp.fsdp2; expected None, the data-parallel "
+            "mesh as mesh (1-D shard, or 2-D (replicate, shard)) and tensor-parallel "
+            "parameters as DTensors over their own tp mesh"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard: shard_placement_fn is not supported by mf_fsdp.fsdp2 (mf shards each "
+            "unit's flat bucket by rows, Shard(0)); expected None"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{mp_policy!r}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "fully_shard: offload_policy must be torch.distributed.fsdp.OffloadPolicy, got "
+            f"{offload_policy!r}"
+        )
+    if type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"fully_shard: offload_policy={type(offload_policy).__name__} is not supported by "
+            "mf_fsdp.fsdp2; expected OffloadPolicy() (no offload) or CPUOffloadPolicy()"
+        )
+
+
+def reshard_flag(reshard_after_forward: object, mesh: DeviceMesh | None) -> bool:
+    """FSDP2's ``reshard_after_forward`` as a bool: None and True free, False keeps.
+
+    An int is the size of the group the weights are resharded to after forward:
+    the shard group's own size is True, 1 (no resharding) is False, as FSDP2
+    reads them; another factor of the shard group's size would need a second,
+    smaller gather group, which mf does not have.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be a bool, an int or None, got "
+            f"{reshard_after_forward!r}"
+        )
+    if mesh is not None:
+        size = mesh.size(mesh.ndim - 1)
+    elif dist.is_initialized():
+        size = dist.get_world_size()
+    else:
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    if reshard_after_forward < 1 or size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward}: an int must divide "
+            f"the shard group's size {size}"
+        )
+    if reshard_after_forward in (1, size):
+        return reshard_after_forward == size
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={reshard_after_forward} (reshard to a group of "
+        f"{reshard_after_forward} of the {size} shard ranks) is not supported by mf_fsdp.fsdp2; "
+        f"expected True, False, {size} or 1"
+    )
