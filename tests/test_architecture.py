@@ -200,3 +200,110 @@ def test_fsdp2_modules_import_one_way() -> None:
                 if target not in FSDP2_ORDER[:rank]:
                     problems.append(f"{where}:{node.lineno} ({name}) imports {target}")
     assert not problems, "\n".join(problems)
+
+
+def _module_name(path: Path, source_root: Path) -> str:
+    parts = list(path.relative_to(source_root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _module_graph(source_root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports, type-only imports included.
+
+    ``from package import name`` counts as importing ``package.name`` when that
+    is a module of the tree, else ``package`` itself. A package's ``__init__``
+    (its face, which re-exports every layer) is left out.
+    """
+    modules = {
+        _module_name(path, source_root): path
+        for path in source_root.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    candidate = f"{node.module}.{alias.name}"
+                    target = candidate if candidate in modules else node.module
+                    if target in modules and target != name:
+                        graph[name].add(target)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.name != name:
+                        graph[name].add(alias.name)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (the modules along it, first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for child in sorted(graph[node]):
+            if state.get(child) == 1:
+                return [*path[path.index(child) :], child]
+            if child not in state:
+                found = visit(child)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize(
+    "source_root",
+    [*(p / "src" for p in PACKAGES), ROOT / "src"],
+    ids=lambda p: p.parent.name if p.parent != ROOT else "mf",
+)
+def test_no_module_import_cycle_type_only_included(source_root: Path) -> None:
+    cycle = _cycle(_module_graph(source_root))
+    assert cycle is None, f"import cycle (type-only imports count): {' -> '.join(cycle or [])}"
+
+
+def test_the_engine_is_built_apart_from_the_wrapper() -> None:
+    """Construction (discover, options, assemble) and a step's parts never import the wrapper."""
+    graph = _module_graph(FSDP_SOURCE.parent)
+    wrapper = "mf_fsdp.engine.megatron_fsdp"
+    parts = [
+        "discover",
+        "options",
+        "assemble",
+        "forms",
+        "grad_sync",
+        "hooks",
+        "comm_window",
+        "held_units",
+        "unit",
+        "module_contract",
+        "backward_step",
+        "load_hooks",
+        "sharded_params",
+    ]
+    reach = {
+        part: sorted(t for t in graph[f"mf_fsdp.engine.{part}"] if t == wrapper) for part in parts
+    }
+    assert not any(reach.values()), f"engine parts that import the wrapper: {reach}"
+
+
+@pytest.mark.parametrize("source_root", [*(p / "src" for p in PACKAGES), ROOT / "src"])
+def test_no_source_module_over_600_lines(source_root: Path) -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in source_root.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > 600
+    }
+    assert not long, f"modules over 600 lines (one concept per module): {long}"
