@@ -34,4 +34,5 @@ def get_group_device(group: dist.ProcessGroup | None = None) -> torch.device:
             f"get_group_device: backend {backend!r} needs an accelerator, but none is available"
         )
     accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None  # is_available() said there is one
     return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -30,6 +30,7 @@ def default_device() -> torch.device:
     """Return the current accelerator device when one is present, else the CPU."""
     if torch.accelerator.is_available():
         accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # is_available() said there is one
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 

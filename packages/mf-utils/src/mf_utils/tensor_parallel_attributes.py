@@ -61,9 +61,14 @@ def set_tensor_model_parallel_attributes(
         raise ValueError(
             f"set_tensor_model_parallel_attributes: stride must be an int >= 1, got {stride!r}"
         )
-    tensor.tensor_model_parallel = bool(is_parallel)
-    tensor.partition_dim = int(dim)
-    tensor.partition_stride = stride
+    # setattr: the protocol's attributes live on tensors at run time, unknown to Tensor's type
+    marks = {
+        "tensor_model_parallel": bool(is_parallel),
+        "partition_dim": int(dim),
+        "partition_stride": stride,
+    }
+    for name, value in marks.items():
+        setattr(tensor, name, value)
 
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
@@ -104,5 +109,6 @@ def get_mcore_tensor_parallel_partition_dim(param: torch.Tensor) -> int | None:
     if not is_mcore_tensor_model_parallel(param):
         return None
     if getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim
-    return _TE_MODE_TO_DIM[param.tensor_parallel_mode]
+        # getattr: attributes set at run time, unknown to Tensor's type (as everywhere here)
+        return getattr(param, "partition_dim")  # noqa: B009
+    return _TE_MODE_TO_DIM[getattr(param, "tensor_parallel_mode")]  # noqa: B009
