@@ -83,6 +83,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
         if not torch.accelerator.is_available():
             raise ValueError(f"device={device!r} is an accelerator index, but none is available")
         accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # is_available() said there is one
         return torch.device(accelerator.type, device)
     device = torch.device(device)
     if device.type == "cpu":

@@ -332,7 +332,7 @@ def te_rng_tracker_class(inference: bool = False) -> type:
         )
     from transformer_engine.pytorch.distributed import CudaRNGStatesTracker as _TETracker
 
-    class TERNGStatesTracker(_TETracker):  # type: ignore[misc, valid-type]
+    class TERNGStatesTracker(_TETracker):
         """TE's tracker plus the ``is_initialized`` bookkeeping mf expects."""
 
         uses_transformer_engine = True
