@@ -30,7 +30,7 @@ It must not: communicate, or modify its inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -71,9 +71,14 @@ def merge_blocks(
     if len(results) == 1:
         return results[0].out, results[0].lse
     lse = torch.stack([r.lse for r in results]).logsumexp(0)  # [B, H, rows]
-    out = sum(
-        r.out.to(torch.promote_types(dtype, torch.float32)) * torch.exp(r.lse - lse).unsqueeze(-1)
-        for r in results
+    # cast: sum() of tensors is a tensor (0 + t, then +), but typeshed types an empty sum as 0
+    out = cast(
+        torch.Tensor,
+        sum(
+            r.out.to(torch.promote_types(dtype, torch.float32))
+            * torch.exp(r.lse - lse).unsqueeze(-1)
+            for r in results
+        ),
     )
     return out.to(dtype), lse
 

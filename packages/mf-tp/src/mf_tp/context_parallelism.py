@@ -249,11 +249,13 @@ def context_parallel(
             buffer.index_select(dim, layout.positions(rank, buffer.device))
             for buffer, (dim, layout) in zip(buffers, plans, strict=True)
         ]
+        # Tensor.set_(source: Tensor) exists, but torch's stubs only list set_'s Storage overloads.
         originals = [
-            None if any(b is n for n in no_restore) else b.new_empty(0).set_(b) for b in buffers
+            None if any(b is n for n in no_restore) else b.new_empty(0).set_(b)  # type: ignore[call-overload]
+            for b in buffers
         ]
         for buffer, shard in zip(buffers, shards, strict=True):
-            buffer.set_(shard)
+            buffer.set_(shard)  # type: ignore[call-overload]
     try:
         with _ShardedAttentionMode(mesh):
             yield

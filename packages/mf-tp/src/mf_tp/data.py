@@ -23,7 +23,8 @@ __all__ = ["broadcast_data"]
 
 def _check_data(
     keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype
-) -> None:
+) -> Mapping[str, torch.Tensor]:
+    """Return ``data`` once it holds every key as a tensor of ``datatype``; raise otherwise."""
     if not isinstance(data, Mapping):
         raise TypeError(f"broadcast_data: data must be a mapping of tensors, got {data!r}")
     for key in keys:
@@ -35,6 +36,7 @@ def _check_data(
                 f"broadcast_data: data[{key!r}] must be a tensor of dtype {datatype}, "
                 f"got {getattr(value, 'dtype', value)!r}"
             )
+    return data
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
@@ -68,11 +70,12 @@ def broadcast_data(
     device = get_group_device(group)
     src = dist.get_global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
+    source: Mapping[str, torch.Tensor] = {}  # read on the source rank only
     if is_src:
-        _check_data(keys, data, datatype)
+        source = _check_data(keys, data, datatype)
         meta_list: list[int] = []
         for key in keys:
-            meta_list += [data[key].dim(), *data[key].shape]
+            meta_list += [source[key].dim(), *source[key].shape]
         meta = torch.tensor(meta_list, dtype=torch.int64, device=device)
         length = torch.tensor([meta.numel()], dtype=torch.int64, device=device)
     else:
@@ -91,7 +94,7 @@ def broadcast_data(
         position += 1 + ndim
     numels = [int(torch.Size(shape).numel()) for shape in shapes]
     if is_src:
-        flat = torch.cat([data[key].to(device).reshape(-1) for key in keys])
+        flat = torch.cat([source[key].to(device).reshape(-1) for key in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
     if flat.numel() > 0:

@@ -173,7 +173,7 @@ class InferenceRowParallelLinear(RowParallelLinear):
         return output
 
     @torch.no_grad()
-    def forward(  # type: ignore[override]
+    def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Multiply and reduce-scatter; see the class docstring for the fused path.

@@ -351,7 +351,8 @@ class RowParallelLinear(_ParallelLinearBase):
         )
         if bias:
             self.bias = self._make_bias(output_size)
-            self.bias.sequence_parallel = self.sequence_parallel
+            # setattr: an attribute the bias carries at run time, unknown to Parameter's type
+            setattr(self.bias, "sequence_parallel", self.sequence_parallel)  # noqa: B010
         else:
             self.register_parameter("bias", None)
 

@@ -166,6 +166,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.group = tp_group
         total_input = input_
         if sequence_parallel:
+            if tp_group is None:
+                raise ValueError(
+                    "LinearWithGradAccumulationAndAsyncCommunication: sequence_parallel needs "
+                    "the resolved tp_group, got None"
+                )
             # Scratch memory: consumed by the GEMM right away.
             total_input, _ = C.gather_first_dim(input_, tp_group, use_global_buffer=True)
         output = torch.matmul(total_input, weight.t())

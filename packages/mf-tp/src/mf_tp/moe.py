@@ -37,6 +37,7 @@ It must not: drop tokens, or hold routing state other than the latest
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -322,6 +323,7 @@ def dispatch_tokens(
         )
         return sorted_rows, state
 
+    assert ep_group is not None  # no group has size 1
     send_sizes, recv_sizes, recv_counts_pL = _exchange_counts(send_counts_E, ep_group, ep_size)
     received = all_to_all(ep_group, _ensure_joins_backward(sorted_rows), recv_sizes, send_sizes)
     regroup_order = _regroup_by_local_expert(recv_counts_pL)
@@ -509,7 +511,8 @@ class MoELayer(nn.Module):
             drawn = _draw_expert_weights(self.hidden_size, self.ffn_hidden_size)
             key = str(expert_index)
             if key in self.experts:
-                self.experts[key].load_initial_weights(drawn)
+                # cast: nn.ModuleDict is not generic; it holds ExpertMLPs only
+                cast(ExpertMLP, self.experts[key]).load_initial_weights(drawn)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``: route, dispatch, run the local experts, combine."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -78,13 +79,13 @@ def _build_world_groups(tensor_model_parallel_size: int) -> ModelParallelGroups:
     for k in range(dp_size):
         ranks = list(range(k * tp_size, (k + 1) * tp_size))
         group = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = group
+        if rank in ranks:  # a member gets the group (others get NON_GROUP_MEMBER, typed with it)
+            tp_group = cast(dist.ProcessGroup, group)
     for j in range(tp_size):
         ranks = list(range(j, world_size, tp_size))
         group = dist.new_group(ranks)
         if rank in ranks:
-            dp_group = group
+            dp_group = cast(dist.ProcessGroup, group)
     if tp_group is None or dp_group is None:
         raise RuntimeError(f"initialize_model_parallel: rank {rank} fell outside every group")
     return ModelParallelGroups(tp_group, dp_group, None, owns_groups=True)
