@@ -33,7 +33,10 @@ def gather_members(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> list[int]:
 
     In the order :func:`all_gather_over_mesh_dims` stacks their contributions.
     """
-    coordinate = list(mesh.get_coordinate())
+    me = mesh.get_coordinate()
+    if me is None:
+        raise ValueError(f"gather_members: this rank is not part of {mesh!r}")
+    coordinate = list(me)
     mesh_shape = tuple(mesh.shape)
     members = []
     for values in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):

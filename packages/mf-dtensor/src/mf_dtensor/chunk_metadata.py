@@ -169,9 +169,11 @@ def attach_chunk_metadata(
         all_chunks=None if all_chunks is None else tuple(all_chunks),
     )
     setattr(dtensor, _METADATA_ATTR, layout)
-    # Instance attributes shadow DTensor's methods for this object only.
-    dtensor.__create_chunk_list__ = functools.partial(_chunk_list, layout, dtensor.numel())
-    dtensor.__create_write_items__ = functools.partial(_write_items, layout)
+    # Instance attributes shadow DTensor's methods for this object only (setattr: a type
+    # checker refuses an assignment to a method).
+    chunk_list = functools.partial(_chunk_list, layout, dtensor.numel())
+    setattr(dtensor, "__create_chunk_list__", chunk_list)  # noqa: B010
+    setattr(dtensor, "__create_write_items__", functools.partial(_write_items, layout))  # noqa: B010
     return dtensor
 
 
@@ -332,6 +334,8 @@ def full_layout(dtensor: DTensor) -> tuple[ChunkStorageMetadata, ...]:
     if layout is None or layout.all_chunks is None:
         attach_gathered_layouts([dtensor], [claimed_chunk(dtensor)], ["dtensor"])
         layout = get_chunk_metadata(dtensor)
+    assert layout is not None  # attached just above, with every rank's chunk
+    assert layout.all_chunks is not None
     return layout.all_chunks
 
 

@@ -186,8 +186,9 @@ def _wrap_like(uneven: type[Any], out: Any, like: Uneven | None) -> Any:
     if out is like._local_tensor:
         return like  # an in-place op: hand back the very input
     spec = like._spec
-    if out.dtype != spec.tensor_meta.dtype:
-        meta = spec.tensor_meta
+    meta = spec.tensor_meta
+    assert meta is not None  # an UnevenDTensor's spec always carries its TensorMeta
+    if out.dtype != meta.dtype:
         spec = DTensorSpec(
             spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, out.dtype)
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -166,7 +167,8 @@ def _replicated(
 ) -> DTensor:
     result = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     if target_device is not None and torch.device(target_device) != full.device:
-        result = result.to(target_device)
+        # cast: Tensor.to on a DTensor returns a DTensor; torch's stubs say Tensor
+        result = cast(DTensor, result.to(target_device))
     return result
 
 
@@ -259,6 +261,7 @@ def assemble_full_tensor_from_uneven_chunks(
 def _members_sharing_replicate_coordinates(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> list[int]:
     """Row-major indices of the ranks that differ from this one only on ``mesh_dims``."""
     me = mesh.get_coordinate()
+    assert me is not None  # the caller's local_mesh_index(mesh) checked this rank is in it
     return [
         index
         for index, coordinate in enumerate(mesh_coordinates(mesh.shape))

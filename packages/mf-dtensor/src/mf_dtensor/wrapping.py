@@ -100,7 +100,7 @@ def spec_for(
 
 
 def wrap(
-    uneven: type[Any],
+    uneven: type[DTensor],
     local_tensor: torch.Tensor,
     spec: DTensorSpec,
     pieces: PieceMap,
@@ -109,7 +109,7 @@ def wrap(
 ) -> Any:
     """An instance of ``uneven`` (the UnevenDTensor class) over ``local_tensor``, unchecked."""
     # __new__ alone: DTensor.__init__ does nothing but costs several decorator layers.
-    result = uneven.__new__(uneven, local_tensor, spec, requires_grad=requires_grad)
+    result: Any = uneven.__new__(uneven, local_tensor, spec, requires_grad=requires_grad)
     result._pieces = pieces
     return result
 
