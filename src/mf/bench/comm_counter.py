@@ -143,7 +143,7 @@ class CommCounter:
                 arguments = list(args) + list(kwargs.values())
                 ops = arguments[0]
                 self.record(name, _EXACT_BYTES[name](arguments), ops[0].group if ops else None)
-            elif self.enabled:
+            elif self.enabled and byte_model is not None:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 group = bound.arguments.get("group")
@@ -175,16 +175,17 @@ class CommCounter:
                     continue
                 saved.append((module, defined, original))
                 setattr(module, defined, self._wrap(name, original))
-            coalescing = getattr(module, "_coalescing_manager", None)
+            manager = "_coalescing_manager"
+            coalescing = getattr(module, manager, None)
             if coalescing is not None:
-                saved.append((module, "_coalescing_manager", coalescing))
-                module._coalescing_manager = self._wrap_coalescing(coalescing)
+                saved.append((module, manager, coalescing))
+                setattr(module, manager, self._wrap_coalescing(coalescing))
         # Restored from the class's own dict: pybind11 keeps an instance-method descriptor
         # there, and the function getattr gives instead would not bind to the group.
         name = "allgather_into_tensor_coalesced"
         saved.append((dist.ProcessGroup, name, vars(dist.ProcessGroup)[name]))
         group_gather = getattr(dist.ProcessGroup, name)
-        dist.ProcessGroup.allgather_into_tensor_coalesced = self._wrap_group_gather(group_gather)
+        setattr(dist.ProcessGroup, name, self._wrap_group_gather(group_gather))
         try:
             yield self
         finally:

@@ -30,6 +30,7 @@ engine, which mf picks on CUDA where the choice is left to torch).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -73,9 +74,8 @@ def _single(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -
 def _ddp(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
-    device_ids = (
-        None if model.lm_head.weight.device.type == "cpu" else [torch.cuda.current_device()]
-    )
+    on_cpu = model.get_parameter("lm_head.weight").device.type == "cpu"
+    device_ids = None if on_cpu else [torch.cuda.current_device()]
     wrapped = DistributedDataParallel(model, device_ids=device_ids)
     return wrapped, optimizers(model)  # the module's names; the same parameters
 
@@ -91,10 +91,16 @@ def _fsdp2_api(front_end: str, offload: bool = False) -> Builder:
     def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+        # The two front ends' fully_shard, called the same way (their types differ).
+        fully_shard: Callable[..., object]
         if front_end == "mf":
-            from mf_fsdp.fsdp2 import fully_shard
+            from mf_fsdp.fsdp2 import fully_shard as mf_fully_shard
+
+            fully_shard = mf_fully_shard
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+            fully_shard = torch_fully_shard
 
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -102,13 +108,14 @@ def _fsdp2_api(front_end: str, offload: bool = False) -> Builder:
             else MixedPrecisionPolicy()
         )
         pinned = mesh is not None and mesh.device_type == "cuda"
-        options = {
+        options: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": True,
             "mp_policy": policy,
             "offload_policy": CPUOffloadPolicy(pin_memory=pinned) if offload else OffloadPolicy(),
         }
-        for block in model.blocks:
+        # cast: the bench's models are GPTs, whose blocks are an nn.ModuleList
+        for block in cast(nn.ModuleList, model.blocks):
             fully_shard(block, **options)
         fully_shard(model, **options)
         return model, optimizers(model)
@@ -116,13 +123,18 @@ def _fsdp2_api(front_end: str, offload: bool = False) -> Builder:
     return build
 
 
-def _mf(strategy: int, **options: bool) -> Builder:
-    """``mf_fsdp.fully_shard`` with ZeRO ``strategy`` and its keyword ``options``."""
+def _mf(
+    strategy: int,
+    *,
+    optimizer_step_in_backward: bool = False,
+    offload_optimizer_state: bool = False,
+) -> Builder:
+    """``mf_fsdp.fully_shard`` with ZeRO ``strategy`` and those two options (its defaults: off)."""
 
     def build(model: nn.Module, mesh: DeviceMesh | None, optimizers, bf16: bool) -> Built:
         from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
-        return fully_shard(
+        wrapped, sharded_optimizers = fully_shard(
             model,
             optimizers(model),
             device_mesh=mesh,
@@ -132,8 +144,11 @@ def _mf(strategy: int, **options: bool) -> Builder:
             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
             if bf16
             else None,
-            **options,
+            optimizer_step_in_backward=optimizer_step_in_backward,
+            offload_optimizer_state=offload_optimizer_state,
         )
+        assert isinstance(sharded_optimizers, list)  # given a list, fully_shard returns it
+        return wrapped, sharded_optimizers
 
     return build
 

@@ -231,7 +231,7 @@ def _measure(spec: RunSpec, device: torch.device, distributed: bool) -> RunResul
     torch.manual_seed(spec.seed)
     name, _, mode = spec.engine.partition("+")
     unsharded = name in AUTOCAST
-    model = _built_model(config, device, spec.meta_init, unsharded, spec.seed)
+    model: nn.Module = _built_model(config, device, spec.meta_init, unsharded, spec.seed)
     result = RunResult(
         spec.engine, spec.optimizer, spec.preset, world_size, config.num_parameters(), cp=spec.cp
     )
@@ -398,8 +398,10 @@ def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
 def _initialise(model: nn.Module, seed: int) -> None:
     """The model's own ``reset_parameters()``, drawn from ``seed``."""
     torch.manual_seed(seed)
+    # getattr: a GPT's method, reached through the engine's wrapper; nn.Module declares none
+    reset_parameters: Callable[[], None] = getattr(model, "reset_parameters")  # noqa: B009
     with torch.no_grad():
-        model.reset_parameters()
+        reset_parameters()
 
 
 def _positions(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -450,6 +452,9 @@ def _count_dispatch(step: Callable[[], None], device: torch.device) -> tuple[int
 
 def _ddp_traffic(model: nn.Module, result: RunResult, world_size: int) -> None:
     """DDP all-reduces every gradient once per step, in C++ where the counter cannot see it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert isinstance(model, DistributedDataParallel)  # what the ddp engine builds
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     buckets = model._get_ddp_logging_data().get("num_buckets_reduced") or len(
         model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(",")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch import nn
 
 from mf.models.gpt import GPT, PRESETS, Block, GPTConfig
 from mf.models.gpt_tp import GPTTensorParallel, TensorParallelBlock
@@ -42,7 +41,7 @@ MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
 """Every preset ``mf-train --model`` takes: the dense GPTs and the mixtures of experts."""
 
 
-def plain_model(config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> nn.Module:
+def plain_model(config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> GPT:
     """The model of ``config`` on one process (or its experts spread over ``ep_group``)."""
     if isinstance(config, MoEGPTConfig):
         return MoEGPT(config, ep_group)

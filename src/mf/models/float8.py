@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -86,7 +87,7 @@ def _scaled_mm_fails(device_type: str, torch_version: str) -> str | None:
     return None
 
 
-def _torchao_float8() -> tuple[type, object]:
+def _torchao_float8() -> tuple[type, Callable[..., nn.Module]]:
     """Import torchao's ``Float8LinearConfig`` and ``convert_to_float8_training`` quietly.
 
     On torch 2.15, importing torchao 0.18 logs a deprecation warning from torch's

@@ -10,7 +10,7 @@ unit; the token embedding and the LM head share one weight when
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -217,7 +217,7 @@ class GPT(nn.Module):
         """
         positions = token_positions(self.config, tokens, positions, "GPT.forward")
         x = self.wte(tokens) + self.wpe(positions)
-        blocks = self.blocks
+        blocks: Iterable[nn.Module] = self.blocks
         if self.training and self.layer_drop > 0:
             blocks = layer_drop(self.blocks, self.layer_drop, self.layer_drop_generator)
         for block in blocks:

@@ -21,7 +21,7 @@ what mf-fsdp reads.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import partial
 
 import torch
@@ -174,7 +174,7 @@ class GPTTensorParallel(nn.Module):
         """
         positions = token_positions(self.config, tokens, positions, "GPTTensorParallel.forward")
         x = self.wte(tokens) + self.wpe(positions)
-        blocks = self.blocks
+        blocks: Iterable[nn.Module] = self.blocks
         if self.training and self.layer_drop > 0:
             blocks = layer_drop(self.blocks, self.layer_drop, self.layer_drop_generator)
         for block in blocks:
@@ -205,6 +205,7 @@ class GPTTensorParallel(nn.Module):
             full = full_state[name]
             if is_mcore_tensor_model_parallel(param):
                 dim = get_mcore_tensor_parallel_partition_dim(param)
+                assert dim is not None  # a tensor-parallel parameter has its partition dim
                 stride = getattr(param, "partition_stride", 1)
                 full = torch.cat(full.chunk(size * stride, dim=dim)[rank::size], dim=dim)
             if full.shape != param.shape:

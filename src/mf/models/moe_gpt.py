@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -169,10 +170,29 @@ class _RoutedModel(nn.Module):
         out = super().forward(tokens, targets, positions=positions)
         return out if targets is None else self._with_balance(out)
 
+    def _moe_layers(self) -> list[MoELayer]:
+        """Every block's MoE layer, in block order."""
+        # cast: nn.ModuleList is not generic; the blocks are MoEBlocks
+        return [cast(MoEBlock, block).moe for block in self.blocks]
+
+    def _routing(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every MoE layer's load-balance loss and token counts from its last forward.
+
+        Raises:
+            RuntimeError: if a layer has run no forward yet.
+        """
+        losses, tokens = [], []
+        for layer in self._moe_layers():
+            if layer.load_balance_loss is None or layer.tokens_per_expert is None:
+                raise RuntimeError(f"{type(self).__name__}: a MoE layer has run no forward yet")
+            losses.append(layer.load_balance_loss)
+            tokens.append(layer.tokens_per_expert)
+        return losses, tokens
+
     def _with_balance(self, language_loss: torch.Tensor) -> torch.Tensor:
         """The returned loss: the language loss plus the weighted load-balance losses."""
         self._language_loss = language_loss.detach()
-        balance = torch.stack([block.moe.load_balance_loss for block in self.blocks]).sum()
+        balance = torch.stack(self._routing()[0]).sum()
         return language_loss + self.config.load_balance_coeff * balance
 
     def routing_stats(self) -> RoutingStats:
@@ -181,10 +201,11 @@ class _RoutedModel(nn.Module):
         Raises:
             RuntimeError: before any forward.
         """
-        if getattr(self.blocks[0].moe, "tokens_per_expert", None) is None:
+        if getattr(self._moe_layers()[0], "tokens_per_expert", None) is None:
             raise RuntimeError(f"{type(self).__name__}.routing_stats: no forward has run yet")
-        balance = sum(float(block.moe.load_balance_loss.detach()) for block in self.blocks)
-        counts = torch.stack([block.moe.tokens_per_expert for block in self.blocks])
+        losses, tokens = self._routing()
+        balance = sum(float(loss.detach()) for loss in losses)
+        counts = torch.stack(tokens)
         language = getattr(self, "_language_loss", None)
         return RoutingStats(balance, None if language is None else float(language), counts)
 
@@ -198,10 +219,12 @@ class MoEGPT(_RoutedModel, GPT):
             None for one process holding every expert.
     """
 
+    config: MoEGPTConfig  # declared on the class itself: its two bases declare it differently
+
     def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(config, MoEGPTConfig):
             raise TypeError(f"MoEGPT: config must be a MoEGPTConfig, got {config!r}")
-        super().__init__(config, block=lambda c: MoEBlock(c, ep_group))
+        super().__init__(config, block=lambda _: MoEBlock(config, ep_group))  # GPT passes config
 
     def _initialises_itself(self, name: str) -> bool:
         return ".moe." in name  # drawn by reset_parameters, after the dense weights
@@ -209,8 +232,8 @@ class MoEGPT(_RoutedModel, GPT):
     def reset_parameters(self) -> None:
         """GPT-2 style init for the dense weights, then every block's experts in global order."""
         super().reset_parameters()
-        for block in self.blocks:
-            block.moe.reset_parameters()
+        for layer in self._moe_layers():
+            layer.reset_parameters()
 
 
 class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
@@ -224,6 +247,8 @@ class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
         tp_group: the tensor-parallel group.
         ep_group: the expert-parallel group (ranks of the same TP rank), or None.
     """
+
+    config: MoEGPTConfig  # declared on the class itself: its two bases declare it differently
 
     def __init__(
         self,

@@ -23,7 +23,8 @@ OPTIMIZER_RECIPES = ("adamw", "muon")
 
 def hidden_matrices(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """``(matrices, rest)``: the 2-D parameters inside the blocks, and all others."""
-    matrices, rest = [], []
+    matrices: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for name, param in module.named_parameters():
         (matrices if param.ndim == 2 and name.startswith("blocks.") else rest).append(param)
     return matrices, rest

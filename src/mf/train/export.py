@@ -16,9 +16,8 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from mf.models import MODEL_PRESETS, config_from_dict, plain_model
+from mf.models import GPT, MODEL_PRESETS, config_from_dict, plain_model
 
 __all__ = ["CONFIG_FILE", "EXPORT_FILE", "export_model", "load_model", "sample_text"]
 
@@ -41,7 +40,7 @@ def export_model(checkpoint: Path, out_dir: Path, preset: str) -> Path:
     return path
 
 
-def _from_export(folder: Path) -> nn.Module:
+def _from_export(folder: Path) -> GPT:
     from safetensors.torch import load_file
 
     try:
@@ -85,7 +84,7 @@ def _check_export_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> 
     )
 
 
-def _from_checkpoint(checkpoint: Path) -> nn.Module:
+def _from_checkpoint(checkpoint: Path) -> GPT:
     from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
 
     if not (checkpoint / RECORD_FILE).is_file():
@@ -104,7 +103,7 @@ def _from_checkpoint(checkpoint: Path) -> nn.Module:
     return model
 
 
-def load_model(path: str | Path) -> nn.Module:
+def load_model(path: str | Path) -> GPT:
     """A plain model from an mf-train export folder, a checkpoint folder or a --ckpt-dir.
 
     A GPT, or a MoE GPT with every expert on this process.

@@ -120,7 +120,9 @@ class Reporter:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
         self.started = time.perf_counter()
-        self.bar = None
+        # progress_bar's (tqdm's bar or a LineProgress) from here on when active; None otherwise,
+        # and then never read (every use is behind ``active``).
+        self.bar: Any = None
         self._host_shares: list[float] = []
         self._hinted = False
         preset = MODEL_PRESETS[options.model]

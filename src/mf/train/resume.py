@@ -79,10 +79,10 @@ def resume_checkpoint(options: TrainOptions) -> Path:
                 f"step_N folder holding {RECORD_FILE})"
             )
         return path
-    path = latest_checkpoint(options.ckpt_dir) if os.path.isdir(options.ckpt_dir) else None
-    if path is None:
+    latest = latest_checkpoint(options.ckpt_dir) if os.path.isdir(options.ckpt_dir) else None
+    if latest is None:
         raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
-    return path
+    return latest
 
 
 def _read_record(file: Path) -> dict:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mf.models import (
@@ -130,16 +131,20 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
     moe = isinstance(config, MoEGPTConfig)
     expert_mesh = _expert_mesh(options, mesh) if moe else None
     ep_group = None if expert_mesh is None else expert_mesh["ep"].get_group()
+    module: nn.Module
+    unit: type[nn.Module]
     if options.tp == 1:  # experts are keyed globally: --ep does not change the model either
         module, unit = plain_model(config, ep_group), (MoEBlock if moe else Block)
     else:  # the same weights, split: --tp does not change the initial model
         tp_group = mesh["tp"].get_group()
         full_weights = plain_model(config).state_dict()
-        if moe:
-            module, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
+        split: GPTTensorParallel
+        if isinstance(config, MoEGPTConfig):
+            split, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
         else:
-            module, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
-        module.load_full_weights(full_weights)
+            split, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
+        split.load_full_weights(full_weights)
+        module = split
     module.to(device)
     if options.precision == "fp8":  # before the optimizers: FP8 gathering swaps the weights
         gathers_fp8 = FSDP_FLOAT8_ALL_GATHER and options.zero == 3

@@ -123,15 +123,14 @@ class FSDPDistributedIndex:
         self.outer_fsdp_group = self._group(dp_outer_dim) if dp_outer_dim else None
         self.tp_group = self._group(tp_dim) if tp_dim else None
         if dp_outer_dim is not None and hybrid_fsdp_group is None:
-            pair = _sub_mesh(device_mesh, (dp_outer_dim, dp_shard_dim))
+            pair = _sub_mesh(device_mesh, self._outer_and_shard_dims())
             hybrid_fsdp_group = pair._flatten().get_group()
         self.hybrid_fsdp_group = hybrid_fsdp_group
         self._swapped_mesh = self._build_swapped_mesh() if hsdp_outer_dp_shard else None
-        self._logical_mesh = (
-            None
-            if self._swapped_mesh is None
-            else self._swapped_mesh[(self.dp_shard_dim, self.dp_outer_dim)]
-        )
+        self._logical_mesh = None
+        if self._swapped_mesh is not None:
+            outer, shard = self._outer_and_shard_dims()
+            self._logical_mesh = self._swapped_mesh[(shard, outer)]
         self.expert_index = (
             None if expt_device_mesh is None else self._build_expert_index(expt_device_mesh)
         )
@@ -200,7 +199,8 @@ class FSDPDistributedIndex:
         # [Shard(0), Shard(0)] is the hybrid layout (new groups, built once, collective).
         mesh = self.device_mesh
         names = list(get_mesh_names(mesh))
-        a, b = names.index(self.dp_outer_dim), names.index(self.dp_shard_dim)
+        outer, shard = self._outer_and_shard_dims()
+        a, b = names.index(outer), names.index(shard)
         order = list(range(mesh.ndim))
         order[a], order[b] = b, a
         return DeviceMesh(
@@ -222,6 +222,14 @@ class FSDPDistributedIndex:
                 f"ddp_config: outer_dp_sharding_strategy={outer.value!r} needs a dist_index with "
                 f"hsdp_outer_dp_shard={wanted}, got {self.hsdp_outer_dp_shard!r}"
             )
+
+    def _outer_and_shard_dims(self) -> tuple[str, str]:
+        """``(dp_outer_dim, dp_shard_dim)`` of an index with a dp_outer dim."""
+        outer, shard = self.dp_outer_dim, self.dp_shard_dim
+        # dp_outer_dim is a name of the mesh, so the mesh is named and dp_shard_dim is set
+        assert outer is not None
+        assert shard is not None
+        return outer, shard
 
     def _group(self, dim: str | None) -> dist.ProcessGroup:
         if dim is None or self.device_mesh.ndim == 1:
@@ -346,7 +354,7 @@ class FSDPDistributedIndex:
             return self._logical_mesh
         if self.dp_outer_dim is None:
             return self.get_submesh(self.dp_shard_dim) if self.dp_shard_dim else self.device_mesh
-        return self.get_submesh((self.dp_outer_dim, self.dp_shard_dim))
+        return self.get_submesh(self._outer_and_shard_dims())
 
     def dp_tp_mesh(self) -> DeviceMesh:
         """The data-parallel dims of :meth:`dp_mesh`, in its order, plus the tp dim last.

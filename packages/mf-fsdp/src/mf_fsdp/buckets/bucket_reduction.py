@@ -84,6 +84,11 @@ class _Reducing(Protocol):
 class BucketReduction:
     """The reduction methods of ``Bucket`` (see the module docstring)."""
 
+    # The Bucket attributes these methods assign, with Bucket's types (annotations only:
+    # a type checker would otherwise take their type from the first assignment here).
+    _pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None
+    pending_inner: torch.Tensor | None
+
     def _set_store_aside(self: _Reducing) -> None:
         """Move the reduced grads out of a store that shares the local buffer, and clear it.
 

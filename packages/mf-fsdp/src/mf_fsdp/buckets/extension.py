@@ -235,7 +235,7 @@ class ExtensionWeights(WeightStorage):
         piece = pieces[rank] if rank < len(pieces) else None
         rows = 0 if piece is None else piece.shape[0]
         padded = value.new_zeros((self._rows, *value.shape[1:]))
-        if rows:
+        if piece is not None and rows:
             padded.narrow(0, 0, rows).copy_(piece)
         self.padded = padded
         self.local = padded.narrow(0, 0, rows)

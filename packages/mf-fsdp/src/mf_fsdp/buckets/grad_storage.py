@@ -321,11 +321,15 @@ class TransientGrads(GradBuffers):
             local = self.clear(self._whole_bucket())
             views = self._views(local, False, self._cache_views(local))
             made = [
-                (view, p) for p, view in zip(self._params, views, strict=True) if p.grad is not None
+                (view, p, p.grad)
+                for p, view in zip(self._params, views, strict=True)
+                if p.grad is not None
             ]
             if made:  # one multi-tensor copy, not one op per parameter
-                torch._foreach_copy_([v for v, _ in made], [local_grad(p, p.grad) for _, p in made])
-            for _, p in made:
+                torch._foreach_copy_(
+                    [v for v, _, _ in made], [local_grad(p, g) for _, p, g in made]
+                )
+            for _, p, _ in made:
                 p.grad = None
             self.local = local
         return super().local_for_reduction()

@@ -26,7 +26,7 @@ posted.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,7 +70,7 @@ class Handle(Protocol):
 class Then:
     """Transfers in flight and the local work that completes them, run once on ``wait``."""
 
-    def __init__(self, works: list[dist.Work] | list[Handle], finish: Callable[[], None]) -> None:
+    def __init__(self, works: Sequence[Handle], finish: Callable[[], None]) -> None:
         self._works = works
         self._finish: Callable[[], None] | None = finish
 

@@ -180,9 +180,9 @@ def plan_buckets(
     if groups:  # FSDP2's rule: a weight the root's own modules use too stays the root's
         for sub in module.modules():
             if id(sub) not in covered:
-                for param in sub._parameters.values():
-                    if param in owners:
-                        owners[param].append(-1)
+                for weight in sub._parameters.values():
+                    if weight in owners:
+                        owners[weight].append(-1)
     specs = _split(None, "", [p for p in names if len(owners.get(p, ())) != 1], names)
     for index, (qual, members) in enumerate(units):
         own = [p for p in _unit_params(members) if owners.get(p) == [index]]

@@ -46,6 +46,10 @@ class _Marking(Protocol):
 class UnusedGrads:
     """The unused-gradient methods of ``Bucket`` (see the module docstring)."""
 
+    # The Bucket attribute these methods assign, with Bucket's type (an annotation only: a
+    # type checker would otherwise take its type from the assignment here).
+    _owned_spans: torch.Tensor | None
+
     def mark_used(self: _Marking) -> None:
         """This rank ran the bucket's unit in this step: its grads count as made here.
 

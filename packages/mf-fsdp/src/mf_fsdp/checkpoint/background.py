@@ -25,7 +25,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,10 @@ def writer_group() -> dist.ProcessGroup | None:
     default = dist.distributed_c10d._get_default_group()
     group = _WRITER.groups.get(id(default))
     if group is None:
-        group = dist.new_group(backend="gloo", timeout=_timeout_of(default))
+        # cast: a group of every rank, so never NON_GROUP_MEMBER (which new_group's type allows)
+        group = cast(
+            dist.ProcessGroup, dist.new_group(backend="gloo", timeout=_timeout_of(default))
+        )
         _WRITER.groups = {id(default): group}  # a group of a destroyed default one is gone
     return group
 

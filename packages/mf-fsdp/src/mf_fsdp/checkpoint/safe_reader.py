@@ -174,9 +174,10 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata (see ``read_metadata``), stamped with this reader's load id."""
         metadata = read_metadata(self.path, kwargs.get("rank"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -225,7 +226,9 @@ class _DiscardingPlanner:
         self._metadata = metadata
 
     def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-        properties = self._metadata.state_dict_metadata[item.storage_index.fqn].properties
+        entry = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(entry, TensorStorageMetadata)  # only tensors are resolved to tensors
+        properties = entry.properties
         return torch.empty(tuple(item.lengths), dtype=properties.dtype)
 
     def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:

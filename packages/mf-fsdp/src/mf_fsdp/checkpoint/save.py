@@ -161,6 +161,7 @@ def fresh_dir(path: Path) -> None:
 
 def failure_cause(error: BaseException, partial: Path) -> str:
     """One line naming what failed and where, e.g. "No space left on device while writing X"."""
+    failures: list[tuple[int | None, BaseException]]
     if isinstance(error, CheckpointException):
         failures = [(rank, exc) for rank, (exc, _) in sorted(error.failures.items())]
     else:
@@ -250,6 +251,18 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     async_save: Literal[True],
 ) -> Future[Path]: ...
+
+
+@overload
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: MegatronFSDP,
+    optimizer: Optimizers | None = None,
+    *,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+) -> Path | Future[Path]: ...
 
 
 def save_checkpoint(

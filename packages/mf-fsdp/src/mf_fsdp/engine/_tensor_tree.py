@@ -23,6 +23,11 @@ def _is_dataclass_instance(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
+def _replacing(leaf: Any, rebuild_fields: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """Rebuild ``leaf`` (a dataclass instance) with its fields from new leaves."""
+    return lambda new: dataclasses.replace(leaf, **rebuild_fields(new))
+
+
 def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """The leaves of ``tree`` and a function that rebuilds it from as many new leaves.
 
@@ -43,12 +48,7 @@ def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
         fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf) if f.init}
         inner, rebuild_fields = flatten(fields)
         flat.extend(inner)
-        parts.append(
-            (
-                len(inner),
-                lambda new, leaf=leaf, r=rebuild_fields: dataclasses.replace(leaf, **r(new)),
-            )
-        )
+        parts.append((len(inner), _replacing(leaf, rebuild_fields)))
 
     def rebuild(new: list[Any]) -> Any:
         out, start = [], 0

@@ -183,11 +183,12 @@ def assemble(
             if part.unit is None:
                 unit = parts.root
             else:
-                unit = by_unit.get(id(part.unit))
-                if unit is None:
-                    unit = Unit(part.unit, part.unit_name, [], part.members)
-                    by_unit[id(part.unit)] = unit
-                    parts.units.append(unit)
+                known = by_unit.get(id(part.unit))
+                if known is None:
+                    known = Unit(part.unit, part.unit_name, [], part.members)
+                    by_unit[id(part.unit)] = known
+                    parts.units.append(known)
+                unit = known
             unit.groups.append(group)
     for unit in (parts.root, *parts.units):
         if _fill(module, unit, options.device, meta_init):

@@ -163,7 +163,7 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[begin, end)`` of ``tensor``'s storage its elements can touch."""
     pairs = zip(tensor.shape, tensor.stride(), strict=True)
     span = 1 + sum((size - 1) * abs(stride) for size, stride in pairs)
-    begin = tensor.storage_offset() * tensor.element_size()
+    begin = int(tensor.storage_offset()) * tensor.element_size()  # int: stubs allow a SymInt
     return begin, begin + span * tensor.element_size()
 
 
@@ -337,9 +337,9 @@ def param_sources(
         names.setdefault(id(param), []).append(name)
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for owner in module.modules():
-        for attr, param in owner._parameters.items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((owner, attr))
+        for attr, weight in owner._parameters.items():
+            if weight is not None:
+                slots.setdefault(id(weight), []).append((owner, attr))
     sources = {}
     for name, param in managed_named_params(module, ignored):
         if strategy.level > 0 and param.dim() == 0:

@@ -96,7 +96,9 @@ def materialize_meta_params(
     """
     for module in root.modules():
         direct = [p for p in module.parameters(recurse=False) if p in params and p.is_meta]
-        buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        buffers = [
+            (n, b) for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta
+        ]
         if not direct and not buffers:
             continue
         initialisers = _initialisers(model, module)
@@ -109,8 +111,8 @@ def materialize_meta_params(
                 "model's own init method (FSDP2's flow)"
             )
         _swap_to_empty(direct, device)
-        for name in buffers:  # replaced in place: persistence is kept by name
-            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+        for name, buffer in buffers:  # replaced in place: persistence is kept by name
+            module._buffers[name] = torch.empty_like(buffer, device=device)
         with torch.no_grad():
             for init in initialisers:
                 init()

@@ -120,7 +120,7 @@ class WrappedModule(nn.Module):
                 destination=destination, prefix=prefix, keep_vars=keep_vars
             )
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a state dict in any layout, then install the weights; collective.

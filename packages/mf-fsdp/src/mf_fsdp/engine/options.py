@@ -48,12 +48,13 @@ def check_gradient_factor(name: str, value: object) -> float:
         raise TypeError(
             f"{name}: expected a real number or None, got {value!r} ({type(value).__name__})"
         )
-    if not (math.isfinite(value) and value > 0):
+    factor = float(value)
+    if not (math.isfinite(factor) and factor > 0):
         raise ValueError(
             f"{name}: expected a finite positive factor, got {value!r} (zero, negative or "
             "non-finite factors would erase, flip or poison every gradient)"
         )
-    return float(value)
+    return factor
 
 
 def unit_policies(

@@ -94,7 +94,12 @@ def build_sharded_params(owner: nn.Module, groups: list[Bucket], strategy: ZeroD
                 fp.sharded = fp.compute  # the model's own parameter; its bucket attaches grads
                 continue
             setattr(fp.compute, MANAGED_ATTR, True)
-            grad = group.main_view(fp, group.optimizer_grads) if group.requires_grad else None
+            grad = None
+            if group.requires_grad:
+                grads = group.optimizer_grads
+                assert grads is not None  # a bucket with grads has their store from the start
+                grad = group.main_view(fp, grads)
+            values: torch.Tensor
             if isinstance(group.weights, ExtensionWeights):
                 values, grad = _chunked(group.weights, fp, index.dp_mesh(), dp_placements, grad)
             else:

@@ -104,8 +104,10 @@ class OrderAgreement:
         self._rank = dist.get_rank() if dist.is_initialized() else self._peers[0]
         self._prefix = f"mf_fsdp/unit_order/{next(_SERIAL)}/{'-'.join(map(str, self._peers))}"
         self._round = itertools.count()
+        # Store.timeout is a property at run time that torch's stubs leave out.
+        timeout = None if store is None else store.timeout  # type: ignore[attr-defined]
         self._wait = (
-            0.0 if store is None else min(store.timeout.total_seconds() / _WAIT_SHARE, _WAIT_MAX)
+            0.0 if timeout is None else min(timeout.total_seconds() / _WAIT_SHARE, _WAIT_MAX)
         )
 
     def exchange(self, post: Chain) -> dict[int, Chain | None]:

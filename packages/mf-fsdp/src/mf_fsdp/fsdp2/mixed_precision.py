@@ -150,8 +150,8 @@ def _resolve_override(
             f"{b} in one fully_shard call; mf_fsdp.fsdp2 computes each call's parameters in "
             "one dtype: call fully_shard separately on the modules that keep their dtype"
         )
-    compute = next(iter(first), policy.param_dtype)
-    return dataclasses.replace(policy, param_dtype=compute, param_dtype_override_fn=None)
+    call_dtype = next(iter(first), policy.param_dtype)
+    return dataclasses.replace(policy, param_dtype=call_dtype, param_dtype_override_fn=None)
 
 
 def engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:

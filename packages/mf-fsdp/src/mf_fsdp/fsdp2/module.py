@@ -26,7 +26,7 @@ engine's unit hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -61,7 +61,17 @@ def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
     )
 
 
-class FSDPModule(TorchFSDPModule):
+if TYPE_CHECKING:
+    # For the type checker only: torch's FSDPModule is a mixin that does not derive from
+    # nn.Module, but every FSDPModule is one, as fsdp_class puts the module's own class after
+    # it; so the methods below may call nn.Module's (super() reaches the module's class).
+    class _ModuleFSDPModule(TorchFSDPModule, nn.Module): ...
+
+else:
+    _ModuleFSDPModule = TorchFSDPModule
+
+
+class FSDPModule(_ModuleFSDPModule):
     """What a module becomes under ``mf_fsdp.fsdp2.fully_shard``: torch's ``FSDPModule``, on mf.
 
     ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds, as for FSDP2 (torch's
@@ -118,7 +128,9 @@ class FSDPModule(TorchFSDPModule):
         with engine._forms.sharded():
             return super().load_state_dict(state_dict, strict=strict)
 
-    def _get_fsdp_state(self) -> TorchStateView:
+    # The override's ignore: torch types the result as FSDP2's own FSDPState; mf answers with a
+    # view that has the attributes torch's callers read, over an engine that is not FSDP2's.
+    def _get_fsdp_state(self) -> TorchStateView:  # type: ignore[override]
         """What torch's ``register_fsdp_forward_method`` and ``share_comm_ctx`` read.
 
         torch's free functions over FSDP2 modules reach for FSDP2's state through this

@@ -35,6 +35,7 @@ module's class (``module.py`` does).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,7 @@ class CallRecord:
     hooks: list[Any] = field(default_factory=list)
     ignored_params: tuple[nn.Parameter, ...] = ()
     offload: bool = False  # CPUOffloadPolicy
-    hook_ids: frozenset[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
+    hook_ids: AbstractSet[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
     state_view: TorchStateView | None = None  # what torch's free functions read (torch_state)
     building: bool = False  # its model's engine is being built now
     family: list[CallRecord] = field(default_factory=list, repr=False)  # see link_pending

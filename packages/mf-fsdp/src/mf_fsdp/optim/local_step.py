@@ -53,7 +53,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -99,7 +99,7 @@ class _Member:
 
     __slots__ = ("local", "offset", "param")
 
-    def __init__(self, param: UnevenDTensor, local: torch.Tensor, offset: int) -> None:
+    def __init__(self, param: DTensor, local: torch.Tensor, offset: int) -> None:
         self.param = param
         self.local = local
         self.offset = offset
@@ -256,7 +256,7 @@ class _Plan:
             stepped.append(self._run_of(pending))
         return stepped
 
-    def _run_of(self, params: list[UnevenDTensor]) -> torch.Tensor:
+    def _run_of(self, params: Sequence[DTensor]) -> torch.Tensor:
         """The flat tensor stepped for ``params`` (the first has elements; each joins the run)."""
         if len(params) > 1 and _lay_out_state(params, self.state):
             self.moved = True
@@ -323,7 +323,8 @@ def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
         and before.is_contiguous()
         and after.is_contiguous()
         and after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
-        and after.storage_offset() == before.storage_offset() + before.numel()
+        # int: torch's stubs type storage_offset as int | SymInt (eager tensors give ints)
+        and int(after.storage_offset()) == int(before.storage_offset()) + before.numel()
     )
 
 
@@ -366,7 +367,7 @@ def _consecutive(tensors: list[torch.Tensor]) -> bool:
     return all(_follows(a, b) for a, b in itertools.pairwise(tensors))
 
 
-def _lay_out_state(params: list[UnevenDTensor], state: Any) -> bool:
+def _lay_out_state(params: Sequence[DTensor], state: Any) -> bool:
     """Put the run's state tensors end to end, one buffer per key; whether any moved.
 
     Tensors already laid out so are kept; others are copied into a new buffer

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -253,16 +254,17 @@ def fully_shard_optimizer(
         raise ValueError("fully_shard_optimizer: optimizer was already passed through it once")
     if model is None:
         model = _find_model(optimizer)
+    # cast: optimizer_param is typed for parameters and refuses any tensor it does not manage
+    params = cast(list[nn.Parameter], _params(optimizer))
     originals = any(
-        getattr(p, MANAGED_ATTR, False) or model.optimizer_param(p) is not p
-        for p in _params(optimizer)
+        getattr(p, MANAGED_ATTR, False) or model.optimizer_param(p) is not p for p in params
     )
     if originals and optimizer.state:
         raise ValueError(
             "fully_shard_optimizer: optimizer already has state (it has stepped on the "
             "original parameters); expected a fresh optimizer built on the model's parameters"
         )
-    check_supported(optimizer, [model.optimizer_param(p) for p in _params(optimizer)])
+    check_supported(optimizer, [model.optimizer_param(p) for p in params])
     for option, (on, _) in _ELEMENTWISE_ONLY.items():
         if on(model):
             check_elementwise(optimizer, option)

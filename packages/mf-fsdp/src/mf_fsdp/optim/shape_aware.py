@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from mf_dtensor import UnevenDTensor, boxes_numel, place_boxes, take_boxes
 from mf_fsdp.buckets import collectives
@@ -153,6 +153,13 @@ def serve_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _scalar(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _grad_rows(param: UnevenDTensor) -> torch.Tensor:
+    """This rank's rows of ``param``'s grad (a DTensor laid out as the parameter)."""
+    grad = param.grad
+    assert isinstance(grad, DTensor)  # the steps take parameters whose grad is set
+    return grad.to_local()
 
 
 def _shard_groups(tensor: UnevenDTensor) -> list[dist.ProcessGroup]:
@@ -308,6 +315,7 @@ def _holders(tensor: UnevenDTensor) -> list[tuple[int, tuple[ChunkStorageMetadat
     """``(global rank, boxes)`` of the ranks sharing this rank's ``Replicate`` coordinates."""
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # this rank holds rows of the tensor, so is in its mesh
     replicated = [d for d, p in enumerate(tensor.placements) if not isinstance(p, Shard)]
     ranks = mesh.mesh.flatten().tolist()
     holders = []
@@ -409,7 +417,7 @@ class _MuonServer(_Server):
                 state = optimizer.state[param]
                 if "momentum_buffer" not in state:
                     state.update(self.fresh_state(param))
-                buffer, grad = state["momentum_buffer"].to_local(), param.grad.to_local()
+                buffer, grad = state["momentum_buffer"].to_local(), _grad_rows(param)
                 buffer.lerp_(grad, 1 - momentum)
                 updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
             key = tuple(id(p.pieces) for p in params)
@@ -491,7 +499,7 @@ class _AdafactorServer(_Server):
             if not state:
                 state.update(self.fresh_state(param))
             states.append(state)
-        grads = [(-p.grad if group["maximize"] else p.grad).to_local() for p in params]
+        grads = [-_grad_rows(p) if group["maximize"] else _grad_rows(p) for p in params]
         locals_ = [p.to_local() for p in params]
         # Phase 1: the parameters' squared norms and, for matrices, the column sums of g^2.
         partials = [

@@ -102,7 +102,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                zeroed = {k: _zero_rate(group[k]) for k in ("lr", "weight_decay") if k in group}
+                zeroed: dict[str, Any] = {
+                    k: _zero_rate(group[k]) for k in ("lr", "weight_decay") if k in group
+                }
                 if group.get("fused"):  # torch's fused kernels take no DTensors
                     zeroed["fused"] = False
                 optimizer.param_groups = [{**group, **zeroed, "params": [param]}]
