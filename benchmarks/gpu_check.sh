@@ -21,7 +21,7 @@ bench="python3 -m mf.bench.cli --device cuda --world 1 --precision bf16 --optimi
 for part in $parts; do
   case $part in
     tests)
-      timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/test_devices.py ${TESTS_K:+-k "$TESTS_K"} ;;
+      timeout 150 python3 -m pytest -p no:benchmark -q -x tests/fsdp/engine/test_devices.py ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)  # the host-bound step
       $bench --presets 150m --micro-batch 4 --seq-len 512 --rounds ${ROUNDS:-2} --steps 20 --warmup 5 \
         --engines plain,ddp,fsdp2,mf-zero3,mf-zero0 --json "$out/bench-150m.json" ;;

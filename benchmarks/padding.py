@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from mf.models import GPT, PRESETS, Block
-from mf_fsdp import plan_bucket_layouts
+from mf_fsdp import planning
 from mf_fsdp.buckets.layout import BucketLayout, row_numel
 
 BYTES_PER_ELEMENT = 16
@@ -257,7 +257,7 @@ def padding_row(model: str, world: int) -> PaddingRow:
     """Per-rank model state of ``model`` at ``world`` ranks under each rule.
 
     The model is built with one block on the meta device; mf's buckets come from
-    ``plan_bucket_layouts`` and the other rules use the same grouping (one bucket
+    ``planning.plan_bucket_layouts`` and the other rules use the same grouping (one bucket
     per unit, the rest in the root).
 
     Raises:
@@ -270,7 +270,7 @@ def padding_row(model: str, world: int) -> PaddingRow:
     spec = MODELS[model]
     with torch.device("meta"):
         module = spec.build(1)
-    plans = plan_bucket_layouts(module, world, fsdp_unit_modules=[spec.unit])
+    plans = planning.plan_bucket_layouts(module, world, fsdp_unit_modules=[spec.unit])
     by_unit: dict[str, list[BucketLayout]] = {}
     for name, layout in plans:
         by_unit.setdefault(name, []).append(layout)

@@ -36,6 +36,7 @@ FSDP_LAYERS = {
     "checkpoint": 4,
     "fully_shard": 5,
     "fsdp2": 5,
+    "planning": 5,
 }
 # mf_fsdp.fsdp2's modules (all at the front-end layer), in the order they may import one
 # another: each only those before it, so the package has no import circle.

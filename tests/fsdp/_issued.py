@@ -17,7 +17,7 @@ branches from one fact per process group, ``transfers.GroupFacts.gloo``; the swi
 reports it False. Without it those branches run only on a multi-GPU machine:
 the CUDA tests run at world 1, where every collective is skipped.
 
-Start with the pattern of ``tests/fsdp/test_native_collectives.py``::
+Start with the pattern of ``tests/fsdp/buckets/test_native_collectives.py``::
 
     with native_collectives(), spy_collectives() as issued:
         ...  # a training run

@@ -102,7 +102,7 @@ def test_cp_runs_report_activations_and_the_traffic_against_its_floors(capsys) -
         "--warmup=1",
         "--seq-len=32",
         "--device=cpu",
-        "--no-reference",  # parity under CP is tests/fsdp/test_context_parallel.py's
+        "--no-reference",  # parity under CP is tests/fsdp/engine/test_context_parallel.py's
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mf.train.checkpoints
 import mf.train.worker
+import mf_fsdp.checkpoint
 from mf.models import GPT, PRESETS
 from mf.train.export import CONFIG_FILE, load_model
 from mf.train.options import parse_options
@@ -226,7 +226,7 @@ def _failing_saves(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
             raise RuntimeError(_NO_SPACE.format(step) + "\n<details>")
         return save_checkpoint(*args, step=step, **kwargs)
 
-    monkeypatch.setattr(mf.train.checkpoints, "save_checkpoint", save)
+    monkeypatch.setattr(mf_fsdp.checkpoint, "save_checkpoint", save)
 
 
 def _rank_save_failures(rank: int, world_size: int, tmp: str) -> None:

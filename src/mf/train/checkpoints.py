@@ -15,7 +15,7 @@ from mf.train.options import TrainOptions
 from mf.train.report import Reporter, last_saved_checkpoint
 from mf.train.resume import resume_checkpoint
 from mf.train.stopping import newest, stop
-from mf_fsdp import load_checkpoint, save_checkpoint
+from mf_fsdp import checkpoint as fsdp_checkpoint
 
 __all__ = ["Checkpoints", "last_save_reason", "restart_checkpoint", "resume"]
 
@@ -28,7 +28,7 @@ def resume(options: TrainOptions, model, optimizers) -> int:
     world size may resume (the checkpoint reshards); the optimizer state is built
     from the checkpoint, never by a synthetic step.
     """
-    return load_checkpoint(resume_checkpoint(options), model, optimizers)["step"]
+    return fsdp_checkpoint.load_checkpoint(resume_checkpoint(options), model, optimizers)["step"]
 
 
 def restart_checkpoint(options: TrainOptions) -> Path | None:
@@ -55,7 +55,7 @@ def last_save_reason(step: int, steps: int, interrupted: bool) -> str | None:
 class Checkpoints:
     """This run's saves: periodic ones written in the background, the last in the foreground.
 
-    save_checkpoint raises RuntimeError on every rank when a save fails (first
+    fsdp_checkpoint.save_checkpoint raises RuntimeError on every rank when a save fails (first
     line: the cause); a background save's future raises it. A periodic save
     that fails is a warning: training goes on, the next save retries and the
     older checkpoints stay. A final save that fails stops the run with that
@@ -86,7 +86,7 @@ class Checkpoints:
         self.newest = path
 
     def _save(self, step: int, async_save: bool) -> Any:
-        return save_checkpoint(
+        return fsdp_checkpoint.save_checkpoint(
             self.ckpt_dir,
             self.model,
             self.optimizers,

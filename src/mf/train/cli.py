@@ -144,14 +144,14 @@ def _interrupted(options: TrainOptions, run_id: str | None) -> int:
     When a newer checkpoint (another run's) shares the folder, say that --resume
     would continue from it instead.
     """
-    from mf_fsdp import latest_checkpoint
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     saved = last_saved_checkpoint(Path(options.out_dir), run_id)
     if saved is None:
         where = "this run saved no checkpoint"
     else:
         where = f"checkpoint {saved} (continue with --resume)"
-        newest = latest_checkpoint(saved.parent)
+        newest = fsdp_checkpoint.latest_checkpoint(saved.parent)
         if newest is not None and newest.resolve() != saved.resolve():
             where = f"checkpoint {saved}; --resume would continue from the newer {newest}"
     print(f"mf-train: interrupted; {where}", file=sys.stderr)

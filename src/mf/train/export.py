@@ -30,11 +30,11 @@ def export_model(checkpoint: Path, out_dir: Path, preset: str) -> Path:
 
     Runs on one process (it reads the checkpoint offline, verifying it).
     """
-    from mf_fsdp import checkpoint_to_full_state_dict, save_full_state_dict
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
-    state = checkpoint_to_full_state_dict(checkpoint)
+    state = fsdp_checkpoint.checkpoint_to_full_state_dict(checkpoint)
     path = out_dir / EXPORT_FILE
-    save_full_state_dict(state, path)
+    fsdp_checkpoint.save_full_state_dict(state, path)
     config = {"preset": preset, "config": dataclasses.asdict(MODEL_PRESETS[preset])}
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return path
@@ -85,21 +85,25 @@ def _check_export_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> 
 
 
 def _from_checkpoint(checkpoint: Path) -> GPT:
-    from mf_fsdp import RECORD_FILE, checkpoint_to_full_state_dict, latest_checkpoint
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
-    if not (checkpoint / RECORD_FILE).is_file():
-        newest = latest_checkpoint(checkpoint)
+    if not (checkpoint / fsdp_checkpoint.RECORD_FILE).is_file():
+        newest = fsdp_checkpoint.latest_checkpoint(checkpoint)
         if newest is None:
             raise ValueError(
                 f"{str(checkpoint)!r} holds no {EXPORT_FILE} and no complete checkpoint; "
                 "expected an mf-train --out-dir, --ckpt-dir or checkpoint folder"
             )
         checkpoint = newest
-    preset = json.loads((checkpoint / RECORD_FILE).read_text()).get("extra", {}).get("model")
+    preset = (
+        json.loads((checkpoint / fsdp_checkpoint.RECORD_FILE).read_text())
+        .get("extra", {})
+        .get("model")
+    )
     if preset not in MODEL_PRESETS:
         raise ValueError(f"{checkpoint}: the checkpoint names no known --model ({preset!r})")
     model = plain_model(MODEL_PRESETS[preset])
-    model.load_state_dict(checkpoint_to_full_state_dict(checkpoint), strict=True)
+    model.load_state_dict(fsdp_checkpoint.checkpoint_to_full_state_dict(checkpoint), strict=True)
     return model
 
 

@@ -49,7 +49,7 @@ def last_saved_checkpoint(out_dir: Path, run_id: str | None) -> Path | None:
     Reads ``out_dir/last_checkpoint.json`` (written by rank 0 after each save);
     a file of another run, or a checkpoint removed since, gives None.
     """
-    from mf_fsdp import RECORD_FILE
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     try:
         record = json.loads((out_dir / LAST_CHECKPOINT_FILE).read_text())
@@ -58,7 +58,7 @@ def last_saved_checkpoint(out_dir: Path, run_id: str | None) -> Path | None:
     if not isinstance(record, dict) or record.get("run_id") != run_id:
         return None
     path = record.get("path")
-    if not isinstance(path, str) or not (Path(path) / RECORD_FILE).is_file():
+    if not isinstance(path, str) or not (Path(path) / fsdp_checkpoint.RECORD_FILE).is_file():
         return None
     return Path(path)
 

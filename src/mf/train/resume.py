@@ -69,17 +69,21 @@ def resume_checkpoint(options: TrainOptions) -> Path:
     Raises:
         ValueError: there is none.
     """
-    from mf_fsdp import RECORD_FILE, latest_checkpoint
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     if options.resume_from is not None:
         path = Path(options.resume_from)
-        if not path.is_dir() or not (path / RECORD_FILE).exists():
+        if not path.is_dir() or not (path / fsdp_checkpoint.RECORD_FILE).exists():
             raise ValueError(
                 f"--resume-from: {options.resume_from!r} is not a complete checkpoint (a "
-                f"step_N folder holding {RECORD_FILE})"
+                f"step_N folder holding {fsdp_checkpoint.RECORD_FILE})"
             )
         return path
-    latest = latest_checkpoint(options.ckpt_dir) if os.path.isdir(options.ckpt_dir) else None
+    latest = (
+        fsdp_checkpoint.latest_checkpoint(options.ckpt_dir)
+        if os.path.isdir(options.ckpt_dir)
+        else None
+    )
     if latest is None:
         raise ValueError(f"--resume: no complete checkpoint in {options.ckpt_dir!r}")
     return latest
@@ -120,11 +124,11 @@ def check_resume_settings(options: TrainOptions) -> None:
     Raises:
         ValueError: one line starting ``--resume:``.
     """
-    from mf_fsdp import RECORD_FILE
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     path = resume_checkpoint(options)
     try:
-        record = _read_record(path / RECORD_FILE)
+        record = _read_record(path / fsdp_checkpoint.RECORD_FILE)
     except ValueError as error:
         raise ValueError(f"{error}; {_newest_intact(options, path)}") from None
     step = record.get("step")
@@ -151,24 +155,25 @@ def check_resume_settings(options: TrainOptions) -> None:
 
 def _verify(path: Path, options: TrainOptions) -> None:
     """``mf_fsdp.verify_checkpoint`` against this run's model and optimizers (meta device)."""
-    from mf_fsdp import verify_checkpoint
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     with torch.device("meta"):
         module = plain_model(MODEL_PRESETS[options.model])
     optimizers = build_optimizers(options.optimizer, module, options.lr)
-    verify_checkpoint(path, module, optimizers)
+    fsdp_checkpoint.verify_checkpoint(path, module, optimizers)
 
 
 def _complete_checkpoints(folder: Path) -> list[Path]:
     """The ``step_N`` folders of ``folder`` that hold a record, newest first."""
-    from mf_fsdp import RECORD_FILE
+    from mf_fsdp import checkpoint as fsdp_checkpoint
 
     if not folder.is_dir():
         return []
     found = [
         (int(match.group(1)), path)
         for path in folder.iterdir()
-        if (match := _STEP_FOLDER.fullmatch(path.name)) and (path / RECORD_FILE).is_file()
+        if (match := _STEP_FOLDER.fullmatch(path.name))
+        and (path / fsdp_checkpoint.RECORD_FILE).is_file()
     ]
     return [path for _, path in sorted(found, reverse=True)]
 
@@ -201,5 +206,5 @@ def verify_resume(options: TrainOptions) -> None:
     try:
         _verify(path, options)
     except ValueError as error:
-        cause = str(error).removeprefix("verify_checkpoint: ")
+        cause = str(error).removeprefix("fsdp_checkpoint.verify_checkpoint: ")
         raise ValueError(f"--resume: {cause}; {_newest_intact(options, path)}") from None

@@ -40,7 +40,7 @@ from mf.train.run_lock import (
 from mf.train.setup import build, dp_coordinates, setup
 from mf.train.step import routing_metrics, sample_of, train_step, validate
 from mf.train.stopping import RunStoppedError, StopFlag, stop_if_diverged
-from mf_fsdp import load_checkpoint
+from mf_fsdp import checkpoint as fsdp_checkpoint
 
 __all__ = ["RunStoppedError", "main", "train"]
 
@@ -67,7 +67,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     ckpt_dir = Path(options.ckpt_dir)
     restart = restart_checkpoint(options)
     if restart is not None:  # the steps since that checkpoint are recomputed
-        start_step = load_checkpoint(restart, model, optimizers)["step"]
+        start_step = fsdp_checkpoint.load_checkpoint(restart, model, optimizers)["step"]
     else:
         start_step = resume(options, model, optimizers) if options.resume else 0
     reporter = Reporter(

@@ -5,53 +5,25 @@ docs/sharding.md for the gradient-reduction contract and the strategies. Code wr
 PyTorch FSDP2 uses ``mf_fsdp.fsdp2.fully_shard`` instead (same interface, mf's engine).
 """
 
-from mf_fsdp import fsdp2
-from mf_fsdp.buckets.layout import (
-    DEFAULT_ALIGNMENT,
-    BucketLayout,
-    compute_bucket_layout,
-    partition_bucket,
-)
-from mf_fsdp.buckets.units import plan_bucket_layouts
-from mf_fsdp.checkpoint.convert import (
-    checkpoint_to_full_state_dict,
-    full_state_dict_to_checkpoint,
-    save_full_state_dict,
-)
-from mf_fsdp.checkpoint.load import latest_checkpoint, load_checkpoint
-from mf_fsdp.checkpoint.record import RECORD_FILE
-from mf_fsdp.checkpoint.save import save_checkpoint
-from mf_fsdp.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from mf_fsdp.checkpoint.verify import verify_checkpoint
+import importlib
+import warnings
+from typing import Any
+
+from mf_fsdp import checkpoint, config, fsdp2, optim, planning
 from mf_fsdp.config import (
-    DEFAULT_COMMUNICATION_UNIT_SIZE,
     DistributedDataParallelConfig,
     MixedPrecisionPolicy,
     TrainingState,
     ZeroDPStrategy,
-    normalize_outer_strategy,
-    normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.grad_norm import clip_grad_norm_, get_grad_norm
-from mf_fsdp.engine.megatron_fsdp import BucketStats, MegatronFSDP, RegisterFSDPBackwardFunction
+from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, RegisterFSDPBackwardFunction
 from mf_fsdp.engine.rank_paths import UnitOrderError
 from mf_fsdp.fully_shard import fully_shard, fully_shard_model
 from mf_fsdp.optim.optimizer import fully_shard_optimizer
-from mf_fsdp.optim.shape_aware import ELEMENTWISE_OPTIMIZERS, register_elementwise_optimizer
 
 __all__ = [
-    "DEFAULT_ALIGNMENT",
-    "DEFAULT_COMMUNICATION_UNIT_SIZE",
-    "ELEMENTWISE_OPTIMIZERS",
-    "RECORD_FILE",
-    "BucketLayout",
-    "BucketStats",
     "DistributedDataParallelConfig",
     "FSDPDistributedIndex",
     "MegatronFSDP",
@@ -60,27 +32,39 @@ __all__ = [
     "TrainingState",
     "UnitOrderError",
     "ZeroDPStrategy",
-    "checkpoint_to_full_state_dict",
+    "checkpoint",
     "clip_grad_norm_",
-    "compute_bucket_layout",
+    "config",
     "fsdp2",
-    "full_state_dict_to_checkpoint",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
     "get_grad_norm",
-    "get_model_state_dict",
-    "get_optimizer_state_dict",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "normalize_outer_strategy",
-    "normalize_strategy",
-    "partition_bucket",
-    "plan_bucket_layouts",
-    "register_elementwise_optimizer",
-    "save_checkpoint",
-    "save_full_state_dict",
-    "set_model_state_dict",
-    "set_optimizer_state_dict",
-    "verify_checkpoint",
+    "optim",
+    "planning",
 ]
+
+_MOVED = {
+    **dict.fromkeys(checkpoint.__all__, "checkpoint"),
+    **dict.fromkeys(planning.__all__, "planning"),
+    **dict.fromkeys(optim.__all__, "optim"),
+    **dict.fromkeys(
+        ("DEFAULT_COMMUNICATION_UNIT_SIZE", "normalize_strategy", "normalize_outer_strategy"),
+        "config",
+    ),
+}
+"""Names mf_fsdp exported at the top up to 0.6, and the public sub-module they live in now."""
+
+
+def __getattr__(name: str) -> Any:
+    """A name moved to a sub-module in 0.7.0, still found here with a DeprecationWarning."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mf_fsdp' has no attribute {name!r}")
+    warnings.warn(
+        f"mf_fsdp.{name} moved to mf_fsdp.{home}.{name} in mf-fsdp 0.7.0 (the top-level "
+        "name will go in a later release)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(f"mf_fsdp.{home}"), name)

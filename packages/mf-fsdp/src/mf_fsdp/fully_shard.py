@@ -7,6 +7,7 @@ mesh over the whole world when none is given), wrap the model in
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,8 +38,64 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+_ONCE_POSITIONAL = (
+    "device_mesh",
+    "dp_shard_dim",
+    "dp_outer_dim",
+    "tp_dim",
+    "fsdp_unit_modules",
+    "zero_dp_strategy",
+    "outer_dp_sharding_strategy",
+    "device",
+    "init_model_with_meta_device",
+    "mixed_precision_policy",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "sync_model_each_microbatch",
+    "preproc_state_dict_for_dcp_ckpt",
+    "average_in_collective",
+    "disable_bucketing",
+    "calculate_per_token_loss",
+)
+"""The arguments after ``module`` that mf-fsdp up to 0.6 took by position as well."""
+
+
+def _keyword_only(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn``, still taking the arguments it once took by position, with a DeprecationWarning.
+
+    Seventeen positional options are a call nobody can read; from mf-fsdp 0.7.0
+    they are keyword-only. A call that passes some by position still works for
+    this release, as the versioning policy asks, and is told how to change.
+    """
+
+    @functools.wraps(fn)
+    def call(module: nn.Module, *args: Any, **kwargs: Any) -> _R:
+        if args:
+            if len(args) > len(_ONCE_POSITIONAL):
+                raise TypeError(
+                    f"{fn.__name__}: takes the module, then at most {len(_ONCE_POSITIONAL)} "
+                    f"arguments by position (deprecated), got {len(args)}"
+                )
+            names = _ONCE_POSITIONAL[: len(args)]
+            twice = [name for name in names if name in kwargs]
+            if twice:
+                raise TypeError(f"{fn.__name__}: got {twice} both by position and by name")
+            warnings.warn(
+                f"{fn.__name__}: passing {', '.join(names)} by position is deprecated since "
+                "mf-fsdp 0.7.0 (they are keyword-only); pass them by name",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs.update(zip(names, args, strict=True))
+        return fn(module, **kwargs)  # type: ignore[call-arg]
+
+    return call  # type: ignore[return-value]
+
+
+@_keyword_only
 def fully_shard_model(
     module: nn.Module,
+    *,
     device_mesh: DeviceMesh | None = None,
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
@@ -56,7 +113,6 @@ def fully_shard_model(
     average_in_collective: bool = False,
     disable_bucketing: bool = False,
     calculate_per_token_loss: bool = False,
-    *,
     gradient_scaling_factor: float | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     expt_device_mesh: DeviceMesh | None = None,

@@ -30,7 +30,6 @@ import mf_fsdp
 from mf.models import GPT, GPTConfig
 from mf_fsdp.buckets.collectives import POINT_TO_POINT_MIN_BYTES
 from tests._multiprocess import run_on_ranks
-from tests.fsdp import test_hsdp, test_parity, test_rank_paths, test_step_in_backward
 from tests.fsdp._helpers import (
     CONFIG,
     assert_matches_reference,
@@ -42,6 +41,7 @@ from tests.fsdp._helpers import (
     unit_classes,
 )
 from tests.fsdp._issued import Issued, native_collectives, spy_collectives
+from tests.fsdp.engine import test_hsdp, test_parity, test_rank_paths, test_step_in_backward
 
 
 def _rank_native(

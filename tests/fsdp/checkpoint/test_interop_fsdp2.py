@@ -34,8 +34,8 @@ from mf.models import GPT
 from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import CONFIG, make_model
-from tests.fsdp.test_checkpoint import _local_batch, _optimizer, _train
-from tests.fsdp.test_torch_contract import _recipe_pair
+from tests.fsdp.checkpoint.test_checkpoint import _local_batch, _optimizer, _train
+from tests.fsdp.checkpoint.test_torch_contract import _recipe_pair
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 TRAINED = 3

@@ -13,7 +13,7 @@ import pytest
 
 from tests._multiprocess import run_on_ranks
 
-README = pathlib.Path(__file__).parents[2] / "packages" / "mf-fsdp" / "README.md"
+README = pathlib.Path(__file__).parents[3] / "packages" / "mf-fsdp" / "README.md"
 
 
 def _examples() -> list[str]:

@@ -33,7 +33,7 @@ from mf_fsdp import fsdp2
 from mf_fsdp.fsdp2.torch_state import CALLER_STREAM
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import batch, make_model, make_optimizer, optimizer_step
-from tests.fsdp.test_fsdp2_frontend import shard_like_torchtitan
+from tests.fsdp.frontends.test_fsdp2_frontend import shard_like_torchtitan
 
 WORLD = 2
 ENGINES = (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard))

@@ -46,7 +46,7 @@ from tests.fsdp._helpers import (
     train_micro_batches,
     wrapped_model,
 )
-from tests.fsdp.test_memory_held import settled_live_cpu_bytes
+from tests.fsdp.buckets.test_memory_held import settled_live_cpu_bytes
 
 RTOL = ATOL = 1e-6
 """Against one process (fp32). Accumulation runs SGD: Adam normalises each element by its
@@ -305,7 +305,7 @@ def _rank_errors(rank: int, world: int) -> None:
             data_parallel_sharding_strategy=3,
             offload_optimizer_state="yes",  # type: ignore[arg-type]
         )
-    from tests.fsdp.test_tensor_parallel import mf_tp_model
+    from tests.fsdp.buckets.test_tensor_parallel import mf_tp_model
 
     mesh = cpu_mesh((1, world), ("dp", "tp"))
     with pytest.raises(ValueError, match="offload_optimizer_state=True is not supported with"):
@@ -398,7 +398,7 @@ def test_dsd_dcp_round_trip_world2(tmp_path) -> None:
 
 def _rank_experts(rank: int, world: int) -> None:
     """Expert-parallel buckets (their own groups and grad-norm grid) offload alike."""
-    from tests.fsdp import test_experts as ex
+    from tests.fsdp.engine import test_experts as ex
 
     for opt_name in ("sgd", "adam"):
         ref = reference_run(

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import mf_fsdp
 from mf.models import GPT, PRESETS, Block
 from tests._multiprocess import run_simulated_rank
-from tests.fsdp.test_layout import _gpt_shapes, lcm_rule_padded
+from tests.fsdp.buckets.test_layout import _gpt_shapes, lcm_rule_padded
 
 pytestmark = pytest.mark.multiprocess
 

@@ -22,7 +22,7 @@ import mf_fsdp
 from mf_fsdp.buckets.grad_state import GradState, Local, Reduced, check_invariant
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from tests._multiprocess import cpu_mesh, run_on_ranks
-from tests.fsdp.test_accumulation import count_collectives
+from tests.fsdp.engine.test_accumulation import count_collectives
 
 CLEAN_NONE = {(Local.CLEAN, Reduced.NONE)}
 

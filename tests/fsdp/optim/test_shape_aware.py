@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor
 
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
-from tests.fsdp import test_tensor_parallel as tp
 from tests.fsdp._helpers import (
     assert_losses_close,
     batch,
@@ -48,6 +47,7 @@ from tests.fsdp._helpers import (
     make_model,
     unit_classes,
 )
+from tests.fsdp.buckets import test_tensor_parallel as tp
 
 STEPS = 5
 LOSS_RTOL = 1e-4
@@ -296,7 +296,7 @@ def _wrap(module, optimizers):
 def _rank_refusals(rank: int, world: int) -> None:
     for optimizer, name in (
         (lambda m: torch.optim.LBFGS(m.parameters()), "torch.optim.lbfgs.LBFGS"),
-        (lambda m: _RowMixer(m.parameters()), "tests.fsdp.test_shape_aware._RowMixer"),
+        (lambda m: _RowMixer(m.parameters()), "tests.fsdp.optim.test_shape_aware._RowMixer"),
     ):
         module = make_model()
         with pytest.raises(ValueError, match=rf"optimizer: {name} is not known to work"):

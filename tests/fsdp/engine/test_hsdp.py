@@ -36,7 +36,7 @@ from tests.fsdp._helpers import (
     reference_run,
     unit_classes,
 )
-from tests.fsdp.test_accumulation import COUNTED, count_collectives
+from tests.fsdp.engine.test_accumulation import COUNTED, count_collectives
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, WORLD = 10, 4

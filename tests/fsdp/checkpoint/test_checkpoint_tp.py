@@ -26,7 +26,7 @@ import mf_tp
 from mf.models import GPTTensorParallel, TensorParallelBlock
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import full_params, make_model
-from tests.fsdp.test_checkpoint import MORE, SAVE_AT, _check, _local_batch, _optimizer
+from tests.fsdp.checkpoint.test_checkpoint import MORE, SAVE_AT, _check, _local_batch, _optimizer
 
 H, FFN = 8, 16
 

@@ -40,7 +40,7 @@ from mf_fsdp import fsdp2
 from mf_fsdp.fsdp2.records import RECORD_ATTR, record_of
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import full_params, make_optimizer
-from tests.fsdp.test_accumulation import count_collectives
+from tests.fsdp.engine.test_accumulation import count_collectives
 
 WORLD, STEPS, BATCH, CHUNKS = 2, 3, 8, 4
 TOL = {"rtol": 1e-5, "atol": 1e-6}

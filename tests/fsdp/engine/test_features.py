@@ -24,7 +24,7 @@ from tests.fsdp._helpers import (
     reference_run,
     unit_classes,
 )
-from tests.fsdp.test_accumulation import count_collectives
+from tests.fsdp.engine.test_accumulation import count_collectives
 
 
 def test_unknown_strategy_fails_before_any_communication() -> None:

@@ -30,7 +30,7 @@ from tests.fsdp._helpers import (
     unit_classes,
     wrapped_model,
 )
-from tests.fsdp.test_memory_held import settled_live_cpu_bytes
+from tests.fsdp.buckets.test_memory_held import settled_live_cpu_bytes
 
 RTOL = ATOL = 1e-6
 """Against one process (fp32). Accumulation runs SGD: Adam normalises each element by its

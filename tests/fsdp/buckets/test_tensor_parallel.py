@@ -51,7 +51,7 @@ from mf_dtensor import UnevenDTensor
 from mf_utils import get_mcore_tensor_parallel_partition_dim
 from tests._multiprocess import cpu_mesh, run_on_ranks
 from tests.fsdp._helpers import full_params, make_optimizer
-from tests.fsdp.test_accumulation import count_collectives
+from tests.fsdp.engine.test_accumulation import count_collectives
 
 V, H, FFN, LAYERS = 32, 16, 32, 2
 BATCH, SEQ = 2, 8

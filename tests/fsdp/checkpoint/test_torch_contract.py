@@ -49,7 +49,6 @@ import mf_fsdp
 from mf.models import GPT
 from mf_dtensor import UnevenDTensor
 from tests._multiprocess import cpu_mesh, run_on_ranks
-from tests.fsdp import test_tensor_parallel as tp
 from tests.fsdp._helpers import (
     CONFIG,
     batch,
@@ -58,7 +57,8 @@ from tests.fsdp._helpers import (
     make_optimizer,
     unit_classes,
 )
-from tests.fsdp.test_checkpoint import _check, _global_batch, _optimizer, _train, _wrap
+from tests.fsdp.buckets import test_tensor_parallel as tp
+from tests.fsdp.checkpoint.test_checkpoint import _check, _global_batch, _optimizer, _train, _wrap
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}
 EXACT = {"rtol": 1e-6, "atol": 1e-6}

@@ -6,7 +6,7 @@ and so does the host-side state of an engine on an accelerator
 elementwise optimizer takes the multi-tensor path. Both fused paths are proven here
 on the CPU, whose fused kernels torch also has: the rank functions add ``"cpu"`` to
 ``FUSED_DEVICES``, or take it out of ``HOST_DEVICES`` (so that this CPU engine counts
-as an accelerator's). The GPU itself runs ``tests/fsdp/test_devices.py``.
+as an accelerator's). The GPU itself runs ``tests/fsdp/engine/test_devices.py``.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import mf_fsdp
 from tests._multiprocess import cpu_mesh, run_on_ranks
-from tests.fsdp import test_tensor_parallel as tp
 from tests.fsdp._helpers import full_params
-from tests.fsdp.test_checkpoint import MORE, SAVE_AT, TOL, _check, _resume, _train, _wrap
+from tests.fsdp.buckets import test_tensor_parallel as tp
+from tests.fsdp.checkpoint.test_checkpoint import MORE, SAVE_AT, TOL, _check, _resume, _train, _wrap
 
 MODES = {"hsdp": 0, "hfsdp": "optim"}  # outer_dp_sharding_strategy
 

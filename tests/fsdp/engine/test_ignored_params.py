@@ -32,7 +32,7 @@ from tests.fsdp._helpers import (
     make_optimizer,
     reference_run,
 )
-from tests.fsdp.test_fsdp2_frontend import shard_like_torchtitan
+from tests.fsdp.frontends.test_fsdp2_frontend import shard_like_torchtitan
 
 WORLD = 2
 STEPS = 4
