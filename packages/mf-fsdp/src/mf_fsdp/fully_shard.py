@@ -87,7 +87,8 @@ def _keyword_only(fn: Callable[_P, _R]) -> Callable[_P, _R]:
                 stacklevel=2,
             )
             kwargs.update(zip(names, args, strict=True))
-        return fn(module, **kwargs)  # type: ignore[call-arg]
+        # ParamSpec cannot say "the module, then _P's keywords"; fn's callers are checked.
+        return fn(module, **kwargs)  # type: ignore[arg-type]
 
     return call  # type: ignore[return-value]
 
