@@ -30,6 +30,7 @@ PAGES = sorted(
     [
         ROOT / "README.md",
         ROOT / "tests" / "README.md",
+        ROOT / "CONTRIBUTING.md",
         *ROOT.glob("docs/**/*.md"),
         *ROOT.glob("packages/*/README.md"),
     ]
