@@ -115,6 +115,8 @@ def _child(
                 timeout=_COLLECTIVE_TIMEOUT,
             )
         fn(rank, world_size, *args)
+        if init_file is not None and dist.is_initialized():
+            _wait_for_peers(rank, world_size)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         os._exit(1)
@@ -122,6 +124,19 @@ def _child(
         dist.destroy_process_group()
     finally:
         os._exit(0)
+
+
+def _wait_for_peers(rank: int, world_size: int) -> None:
+    """Return once every rank's body has returned, through the store (not gloo's pairs).
+
+    A body without collectives lets a fast rank finish and exit while a slow
+    one is still inside gloo's pair set-up, which then fails with "Connection
+    closed by peer" on a loaded machine (seen in CI: the same race on both
+    tries). No rank closes its sockets before every rank is past its body.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"mf-tests/done/{rank}", "1")
+    store.wait([f"mf-tests/done/{peer}" for peer in range(world_size)], _COLLECTIVE_TIMEOUT)
 
 
 def run_on_ranks(
