@@ -31,6 +31,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 from mf_fsdp.fsdp2 import fully_shard
+from mf_fsdp.fsdp2.mixed_precision import default_reduce_dtype
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import (
     RANK_MODULES,
@@ -93,40 +94,43 @@ def _rank_compute_dtype(rank: int, world: int) -> None:
     case = torch_case()
     seen: list[Issued] = []  # the reductions mf issued
     param_dtype = torch.bfloat16
+    # reduce_dtype left None: torch 2.11's FSDP2 reduces in param_dtype, 2.15's in the
+    # weights' fp32 (test_fsdp2_frontend.py checks mf picks as the installed torch does).
+    reduce_dtype = default_reduce_dtype(param_dtype, torch.float32)
     for reshard_after_forward in (False, True):
         ref_model, ref_optim, model, optim = _models_and_optims(
             reshard_after_forward, param_dtype, None
         )
         ref_model_low = copy.deepcopy(ref_model).to(param_dtype)
         predivide, postdivide, _, _ = _get_gradient_divide_factors(
-            dist.distributed_c10d._get_default_group(), None, param_dtype
+            dist.distributed_c10d._get_default_group(), None, reduce_dtype
         )
         torch.manual_seed(42 + rank + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
         for iter_idx in range(10):
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             fsdp_loss = model(inp).sum()
-            with _spy_reductions(case, param_dtype, seen):
+            with _spy_reductions(case, reduce_dtype, seen):
                 fsdp_loss.backward()
             optim.step()
 
             ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             ref_loss = ref_model_low(inp.to(param_dtype)).sum()
             ref_loss.backward()
-            for param in ref_model_low.parameters():
-                if predivide is not None and predivide > 1:
-                    param.grad.div_(predivide)
-                elif predivide is None:
-                    param.grad.div_(world)
-                output = torch.zeros_like(torch.chunk(param.grad, world)[0])
-                dist.reduce_scatter_tensor(output, param.grad)
-                dist.all_gather_into_tensor(param.grad, output)
-                if postdivide is not None and postdivide > 1:
-                    param.grad.div_(postdivide)
             for param_fp32, param_low in zip(
                 ref_model.parameters(), ref_model_low.parameters(), strict=True
             ):
-                param_fp32.grad = param_low.grad.to(param_fp32.dtype)
+                grad = param_low.grad.to(reduce_dtype)
+                if predivide is not None and predivide > 1:
+                    grad.div_(predivide)
+                elif predivide is None:
+                    grad.div_(world)
+                output = torch.zeros_like(torch.chunk(grad, world)[0])
+                dist.reduce_scatter_tensor(output, grad)
+                dist.all_gather_into_tensor(grad, output)
+                if postdivide is not None and postdivide > 1:
+                    grad.div_(postdivide)
+                param_fp32.grad = grad.to(param_fp32.dtype)
                 param_low.grad = None
             ref_optim.step()
             _copy_back(ref_model, ref_model_low)

@@ -22,6 +22,9 @@ root; the optimizer is built afterwards on ``model.parameters()``. At world 2:
 
 from __future__ import annotations
 
+import inspect
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_param_group
 from torch.distributed.tensor import DTensor
 
 from mf_fsdp import fsdp2
@@ -47,6 +51,7 @@ from tests.fsdp._helpers import (
     optimizer_step,
     reference_run,
 )
+from tests.fsdp._issued import REDUCTIONS, spy_collectives
 
 WORLD = 2
 STEPS = 5
@@ -120,6 +125,57 @@ def _rank_bf16(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_bf16_param_dtype_matches_torch_fsdp2_with_the_same_policy() -> None:
     run_on_ranks(_rank_bf16, WORLD, timeout=240)
+
+
+def _torch_reduce_dtypes(into: list[torch.dtype]):
+    """A stand-in for FSDP2's ``foreach_reduce`` that records the dtype it reduces in.
+
+    Read by name, as the signature moved between torch releases: ``reduce_dtype``,
+    or where it is None (torch 2.11), the gradients' own dtype, as FSDP2 then uses.
+    """
+    original = fsdp_param_group.foreach_reduce
+    signature = inspect.signature(original)
+
+    def spy(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        into.append(bound.arguments["reduce_dtype"] or bound.arguments["unsharded_grads"][0].dtype)
+        return original(*args, **kwargs)
+
+    return mock.patch.object(fsdp_param_group, "foreach_reduce", spy)
+
+
+def _rank_default_reduce_dtype(rank: int, world: int) -> None:
+    """bf16 compute over fp32 weights, ``reduce_dtype`` left None: torch's FSDP2 picks."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    reduced: dict[str, set[torch.dtype]] = {}
+    runs = {}
+    for name, shard in (("mf", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = make_model()
+        shard_like_torchtitan(model, shard, head_unit=False, mp_policy=policy)
+        opt = make_optimizer("sgd", model.parameters())
+        torch_dtypes: list[torch.dtype] = []
+        losses, mf_dtypes = [], []
+        for step in range(STEPS):
+            loss = model(*batch(step, rank))
+            with spy_collectives() as issued, _torch_reduce_dtypes(torch_dtypes):
+                loss.backward()  # only the backward: the loss's own all-reduce is not a grad's
+            mf_dtypes += [call.dtype for call in issued if call.kind in REDUCTIONS]
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[name] = losses
+        reduced[name] = set(mf_dtypes if name == "mf" else torch_dtypes)
+        assert reduced[name], f"{name}: no reduction seen"
+    assert reduced["mf"] == reduced["torch"], reduced
+    torch.testing.assert_close(
+        torch.tensor(runs["mf"]), torch.tensor(runs["torch"]), rtol=1e-2, atol=0.0
+    )
+
+
+@pytest.mark.multiprocess
+def test_reduce_dtype_left_none_reduces_in_the_dtype_torch_fsdp2_picks() -> None:
+    """torch 2.11 reduces in ``param_dtype``, torch 2.15 in the weights' own dtype."""
+    run_on_ranks(_rank_default_reduce_dtype, WORLD, timeout=240)
 
 
 def _weight_dtype_into(seen: dict[str, torch.dtype], key: str):

@@ -9,7 +9,8 @@ Two jobs, both reading one ``fully_shard`` call's policy:
   each call's parameters (``resolve_policies``), and each resulting policy
   translated into the engine's ``MixedPrecisionPolicy`` (``engine_policy``: the
   sharded weights keep the model's dtype, the compute dtype is ``param_dtype``,
-  gradients are reduced in ``reduce_dtype`` or else ``param_dtype``).
+  gradients are reduced in ``reduce_dtype`` or else in the dtype the installed
+  torch's FSDP2 picks, ``default_reduce_dtype``).
 
 Invariants: one call's parameters compute in one dtype (an override that splits
 them raises naming both); a policy is only read, never changed in place (a
@@ -34,6 +35,7 @@ from mf_fsdp.engine._tensor_tree import flatten
 __all__ = [
     "cast_inputs",
     "cast_output",
+    "default_reduce_dtype",
     "engine_policy",
     "own_dtypes",
     "resolve_policies",
@@ -166,5 +168,28 @@ def engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixe
     return EngineMixedPrecision(
         param_dtype=policy.param_dtype,
         main_params_dtype=main,
-        grad_comm_dtype=policy.reduce_dtype or policy.param_dtype,
+        grad_comm_dtype=policy.reduce_dtype or default_reduce_dtype(policy.param_dtype, main),
     )
+
+
+def default_reduce_dtype(param_dtype: torch.dtype | None, own: torch.dtype) -> torch.dtype:
+    """The dtype FSDP2 of the installed torch reduces in when ``reduce_dtype`` is None.
+
+    torch up to at least 2.11 reduces the gradients in the dtype they were computed
+    in, ``param_dtype``. torch 2.15 (pytorch/pytorch#197203, "Separate sharded and
+    unsharded gradient dtypes") reduces them in the parameters' own dtype, so bf16
+    compute over fp32 weights reduces in fp32. mf follows the installed torch,
+    recognised by the property that change added (``FSDPParam.unsharded_grad_dtype``).
+    """
+    if param_dtype is None or _REDUCES_IN_OWN_DTYPE:
+        return own
+    return param_dtype
+
+
+def _reduces_in_own_dtype() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
+_REDUCES_IN_OWN_DTYPE = _reduces_in_own_dtype()
