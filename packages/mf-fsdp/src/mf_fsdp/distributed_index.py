@@ -189,11 +189,12 @@ class FSDPDistributedIndex:
                 "(its dims: the expert-data-parallel dim, then expert-parallel and expert-TP)"
             )
         names = get_mesh_names(expt_device_mesh)
+        arg = "expt_dp_shard_dim" if shard_dim else "dp_shard_dim"
         shard_dim = shard_dim or self.dp_shard_dim
         if shard_dim not in names:
             raise ValueError(
                 f"FSDPDistributedIndex: expt_device_mesh has dims {names!r}, none named "
-                f"{shard_dim!r}; expected the expert-data-parallel dim (named like "
+                f"{arg}={shard_dim!r}; expected the expert-data-parallel dim (named like "
                 "dp_shard_dim unless expt_dp_shard_dim names it)"
             )
         outer = self.dp_outer_dim if self.dp_outer_dim in names else None
