@@ -10,7 +10,8 @@ Gradient division is FSDP2's default: each parameter averaged over its own
 mesh's group (the experts over 1 rank, the rest over 2), so SGD steps see it.
 
 Checked each step: the loss, every parameter's ``full_tensor()`` gradient, and
-at the end every parameter's ``full_tensor()`` and state-dict value. mf keeps its
+at the end every parameter's ``full_tensor()`` and state-dict value; mf's state
+dict saved by DCP loads into a fresh FSDP2 model with those values. mf keeps its
 own row layout whatever the dim asked for (docs/fsdp2.md): the pieces each rank
 holds differ from FSDP2's, the values do not. torch 2.11 has ``Shard`` answers
 only, so the per-parameter mesh case runs on torch 2.15.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -94,7 +96,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def _run(shard, rank: int, per_param_mesh: bool) -> tuple[list, list, dict, dict]:
+def _run(shard, rank: int, per_param_mesh: bool) -> tuple[Model, list, list, dict, dict]:
     model = _wrapped(shard, per_param_mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
@@ -108,15 +110,22 @@ def _run(shard, rank: int, per_param_mesh: bool) -> tuple[list, list, dict, dict
         losses.append(loss.item())
     params = {n: _full(p) for n, p in model.named_parameters()}
     state = {k: _full(v) for k, v in model.state_dict().items()}
-    return losses, grads, params, state
+    return model, losses, grads, params, state
 
 
-def _rank_parity(rank: int, world: int, per_param_mesh: bool) -> None:
-    mf = _run(fsdp2.fully_shard, rank, per_param_mesh)
-    ref = _run(torch_fully_shard, rank, per_param_mesh)
-    torch.testing.assert_close(mf[0], ref[0], rtol=1e-6, atol=1e-7)
-    for got, want in zip(mf[1:], ref[1:], strict=True):
+def _rank_parity(rank: int, world: int, per_param_mesh: bool, tmp: str) -> None:
+    mf_model, *mf = _run(fsdp2.fully_shard, rank, per_param_mesh)
+    torch_model, *ref = _run(torch_fully_shard, rank, per_param_mesh)
+    for got, want in zip(mf, ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # DCP round trip: mf's sharded state dict, saved, loads into FSDP2's model (fresh).
+    dcp.save(mf_model.state_dict(), checkpoint_id=tmp)
+    fresh = _wrapped(torch_fully_shard, per_param_mesh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=tmp)
+    fresh.load_state_dict(state)
+    loaded = {k: _full(v) for k, v in fresh.state_dict().items()}
+    torch.testing.assert_close(loaded, mf[-1], rtol=0, atol=0)
 
 
 @pytest.mark.multiprocess
@@ -132,8 +141,8 @@ def _rank_parity(rank: int, world: int, per_param_mesh: bool) -> None:
         ),
     ],
 )
-def test_shard_placement_fn_trains_as_torch_fsdp2(per_param_mesh: bool) -> None:
-    run_on_ranks(_rank_parity, WORLD, per_param_mesh)
+def test_shard_placement_fn_trains_as_torch_fsdp2(tmp_path, per_param_mesh: bool) -> None:
+    run_on_ranks(_rank_parity, WORLD, per_param_mesh, str(tmp_path))
 
 
 def _rank_refused(rank: int, world: int) -> None:
