@@ -115,7 +115,7 @@ def _run(shard, rank: int, per_param_mesh: bool) -> tuple[Model, list, list, dic
 
 def _rank_parity(rank: int, world: int, per_param_mesh: bool, tmp: str) -> None:
     mf_model, *mf = _run(fsdp2.fully_shard, rank, per_param_mesh)
-    torch_model, *ref = _run(torch_fully_shard, rank, per_param_mesh)
+    _, *ref = _run(torch_fully_shard, rank, per_param_mesh)
     for got, want in zip(mf, ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     # DCP round trip: mf's sharded state dict, saved, loads into FSDP2's model (fresh).

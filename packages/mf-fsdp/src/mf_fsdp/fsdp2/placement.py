@@ -25,9 +25,9 @@ or builds groups: the expert mesh reuses the groups of the meshes it joins.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -43,9 +43,6 @@ try:  # torch 2.15; torch 2.11 has Shard answers only
     )
 except ImportError:  # pragma: no cover - the floor of mf's torch range
     HSDPMeshInfo = ShardPlacementResult = None  # type: ignore[assignment,misc]
-
-if TYPE_CHECKING:
-    from mf_fsdp.fsdp2.records import CallRecord
 
 __all__ = ["ExpertMesh", "check_placement_fn", "place_params"]
 
@@ -70,14 +67,15 @@ def check_placement_fn(fn: object) -> None:
 
 
 def place_params(
-    records: Sequence[CallRecord], dense_mesh: DeviceMesh, ignored: set[int]
+    calls: Iterable[tuple[Callable[[nn.Parameter], Any], Iterable[tuple[str, nn.Parameter]]]],
+    dense_mesh: DeviceMesh,
 ) -> ExpertMesh | None:
     """Ask each call's ``shard_placement_fn``; mark and return what lives on another mesh.
 
     Args:
-        records: the model's ``fully_shard`` calls (root first).
+        calls: per ``fully_shard`` call with a ``shard_placement_fn``: the function and
+            the (name, parameter) pairs the call manages.
         dense_mesh: the mesh the engine shards the other parameters over.
-        ignored: ``id``s of the ignored parameters (never asked about).
 
     Returns:
         The expert mesh, or None when every parameter stays on ``dense_mesh``.
@@ -90,11 +88,8 @@ def place_params(
     """
     dense = _ranks(dense_mesh)
     found: ExpertMesh | None = None
-    for record in records:
-        fn = record.shard_placement_fn
-        if fn is None:
-            continue
-        for name, param in _call_params(record, ignored):
+    for fn, params in calls:
+        for name, param in params:
             mesh = _answer_mesh(name, param, fn(param), dense_mesh)
             if mesh is None or (mesh.ndim == dense_mesh.ndim == 1 and _ranks(mesh) == dense):
                 continue
@@ -108,23 +103,6 @@ def place_params(
             found = found or expert
             set_expert_parallel_attribute(param)
     return found
-
-
-def _call_params(record: CallRecord, ignored: set[int]) -> Iterator[tuple[str, nn.Parameter]]:
-    """The parameters ``record``'s call manages: under its modules, not under another call's."""
-    from mf_fsdp.fsdp2.records import RECORD_ATTR
-
-    seen: set[int] = set()
-    stack = [(type(m).__name__, m) for m in reversed(record.modules)]
-    while stack:
-        prefix, module = stack.pop()
-        for attr, param in module._parameters.items():
-            if param is not None and id(param) not in ignored and id(param) not in seen:
-                seen.add(id(param))
-                yield f"{prefix}.{attr}", param
-        for attr, child in reversed(module._modules.items()):
-            if child is not None and child.__dict__.get(RECORD_ATTR, record) is record:
-                stack.append((f"{prefix}.{attr}", child))
 
 
 def _answer_mesh(

@@ -176,7 +176,12 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     hooks_before = _forward_hook_ids(module)
     root_engine_policy = engine_policy(module, root_policy)
     mesh = _dense_mesh(root.mesh)
-    experts = place_params((root, *units), mesh, set(ignored))
+    asked = [
+        (r.shard_placement_fn, _call_params(r, ignored.keys()))
+        for r in (root, *units)
+        if r.shard_placement_fn is not None
+    ]
+    experts = place_params(asked, mesh)
     engine = MegatronFSDP(
         module,
         _dist_index(mesh, experts),
@@ -207,6 +212,23 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         if record.unit is not None:
             record.unit.reshard_after_forward = record.reshard_after_forward
     module.__dict__[_ENGINE_ATTR] = engine  # kept alive with the model
+
+
+def _call_params(
+    record: CallRecord, ignored: AbstractSet[int]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters ``record``'s call manages: under its modules, not under another call's."""
+    seen: set[int] = set()
+    stack = [(type(m).__name__, m) for m in reversed(record.modules)]
+    while stack:
+        prefix, module = stack.pop()
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) not in ignored and id(param) not in seen:
+                seen.add(id(param))
+                yield f"{prefix}.{attr}", param
+        for attr, child in reversed(module._modules.items()):
+            if child is not None and child.__dict__.get(RECORD_ATTR, record) is record:
+                stack.append((f"{prefix}.{attr}", child))
 
 
 def _check_same(root: CallRecord, unit: CallRecord) -> None:
