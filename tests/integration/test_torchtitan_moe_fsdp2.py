@@ -9,8 +9,9 @@ each MoE block with a ``shard_placement_fn`` returning torch 2.15's
 ranks); it sets explicit forward and backward prefetch lists and turns FSDP's
 gradient division off (the loss is divided by the world). With ``fully_shard``
 swapped for ``mf_fsdp.fsdp2.fully_shard`` (``test_torchtitan_fsdp2``'s way), mf
-runs the same script as torch's FSDP2: equal losses and weights over a few AdamW
-steps, fp32.
+runs the same script as torch's FSDP2, clipping with torchtitan's EP-aware
+``clip_grad_norm_`` as its trainer does: equal first-step gradients, gradient
+norms, losses and weights over 2 AdamW steps, fp32.
 
 The model is the Qwen3 MoE debug model's architecture made tiny for 2 CPU cores
 (2 layers, dim 64, top-2 routing) with SDPA attention (torchtitan's flex
@@ -171,25 +172,28 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(model, rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """AdamW steps with torchtitan's scaling (FSDP's division off, each loss over ``world``).
+def _train(model, rank: int, world: int) -> tuple[list[float], torch.Tensor, dict]:
+    """AdamW steps with torchtitan's scaling (FSDP's division off, each loss over ``world``)
+    and its EP-aware gradient clipping.
 
-    Returns the losses and the first step's gradients (AdamW's steps do not see a
-    gradient's scale; the gradients do).
+    Returns the losses, the gradient norms and the first step's gradients (AdamW's
+    steps do not see a gradient's scale; the norms and gradients do).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step in range(STEPS):
         loss = _loss(model, *_batch(step, rank)) / world
         loss.backward()
         if step == 0:
             grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        # The trainer's clipping: the experts' norm over their meshes, the rest over theirs.
+        norms.append(titan_utils.clip_grad_norm_(model.parameters(), 0.05, ep_enabled=True))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    return losses, grads
+    return losses, torch.stack(norms), grads
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
@@ -200,12 +204,13 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def _rank_parity(rank: int, world: int, experts: int, tmp: str) -> None:
-    runs, grads, weights = {}, {}, {}
+    runs, norms, grads, weights = {}, {}, {}, {}
     for name, shard in (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard)):
         model = _parallelized(shard, experts, tmp)
-        runs[name], grads[name] = _train(model, rank, world)
+        runs[name], norms[name], grads[name] = _train(model, rank, world)
         weights[name] = _full_weights(model)
     torch.testing.assert_close(runs["mf"], runs["torch"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms["mf"], norms["torch"], rtol=1e-5, atol=1e-7)
     assert weights["mf"].keys() == weights["torch"].keys()
     for name, value in grads["torch"].items():
         torch.testing.assert_close(grads["mf"][name], value, rtol=1e-5, atol=1e-8, msg=name)
