@@ -11,7 +11,8 @@ gradient division off (the loss is divided by the world). With ``fully_shard``
 swapped for ``mf_fsdp.fsdp2.fully_shard`` (``test_torchtitan_fsdp2``'s way), mf
 runs the same script as torch's FSDP2, clipping with torchtitan's EP-aware
 ``clip_grad_norm_`` as its trainer does: equal first-step gradients, gradient
-norms, losses and weights over 2 AdamW steps, fp32.
+norms, losses and weights over 2 AdamW steps, fp32; and mf's state dict, saved
+by DCP, loads into torch's FSDP2 model with mf's values.
 
 The model is the Qwen3 MoE debug model's architecture made tiny for 2 CPU cores
 (2 layers, dim 64, top-2 routing) with SDPA attention (torchtitan's flex
@@ -28,6 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -209,6 +211,14 @@ def _rank_parity(rank: int, world: int, experts: int, tmp: str) -> None:
         model = _parallelized(shard, experts, tmp)
         runs[name], norms[name], grads[name] = _train(model, rank, world)
         weights[name] = _full_weights(model)
+    # mf's state dict (experts as pieces over (efsdp, ep)) saved by DCP loads into a fresh
+    # FSDP2 model (experts as _StridedShard over efsdp, Shard over ep) with mf's values.
+    dcp.save(model.state_dict(), checkpoint_id=tmp)
+    fresh = _parallelized(torch_fully_shard, experts, tmp)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=tmp)
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(_full_weights(fresh), weights["mf"], rtol=0, atol=0)
     torch.testing.assert_close(runs["mf"], runs["torch"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norms["mf"], norms["torch"], rtol=1e-5, atol=1e-7)
     assert weights["mf"].keys() == weights["torch"].keys()
