@@ -128,3 +128,16 @@ def test_per_expert_checkpoints_convert_to_grouped_entries() -> None:
     del old["blocks.0.moe.experts.1.out.bias"]
     with pytest.raises(ValueError, match=r"blocks\.0\.moe\.experts\.<i> has entries"):
         convert_per_expert_state_dict(old)
+
+
+def test_a_per_expert_checkpoint_is_refused_then_loads_converted() -> None:
+    torch.manual_seed(0)
+    layer = mf_tp.MoELayer(8, 16, 4, 2)
+    old = {"router.weight": layer.router.weight.detach().clone()}
+    for name, value in layer.experts.state_dict().items():
+        entry = grouped_experts.GROUPED_EXPERT_PARAMETERS[name]
+        for index in range(4):
+            old[f"experts.{index}.{entry}"] = value[index]
+    with pytest.raises(ValueError, match=r"convert the checkpoint with mf_tp\.convert_per_expert"):
+        layer.load_state_dict(old)
+    layer.load_state_dict(convert_per_expert_state_dict(old), strict=True)

@@ -27,10 +27,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from mf_utils import set_expert_parallel_attribute
 
@@ -143,6 +147,12 @@ def grouped_linear(
 class GroupedExperts(nn.Module):
     """``num_experts`` expert MLPs (``out(gelu(fc(x)))``, ``[N, H] -> [N, H]``) as grouped weights.
 
+    Every parameter is parameter-shaped over all ``E`` experts (``fc_weight [E, F, H]``),
+    whatever the expert-parallel size: with an ``ep_group`` of size ``p`` it is a DTensor
+    ``Shard(0)`` over a 1-D ``ep`` mesh of that group (torchtitan's form), each rank's local
+    tensor its ``E / p`` experts ``[r * E/p, (r + 1) * E/p)``; without one, a plain tensor.
+    So a state dict holds the same full ``[E, ...]`` tensors at any EP size.
+
     Every parameter carries the expert mark (:func:`mf_utils.set_expert_parallel_attribute`),
     so data-parallel reductions treat it as an expert's. Built on the meta device, the
     parameters are left uninitialised until :meth:`load_initial_weights`.
@@ -159,6 +169,7 @@ class GroupedExperts(nn.Module):
         hidden_size: int,
         ffn_hidden_size: int,
         *,
+        ep_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -170,10 +181,26 @@ class GroupedExperts(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GroupedExperts: {name} must be a positive int, got {value!r}")
+        ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if num_experts % ep_size != 0:
+            raise ValueError(
+                f"GroupedExperts: num_experts {num_experts} is not divisible by the "
+                f"expert-parallel (EP) size {ep_size}; every EP rank must own the same number "
+                "of experts"
+            )
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
-        g, h, f = num_experts, hidden_size, ffn_hidden_size
+        self.num_local_experts = num_experts // ep_size
+        ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        self.first_local_expert = ep_rank * self.num_local_experts
+        target = torch.device(device) if device is not None else torch.get_default_device()
+        mesh = None
+        if ep_size > 1:
+            assert ep_group is not None  # a size above 1 comes from a group
+            mesh_device = "cpu" if target.type == "meta" else target.type
+            mesh = DeviceMesh.from_group(ep_group, mesh_device, mesh_dim_names=("ep",))
+        g, h, f = self.num_local_experts, hidden_size, ffn_hidden_size
         shapes = {
             "fc_weight": (g, f, h),
             "fc_bias": (g, f),
@@ -181,33 +208,57 @@ class GroupedExperts(nn.Module):
             "out_bias": (g, h),
         }
         for name, shape in shapes.items():
-            self.register_parameter(
-                name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+            local = torch.empty(shape, device=target, dtype=dtype)
+            data = (
+                local
+                if mesh is None
+                else DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             )
+            self.register_parameter(name, nn.Parameter(data))
         self.mark_expert_parameters()
 
     def mark_expert_parameters(self) -> None:
-        """Set the expert mark on every parameter (again after ``to_empty`` made new ones)."""
+        """Set the expert mark on every parameter."""
         for param in self.parameters():
             set_expert_parallel_attribute(param)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> GroupedExperts:
+        """``to``, ``to_empty``, ``float`` ...: then mark the parameters again.
+
+        On DTensor parameters ``nn.Module._apply`` swaps in new tensors, which carry no
+        attribute of the old ones; without the mark the experts would be taken for
+        dense parameters.
+        """
+        result = super()._apply(fn, recurse)
+        self.mark_expert_parameters()
+        return result
+
     def load_initial_weights(self, drawn: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """Copy one dict per expert (``fc.weight``, ``fc.bias``, ``out.weight``, ``out.bias``)."""
+        """Copy one dict per expert, all ``E`` (``fc.weight``, ``fc.bias``, ...); keep the local."""
         if len(drawn) != self.num_experts:
             raise ValueError(
                 f"GroupedExperts.load_initial_weights: expected {self.num_experts} experts' "
                 f"weights, got {len(drawn)}"
             )
+        local = drawn[self.first_local_expert : self.first_local_expert + self.num_local_experts]
         with torch.no_grad():
             for name, entry in GROUPED_EXPERT_PARAMETERS.items():
-                self.get_parameter(name).copy_(torch.stack([d[entry] for d in drawn]))
+                _local(self.get_parameter(name)).copy_(torch.stack([d[entry] for d in local]))
         self.mark_expert_parameters()
 
     def forward(self, hidden_states: torch.Tensor, rows_per_expert: Sequence[int]) -> torch.Tensor:
-        """Apply expert ``g`` to its block of ``rows_per_expert[g]`` rows (blocks in order)."""
+        """Apply local expert ``l`` to its block of ``rows_per_expert[l]`` rows, in order."""
         groups = RowGroups.of(rows_per_expert, hidden_states.device)
-        hidden = grouped_linear(hidden_states, self.fc_weight, self.fc_bias, groups)
-        return grouped_linear(F.gelu(hidden), self.out_weight, self.out_bias, groups)
+        fc_weight, fc_bias, out_weight, out_bias = (
+            _local(p) for p in (self.fc_weight, self.fc_bias, self.out_weight, self.out_bias)
+        )
+        hidden = grouped_linear(hidden_states, fc_weight, fc_bias, groups)
+        return grouped_linear(F.gelu(hidden), out_weight, out_bias, groups)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of ``param`` (the local tensor of a DTensor, with autograd)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def convert_per_expert_state_dict(
