@@ -141,3 +141,14 @@ def test_a_per_expert_checkpoint_is_refused_then_loads_converted() -> None:
     with pytest.raises(ValueError, match=r"convert the checkpoint with mf_tp\.convert_per_expert"):
         layer.load_state_dict(old)
     layer.load_state_dict(convert_per_expert_state_dict(old), strict=True)
+
+
+def test_a_summed_output_backpropagates_on_the_grouped_kernel() -> None:
+    """``out.sum().backward()`` hands the kernel an expanded gradient, which it refuses."""
+    grouped, singles = _experts(2, 8, 16, seed=1)
+    x = torch.randn(5, 8, requires_grad=True)
+    grouped(x, [2, 3]).sum().backward()
+    x_single = x.detach().clone().requires_grad_(True)
+    _loop = torch.cat([singles[0](x_single[:2]), singles[1](x_single[2:])])
+    _loop.sum().backward()
+    torch.testing.assert_close(x.grad, x_single.grad, **TOL)

@@ -138,6 +138,8 @@ def grouped_linear(
         )
     if grouped_mm_path(inputs, weight) == "grouped_mm":
         out = torch._grouped_mm(inputs, weight.transpose(-2, -1), offs=groups.ends)
+        if out.requires_grad:  # its backward refuses an expanded gradient (from a .sum())
+            out.register_hook(torch.Tensor.contiguous)
     else:
         blocks = inputs.split(list(groups.counts), dim=0)
         out = torch.cat([block @ weight[g].T for g, block in enumerate(blocks)], dim=0)
