@@ -138,6 +138,8 @@ class FSDPDistributedIndex:
         if self._swapped_mesh is not None:
             outer, shard = self._outer_and_shard_dims()
             self._logical_mesh = self._swapped_mesh[(shard, outer)]
+        # Dims across which this (expert) index's parameters are equal copies.
+        self.replicated_dims: tuple[str | None, ...] = ()
         self.expert_index = (
             None
             if expt_device_mesh is None
@@ -153,7 +155,7 @@ class FSDPDistributedIndex:
         experts), so a norm over all parameters sums across them too. Empty for a
         mesh whose every dim is a dp or tp dim.
         """
-        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim}
+        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim, *self.replicated_dims}
         if self.device_mesh.ndim == 1:
             return ()
         # A dim inside a used one (dp and cp under a flattened dp_cp) is no expert dim.
@@ -198,13 +200,18 @@ class FSDPDistributedIndex:
                 "dp_shard_dim unless expt_dp_shard_dim names it)"
             )
         outer = self.dp_outer_dim if self.dp_outer_dim in names else None
-        return FSDPDistributedIndex(
+        index = FSDPDistributedIndex(
             expt_device_mesh,
             shard_dim,
             outer,
             tp_dim or (self.tp_dim if self.tp_dim in names else None),
             hsdp_outer_dp_shard=self.hsdp_outer_dp_shard and outer is not None,
         )
+        if tp_dim is not None and tp_dim != self.tp_dim and self.tp_dim in names:
+            # Experts split over another dim (ep) are whole on each rank of the dense tp
+            # dim, and equal there: no expert-parallel spread for a norm to sum over.
+            index.replicated_dims = (self.tp_dim,)
+        return index
 
     def _build_swapped_mesh(self) -> DeviceMesh:
         # The root mesh with dp_shard and dp_outer swapped; sliced to (dp_shard, dp_outer)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mf_fsdp.buckets.bucket import ParamSource
@@ -400,3 +401,45 @@ def discover(
     if ddp_config.offload_optimizer_state:
         refuse_offloaded_tp(sources)
     return Discovered(ignored, sources)
+
+
+def expert_dtensor_dim(module: nn.Module, expt_device_mesh: DeviceMesh | None) -> str | None:
+    """The dim of ``expt_device_mesh`` that ``module``'s expert DTensor parameters live on.
+
+    Grouped experts split over expert parallelism (mf-tp's ``GroupedExperts``,
+    torchtitan's experts) are DTensors ``Shard(d)`` over a 1-D mesh of the
+    expert-parallel group; the engine treats that dim of the expert mesh as their
+    tensor-parallel dim. It is recognised by its ranks: the dim whose group here holds
+    the same ranks as the parameters' mesh. None when no expert parameter is a DTensor.
+
+    Raises:
+        ValueError: naming a parameter whose mesh matches no dim, or two parameters
+            on different dims.
+    """
+    if expt_device_mesh is None:
+        return None
+    names = expt_device_mesh.mesh_dim_names or ()
+    by_ranks = {
+        tuple(dist.get_process_group_ranks(expt_device_mesh.get_group(name))): name
+        for name in names
+    }
+    found: tuple[str, str] | None = None
+    for param_name, param in module.named_parameters():
+        if not (isinstance(param, DTensor) and is_expert_parallel_parameter(param)):
+            continue
+        ranks = tuple(param.device_mesh.mesh.flatten().tolist())
+        dim = by_ranks.get(ranks) if param.device_mesh.ndim == 1 else None
+        if dim is None:
+            shape = dict(zip(names, expt_device_mesh.shape, strict=True))
+            raise ValueError(
+                f"expt_device_mesh: expert parameter {param_name!r} is a DTensor over ranks "
+                f"{list(ranks)} ({param.device_mesh}); expected a 1-D mesh over the ranks of "
+                f"one dim of expt_device_mesh {shape}"
+            )
+        if found is not None and found[1] != dim:
+            raise ValueError(
+                f"expt_device_mesh: expert parameters {found[0]!r} and {param_name!r} are "
+                f"DTensors over its dims {found[1]!r} and {dim!r}; expected one dim"
+            )
+        found = found or (param_name, dim)
+    return None if found is None else found[1]
