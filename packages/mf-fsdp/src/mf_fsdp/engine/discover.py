@@ -243,13 +243,20 @@ def check_ranks_agree(
             )
 
 
-def refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
+def refuse_offloaded_tp(sources: dict[int, ParamSource], experts: set[int]) -> None:
     """Raise if a parameter is tensor-parallel: ``offload_optimizer_state`` does not cover TP.
+
+    Expert parameters (``id`` in ``experts``) split over the expert-parallel dim, which
+    the expert index takes as their tp dim (grouped experts), offload as the rest do
+    (``tests/fsdp/buckets/test_offload.py::test_expert_parallel_world2``).
 
     Raises:
         ValueError: naming the option and a TP parameter.
     """
-    tp = next((s.fqns[0] for s in sources.values() if s.tp is not None), None)
+    tp = next(
+        (s.fqns[0] for key, s in sources.items() if s.tp is not None and key not in experts),
+        None,
+    )
     if tp is not None:
         raise ValueError(
             f"offload_optimizer_state=True is not supported with tensor parallelism: parameter "
@@ -399,7 +406,7 @@ def discover(
     validate_tp_params(named, index_of, meta_init)
     sources = param_sources(module, index_of, strategy, ignored)
     if ddp_config.offload_optimizer_state:
-        refuse_offloaded_tp(sources)
+        refuse_offloaded_tp(sources, {id(p) for _, p in named if is_expert_parallel_parameter(p)})
     return Discovered(ignored, sources)
 
 
