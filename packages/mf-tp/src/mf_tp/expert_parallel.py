@@ -40,8 +40,8 @@ class _ExpertParallel(nn.Module):
     """What :func:`expert_parallel` adds to an experts module's own class."""
 
     ep_group: dist.ProcessGroup
-    gate_up_proj: nn.Parameter
-    down_proj: nn.Parameter
+    gate_up_proj: DTensor
+    down_proj: DTensor
     act_fn: Any
 
     def forward(
@@ -91,10 +91,9 @@ def expert_parallel(experts: nn.Module, ep_group: dist.ProcessGroup) -> nn.Modul
     where = f"expert_parallel({type(experts).__name__})"
     if isinstance(experts, _ExpertParallel):
         raise ValueError(f"{where}: the module is expert-parallel already")
-    weights = [getattr(experts, name, None) for name in _WEIGHTS]
-    if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights) or not hasattr(
-        experts, "act_fn"
-    ):
+    found = [getattr(experts, name, None) for name in _WEIGHTS]
+    weights = [w for w in found if isinstance(w, nn.Parameter) and w.dim() == 3]
+    if len(weights) != len(_WEIGHTS) or not hasattr(experts, "act_fn"):
         raise TypeError(
             f"{where}: expected an experts module with 3-D parameters gate_up_proj [E, 2F, H] "
             "and down_proj [E, H, F] and an act_fn (transformers 5's grouped experts)"
@@ -117,5 +116,5 @@ def expert_parallel(experts: nn.Module, ep_group: dist.ProcessGroup) -> nn.Modul
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallel, cls), {})
     experts.__class__ = _CLASSES[cls]
-    experts.ep_group = ep_group
+    experts.__dict__["ep_group"] = ep_group  # a plain attribute, beside the module's own
     return experts
