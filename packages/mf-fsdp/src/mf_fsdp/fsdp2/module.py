@@ -85,9 +85,15 @@ class FSDPModule(_ModuleFSDPModule):
 
     # -- the module contract: the first use builds the engine
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Build the engine on the first call, then run the module (with its hooks)."""
-        if self.__dict__[RECORD_ATTR].engine is None:
-            ensure_built(self)
+        """Build the engine on the first call, then run the module (with its hooks).
+
+        The root's call first carries the user's ``requires_grad_`` on the sharded
+        parameters over to their compute forms (``GradSync.follow_requires_grad``).
+        """
+        record = self.__dict__[RECORD_ATTR]
+        engine = record.engine if record.engine is not None else ensure_built(self)
+        if record.is_root:
+            engine._grads.follow_requires_grad()
         return super().__call__(*args, **kwargs)
 
     def named_parameters(
