@@ -58,6 +58,7 @@ class _Reducing(Protocol):
     hybrid: bool
     replicated: bool
     requires_grad: bool
+    mark_unused_params: bool
     pending_inner: torch.Tensor | None
     _pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None
     _aside: dict[Reduced, torch.Tensor]
@@ -79,6 +80,8 @@ class _Reducing(Protocol):
     def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None: ...
 
     def finish_reduce(self) -> None: ...
+
+    def note_rowless_use(self, local: torch.Tensor) -> None: ...
 
     @property
     def outer_due(self) -> bool: ...
@@ -130,6 +133,8 @@ class BucketReduction:
             return
         buffers = self._grad_buffers()
         local = buffers.local_for_reduction()
+        if self.mark_unused_params:
+            self.note_rowless_use(local)
         # The result may land in the store itself while it holds nothing (a store that
         # views the local buffer is this rank's piece of it: an in-place reduce-scatter).
         into_store = (

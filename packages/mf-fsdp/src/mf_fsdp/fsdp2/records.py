@@ -179,6 +179,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             offload_optimizer_state=root.offload,
+            find_unused_parameters=True,  # FSDP2 leaves .grad None where no backward reached
         ),
         sync_model_each_microbatch=True,
         mixed_precision_policy=root_engine_policy,
