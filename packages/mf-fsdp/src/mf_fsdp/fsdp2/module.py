@@ -292,6 +292,21 @@ class FSDPModule(_ModuleFSDPModule):
         for unit in self._units(recurse=False):
             unit.prefetch_backward = units
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backwards end the step's gradient work, as FSDP2's (any module).
+
+        True (the default): a backward's end waits for its reductions and hands the
+        grads out. False (micro-batches before the last, 1F1B schedules): the
+        reductions are launched (per ``set_requires_gradient_sync``) and left in
+        flight; the next backward, a later last one, or the optimizer step finishes
+        them. Stays as set until set again.
+        """
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(
+                f"set_is_last_backward: is_last_backward must be a bool, got {is_last_backward!r}"
+            )
+        self._engine_and_record()[0].sync_policy.auto_sync = is_last_backward
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
 
