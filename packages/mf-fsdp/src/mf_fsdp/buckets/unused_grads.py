@@ -158,6 +158,23 @@ class UnusedGrads:
             unused[self._rowless_index] = self._rowless_unused
         return unused
 
+    def may_hold_unused(self: _Marking) -> torch.Tensor:
+        """False (on the device) when ``unused_params`` would find nothing here.
+
+        That is: the store holds no ``-0.0`` and every parameter with no rows here
+        was reached, the usual step. Three ops, no sync. ``-0.0`` is the smallest
+        value of the float's bits read as a signed integer.
+        """
+        store = self._grad_buffers().store()
+        if store.numel() == 0:
+            flag = torch.zeros((), dtype=torch.bool, device=self.device)
+        else:
+            bits = store.view(_SAME_WIDTH_INT[store.element_size()])
+            flag = bits.amin() == torch.iinfo(bits.dtype).min
+        if self._rowless_unused is not None:
+            flag = flag | self._rowless_unused.any()
+        return flag
+
     def note_rowless_use(self: _Marking, local: torch.Tensor) -> None:
         """Note which parameters with no rows here this rank's backward left unreached.
 

@@ -233,8 +233,18 @@ class GradSync:
             self._withhold_unused(groups)
 
     def _withhold_unused(self, groups: list[Bucket]) -> None:
-        """Take back the grads of parameters no rank's backward reached (one device sync)."""
+        """Take back the grads of parameters no rank's backward reached.
+
+        One device sync a step (the quick look), a second one where some bucket may
+        hold such a parameter.
+        """
         groups = [group for group in groups if group.grads_handed_out]
+        if not groups:
+            return
+        # A quick look first (three ops a bucket): a bucket whose store holds no -0.0 and
+        # whose rowless parameters were all reached has nothing to withhold, the usual step.
+        maybe = torch.stack([group.may_hold_unused() for group in groups]).tolist()
+        groups = [group for group, flag in zip(groups, maybe, strict=True) if flag]
         if not groups:
             return
         unused = iter(torch.cat([group.unused_params() for group in groups]).tolist())
