@@ -188,6 +188,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             offload_optimizer_state=root.offload,
+            find_unused_parameters=True,  # FSDP2 leaves .grad None where no backward reached
         ),
         sync_model_each_microbatch=True,
         mixed_precision_policy=root_engine_policy,
@@ -211,6 +212,8 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         record.unit = by_module.get(id(record.modules[0]))
         if record.unit is not None:
             record.unit.reshard_after_forward = record.reshard_after_forward
+    # FSDP2's .grad is fully reduced when backward() returns, HSDP's replicate dim included.
+    engine.sync_policy.outer_each_backward = True
     module.__dict__[_ENGINE_ATTR] = engine  # kept alive with the model
 
 
