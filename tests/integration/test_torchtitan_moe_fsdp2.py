@@ -1,4 +1,4 @@
-"""torchtitan's Qwen3 MoE at dp 4 x ep 2 (world 4), wrapped by torchtitan's own function on mf.
+"""torchtitan's Qwen3 MoE at dp_shard 4 or 2 x ep 2, parallelized by torchtitan on mf.
 
 torchtitan 0.3.0's ``parallelize_qwen3`` applies expert parallelism (the routed
 experts' grouped weights become DTensors ``Shard(0)`` over the ``ep`` mesh, the
@@ -12,7 +12,9 @@ swapped for ``mf_fsdp.fsdp2.fully_shard`` (``test_torchtitan_fsdp2``'s way), mf
 runs the same script as torch's FSDP2, clipping with torchtitan's EP-aware
 ``clip_grad_norm_`` as its trainer does: equal first-step gradients, gradient
 norms, losses and weights over 2 AdamW steps, fp32; and mf's state dict, saved
-by DCP, loads into torch's FSDP2 model with mf's values.
+by DCP, loads into torch's FSDP2 model with mf's values. At world 2
+(dp_shard 2 x ep 2) the ``efsdp`` mesh has one rank: the experts are split
+by EP alone, their buckets over a group of one.
 
 The model is the Qwen3 MoE debug model's architecture made tiny for 2 CPU cores
 (2 layers, dim 64, top-2 routing) with SDPA attention (torchtitan's flex
@@ -233,6 +235,8 @@ def _rank_parity(rank: int, world: int, experts: int, tmp: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("experts", [4, 2])
-def test_torchtitan_qwen3_moe_dp_ep_on_mf_matches_torch_fsdp2(tmp_path, experts: int) -> None:
-    run_on_ranks(_rank_parity, 4, experts, str(tmp_path), timeout=180)
+@pytest.mark.parametrize(("world", "experts"), [(4, 4), (4, 2), (2, 4)])
+def test_torchtitan_qwen3_moe_dp_ep_on_mf_matches_torch_fsdp2(
+    tmp_path, world: int, experts: int
+) -> None:
+    run_on_ranks(_rank_parity, world, experts, str(tmp_path), timeout=180)
