@@ -142,7 +142,10 @@ def grouped_linear(
             out.register_hook(torch.Tensor.contiguous)
     else:
         blocks = inputs.split(list(groups.counts), dim=0)
-        out = torch.cat([block @ weight[g].T for g, block in enumerate(blocks)], dim=0)
+        # unbind, not weight[g]: each indexing's backward would write a zero-filled
+        # [G, out, in] gradient (G^2 work over G experts); unbind's stacks them once.
+        pieces = weight.unbind(0)
+        out = torch.cat([block @ w.T for block, w in zip(blocks, pieces, strict=True)], dim=0)
     return out if bias is None else out + bias.index_select(0, groups.group_of_row)
 
 
