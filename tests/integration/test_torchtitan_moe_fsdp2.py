@@ -38,14 +38,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
-from tests.integration.test_torchtitan_fsdp2 import _loss
+from tests.integration.test_torchtitan_fsdp2 import _loss, sharded_dims
 
 try:
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
     import torchtitan.distributed.utils as titan_utils
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.rope import CosSinRoPE
@@ -117,17 +116,7 @@ def _plain(experts: int):
 
 def _parallelized(shard, experts: int, tmp: str):
     """torchtitan's ``parallelize_qwen3`` at dp_shard=world, ep=2, ``fully_shard`` = ``shard``."""
-    world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=world,
-        cp=1,
-        tp=1,
-        pp=1,
-        ep=EP,
-        world_size=world,
-        spmd_backend="partial_dtensor",
-    )
+    dims = sharded_dims(ep=EP)
     with torch.device("meta"):
         model = _config(experts).build()
     with (
