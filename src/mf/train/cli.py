@@ -105,7 +105,10 @@ def check_local_processes(options: TrainOptions) -> None:
 
 
 def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
-    """Run ``python -m mf.train.worker <argv>`` on ``--nproc`` local processes.
+    """Run ``mf.train.worker <argv>`` on ``--nproc`` local processes.
+
+    Each starts through ``mf.launch.guarded_command``: it stops with this launcher
+    from its first milliseconds, not only once torch is imported.
 
     The ranks are commands, as under torchrun, not functions: rank 0 prints
     the summary itself, and a rank that saved its checkpoint after Ctrl-C
