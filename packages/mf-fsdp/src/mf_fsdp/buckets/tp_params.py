@@ -134,7 +134,7 @@ def validate_tp_params(
     for name, param in named_params:
         index = index_of(param)
         tp_ranks = None
-        tp_dims = index.tp_dims
+        tp_dims = () if index.tp_dim is None else (index.tp_dim, *index.extra_tp_dims)
         if tp_dims:
             tp_ranks = index.get_submesh(tp_dims).mesh.flatten().tolist()
         if getattr(param, "sequence_parallel", False) and tp_ranks is None:
