@@ -156,7 +156,7 @@ def validate_tp_params(
                 f"{len(param.placements)}"
             )
         if not all(isinstance(p, (Shard, Replicate)) for p in param.placements):
-            raise ValueError(f"{where}: expected Shard(dim) or Replicate() placements")
+            raise ValueError(f"{where}: expected a Shard(dim) or Replicate() placement per tp dim")
         later = [p.dim % param.dim() for p in param.placements[1:] if isinstance(p, Shard)]
         first = param.placements[0]
         if any(
