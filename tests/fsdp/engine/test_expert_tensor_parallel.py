@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import mf_fsdp
+import mf_rng
 from mf.models.moe_gpt import MoEBlock, MoEGPT
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import reference_run
@@ -96,14 +97,14 @@ def test_etp2_world2_zero1_to_3_match_one_process():
 
 
 @pytest.mark.multiprocess
-def test_ep2_etp2_and_etp2_edp2_and_hsdp_world4_match_one_process():
+def test_ep2_etp2_and_etp2_edp2_and_hsdp_world4_match_one_process_with_expert_rng():
     configs = [
         (2, 2, 1, 3, "sgd"),  # (ep, etp, edp) = (2, 2, 1)
         (2, 2, 1, 1, "adam"),
         (1, 2, 1, 3, "adam"),  # (1, 2, 2): ETP 2, the experts sharded over edp 2
         (1, 2, 2, 3, "sgd"),  # HSDP: dp_outer 2 x (ep, etp, edp) = (1, 2, 1)
     ]
-    run_on_ranks(_rank_parity, 4, configs, timeout=300)
+    run_on_ranks(_rank_world4, 4, configs, timeout=300)
 
 
 def _rank_checkpoint(rank: int, world: int, root: str) -> None:
@@ -132,3 +133,36 @@ def _rank_checkpoint(rank: int, world: int, root: str) -> None:
 @pytest.mark.multiprocess
 def test_checkpoint_at_ep2_etp2_loads_at_ep1_etp1_and_into_the_plain_model(tmp_path):
     run_on_ranks(_rank_checkpoint, 4, str(tmp_path), timeout=300)
+
+
+def _rank_expert_rng(rank: int, world: int) -> None:
+    """mf-rng's expert state at (ep, etp, edp) = (2, 2, 1) and (1, 2, 2).
+
+    Expert dropout (mf-rng's expert-parallel tracker, seeded by the ``ep`` and ``etp``
+    ranks) must draw the same mask on ranks holding the same expert shares (the edp
+    replicas) and other masks on ranks holding other shares.
+    """
+    for shape in ((1, 2, 2), (2, 1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "ep", "etp"))
+        mf_rng.register_model_parallel_group("ep", mesh["ep"].get_group())
+        mf_rng.register_model_parallel_group("etp", mesh["etp"].get_group())
+        try:
+            mf_rng.model_parallel_cuda_manual_seed(1234)
+            with mf_rng.get_cuda_rng_tracker().fork(mf_rng.get_expert_parallel_rng_tracker_name()):
+                mask = torch.rand(64)
+        finally:
+            mf_rng.register_model_parallel_group("ep", None)
+            mf_rng.register_model_parallel_group("etp", None)
+        masks = [torch.empty_like(mask) for _ in range(world)]
+        dist.all_gather(masks, mask)
+        share = (mesh["ep"].get_local_rank(), mesh["etp"].get_local_rank())
+        shares: list[tuple[int, int] | None] = [None] * world
+        dist.all_gather_object(shares, share)
+        for other in range(world):
+            same = torch.equal(masks[other], mask)
+            assert same == (shares[other] == share), (shape, rank, other, shares)
+
+
+def _rank_world4(rank: int, world: int, configs: list[tuple[int, int, int, int, str]]) -> None:
+    _rank_expert_rng(rank, world)
+    _rank_parity(rank, world, configs)
