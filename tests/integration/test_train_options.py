@@ -98,8 +98,8 @@ def test_defaults_follow_the_hardware(gpus: int) -> None:
             "--etp 3 does not divide the experts' FFN width 128 of the 'moe-tiny' model",
         ),
         (
-            ["--model", "moe-tiny", "--etp", "2", "--nproc", "4", "--tp", "2"],
-            "--etp 2 with --tp 2: expert tensor parallelism runs with --tp 1",
+            ["--model", "moe-tiny", "--etp", "4", "--nproc", "4", "--tp", "2"],
+            r"--etp 4 x --ep 1 does not divide the 2 sharded data-parallel ranks \(--nproc 4",
         ),
     ],
 )

@@ -259,6 +259,7 @@ class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
         config: the model shape.
         tp_group: the tensor-parallel group.
         ep_group: the expert-parallel group (ranks of the same TP rank), or None.
+        etp_group: the expert-tensor-parallel group (ranks of the same TP rank), or None.
     """
 
     config: MoEGPTConfig  # declared on the class itself: its two bases declare it differently
@@ -268,12 +269,18 @@ class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
         config: MoEGPTConfig,
         tp_group: dist.ProcessGroup,
         ep_group: dist.ProcessGroup | None = None,
+        etp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(config, tp_group)
         mp_config = ModelParallelConfig(
             tensor_model_parallel_size=dist.get_world_size(tp_group), use_cpu_initialization=True
         )
         self.blocks = nn.ModuleList(
-            MoEBlock(config, ep_group, TensorParallelAttention(config, mp_config, tp_group))
+            MoEBlock(
+                config,
+                ep_group,
+                TensorParallelAttention(config, mp_config, tp_group),
+                etp_group=etp_group,
+            )
             for _ in range(config.n_layers)
         )

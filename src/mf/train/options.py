@@ -385,16 +385,11 @@ def _check_expert_tp(options: TrainOptions, preset: MoEGPTConfig, dp_shard: int)
     etp = options.etp
     if etp == 1:
         return
-    if options.tp > 1:
-        raise ValueError(
-            f"--etp {etp} with --tp {options.tp}: expert tensor parallelism runs with --tp 1 "
-            "(attention data-parallel); expected --tp 1"
-        )
     if dp_shard % (options.ep * etp) != 0:
         raise ValueError(
             f"--etp {etp} x --ep {options.ep} does not divide the {dp_shard} sharded "
-            f"data-parallel ranks (--nproc {options.nproc} / --dp-outer {options.dp_outer}); "
-            "expected --ep x --etp to divide them"
+            f"data-parallel ranks (--nproc {options.nproc} / --tp {options.tp} / --dp-outer "
+            f"{options.dp_outer}); expected --ep x --etp to divide them"
         )
     for what, width in (("FFN width", preset.expert_ffn_size), ("d_model", preset.d_model)):
         if width % etp != 0:

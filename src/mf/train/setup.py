@@ -143,7 +143,7 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         full_weights = plain_model(config).state_dict()
         split: GPTTensorParallel
         if isinstance(config, MoEGPTConfig):
-            split, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
+            split, unit = MoEGPTTensorParallel(config, tp_group, ep_group, etp_group), MoEBlock
         else:
             split, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
         split.load_full_weights(full_weights)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard
 
 import mf_fsdp
 import mf_rng
-from mf.models.moe_gpt import MoEBlock, MoEGPT
+from mf.models.moe_gpt import MoEBlock, MoEGPT, MoEGPTTensorParallel
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import reference_run
 from tests.fsdp.engine.test_experts import (
@@ -163,6 +163,33 @@ def _rank_expert_rng(rank: int, world: int) -> None:
             assert same == (shares[other] == share), (shape, rank, other, shares)
 
 
+def _rank_tp_etp(rank: int, world: int) -> None:
+    """Attention TP 2 x dp 2, the experts ETP 2 over the dp ranks of each TP rank (separate)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    expert_mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "etp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    ref_losses, ref_params = reference_run(
+        "sgd", 2, STEPS, clip=CLIP, make=make_moe, optimizer=make_optimizer
+    )
+    module = MoEGPTTensorParallel(
+        CONFIG, mesh["tp"].get_group(), etp_group=expert_mesh["etp"].get_group()
+    )
+    module.load_full_weights(make_moe().state_dict())
+    opt = make_optimizer("sgd", module.parameters())
+    model, opt = mf_fsdp.fully_shard(
+        module,
+        opt,
+        device_mesh=mesh,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        expt_device_mesh=expert_mesh,
+        fsdp_unit_modules=[MoEBlock],
+    )
+    losses = _train(model, opt, dp_rank, world, STEPS)  # TP ranks share their dp batch
+    _check(losses, _full(model), ref_losses, ref_params, "tp2 x etp2 sgd")
+
+
 def _rank_world4(rank: int, world: int, configs: list[tuple[int, int, int, int, str]]) -> None:
     _rank_expert_rng(rank, world)
+    _rank_tp_etp(rank, world)
     _rank_parity(rank, world, configs)
