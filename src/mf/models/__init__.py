@@ -50,7 +50,8 @@ def plain_model(
     if isinstance(config, MoEGPTConfig):
         return MoEGPT(config, ep_group, etp_group)
     if ep_group is not None or etp_group is not None:
-        raise ValueError(f"plain_model: expert groups need a MoEGPTConfig, got {config!r}")
+        name = "ep_group" if ep_group is not None else "etp_group"
+        raise ValueError(f"plain_model: {name} needs a MoEGPTConfig, got {config!r}")
     return GPT(config)
 
 
