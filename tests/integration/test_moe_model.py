@@ -40,6 +40,8 @@ def test_plain_model_builds_the_config_s_model() -> None:
 def test_plain_model_refuses_an_ep_group_for_a_dense_config() -> None:
     with pytest.raises(ValueError, match="plain_model: ep_group needs a MoEGPTConfig"):
         plain_model(PRESETS["tiny"], ep_group=object())
+    with pytest.raises(ValueError, match="plain_model: etp_group needs a MoEGPTConfig"):
+        plain_model(PRESETS["tiny"], etp_group=object())
 
 
 def test_moe_gpt_reports_its_routing() -> None:

@@ -87,6 +87,20 @@ def test_defaults_follow_the_hardware(gpus: int) -> None:
             ["--model", "moe-tiny", "--ep", "4", "--nproc", "4", "--tp", "2"],
             r"--ep 4 does not divide the 2 sharded data-parallel ranks \(--nproc 4 / --tp 2",
         ),
+        (["--etp", "2"], r"--etp 2 needs a mixture-of-experts --model \(one of \['moe-small'"),
+        (["--model", "moe-tiny", "--etp", "0"], "--etp must be at least 1, got 0"),
+        (
+            ["--model", "moe-tiny", "--ep", "2", "--etp", "2", "--nproc", "2"],
+            r"--etp 2 x --ep 2 does not divide the 2 sharded data-parallel ranks",
+        ),
+        (
+            ["--model", "moe-tiny", "--etp", "3", "--nproc", "3"],
+            "--etp 3 does not divide the experts' FFN width 128 of the 'moe-tiny' model",
+        ),
+        (
+            ["--model", "moe-tiny", "--etp", "4", "--nproc", "4", "--tp", "2"],
+            r"--etp 4 x --ep 1 does not divide the 2 sharded data-parallel ranks \(--nproc 4",
+        ),
     ],
 )
 def test_option_errors(argv: list[str], message: str) -> None:

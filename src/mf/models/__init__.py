@@ -41,12 +41,17 @@ MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
 """Every preset ``mf-train --model`` takes: the dense GPTs and the mixtures of experts."""
 
 
-def plain_model(config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> GPT:
-    """The model of ``config`` on one process (or its experts spread over ``ep_group``)."""
+def plain_model(
+    config: GPTConfig,
+    ep_group: dist.ProcessGroup | None = None,
+    etp_group: dist.ProcessGroup | None = None,
+) -> GPT:
+    """The model of ``config`` on one process (or its experts over ``ep_group`` x ``etp_group``)."""
     if isinstance(config, MoEGPTConfig):
-        return MoEGPT(config, ep_group)
-    if ep_group is not None:
-        raise ValueError(f"plain_model: ep_group needs a MoEGPTConfig, got {config!r}")
+        return MoEGPT(config, ep_group, etp_group)
+    if ep_group is not None or etp_group is not None:
+        name = "ep_group" if ep_group is not None else "etp_group"
+        raise ValueError(f"plain_model: {name} needs a MoEGPTConfig, got {config!r}")
     return GPT(config)
 
 

@@ -205,11 +205,12 @@ class GPTTensorParallel(nn.Module):
                 raise KeyError(f"load_full_weights: full_state has no {name!r}")
             full = full_state[name]
             target: torch.Tensor = param
-            if isinstance(param, DTensor):  # grouped experts: Shard(0) over the EP group
-                (placement,) = param.placements
-                assert isinstance(placement, Shard)  # mf-tp's grouped experts are sharded
+            if isinstance(param, DTensor):  # grouped experts: over the EP and ETP groups
                 mesh = param.device_mesh
-                full = full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+                for mesh_dim, placement in enumerate(param.placements):
+                    assert isinstance(placement, Shard)  # mf-tp's grouped experts are sharded
+                    pieces = full.chunk(mesh.size(mesh_dim), dim=placement.dim)
+                    full = pieces[mesh.get_local_rank(mesh_dim)]
                 target = param.to_local()
             elif is_mcore_tensor_model_parallel(param):
                 dim = get_mcore_tensor_parallel_partition_dim(param)

@@ -124,6 +124,7 @@ class MoEBlock(nn.Module):
         ep_group: the expert-parallel group, or None for every expert here.
         attention: the attention module (default: ``CausalSelfAttention``; the TP
             model passes its tensor-parallel one).
+        etp_group: the expert-tensor-parallel group, or None for whole experts.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class MoEBlock(nn.Module):
         config: MoEGPTConfig,
         ep_group: dist.ProcessGroup | None,
         attention: nn.Module | None = None,
+        etp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
@@ -142,6 +144,7 @@ class MoEBlock(nn.Module):
             config.num_experts,
             config.top_k,
             ep_group=ep_group,
+            etp_group=etp_group,
         )
         self.drop = nn.Dropout(config.dropout)
 
@@ -218,14 +221,23 @@ class MoEGPT(_RoutedModel, GPT):
         config: the model shape (e.g. ``MOE_PRESETS["moe-tiny"]``).
         ep_group: the expert-parallel group (its size must divide ``num_experts``), or
             None for one process holding every expert.
+        etp_group: the expert-tensor-parallel group (its size must divide
+            ``expert_ffn_size`` and ``d_model``), or None for whole experts.
     """
 
     config: MoEGPTConfig  # declared on the class itself: its two bases declare it differently
 
-    def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        ep_group: dist.ProcessGroup | None = None,
+        etp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         if not isinstance(config, MoEGPTConfig):
             raise TypeError(f"MoEGPT: config must be a MoEGPTConfig, got {config!r}")
-        super().__init__(config, block=lambda _: MoEBlock(config, ep_group))  # GPT passes config
+        super().__init__(
+            config, block=lambda _: MoEBlock(config, ep_group, etp_group=etp_group)
+        )  # GPT passes config
 
     def _initialises_itself(self, name: str) -> bool:
         return ".moe." in name  # drawn by reset_parameters, after the dense weights
@@ -247,6 +259,7 @@ class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
         config: the model shape.
         tp_group: the tensor-parallel group.
         ep_group: the expert-parallel group (ranks of the same TP rank), or None.
+        etp_group: the expert-tensor-parallel group (ranks of the same TP rank), or None.
     """
 
     config: MoEGPTConfig  # declared on the class itself: its two bases declare it differently
@@ -256,12 +269,18 @@ class MoEGPTTensorParallel(_RoutedModel, GPTTensorParallel):
         config: MoEGPTConfig,
         tp_group: dist.ProcessGroup,
         ep_group: dist.ProcessGroup | None = None,
+        etp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(config, tp_group)
         mp_config = ModelParallelConfig(
             tensor_model_parallel_size=dist.get_world_size(tp_group), use_cpu_initialization=True
         )
         self.blocks = nn.ModuleList(
-            MoEBlock(config, ep_group, TensorParallelAttention(config, mp_config, tp_group))
+            MoEBlock(
+                config,
+                ep_group,
+                TensorParallelAttention(config, mp_config, tp_group),
+                etp_group=etp_group,
+            )
             for _ in range(config.n_layers)
         )

@@ -107,6 +107,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="expert-parallel size (moe-* models): each group of --ep data-parallel ranks "
         "holds the experts once between them",
     )
+    add(
+        "--etp",
+        type=int,
+        default=1,
+        help="expert-tensor-parallel size (moe-* models, with --ep): each expert's FFN is "
+        "split over --etp data-parallel ranks (by columns, then rows)",
+    )
     add("--steps", type=int, default=600, help="optimizer steps")
     add(
         "--micro-batch",
@@ -210,6 +217,7 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         "tp",
         "cp",
         "ep",
+        "etp",
         "dp_outer",
         "steps",
         "micro_batch",
@@ -347,14 +355,15 @@ def _check_context_parallel(options: TrainOptions, preset: object) -> None:
 
 
 def _check_experts(options: TrainOptions, preset: object) -> None:
-    """Refuse an --ep that the model or the data-parallel ranks cannot take."""
+    """Refuse an --ep (or --etp) that the model or the data-parallel ranks cannot take."""
     if not isinstance(preset, MoEGPTConfig):
-        if options.ep > 1:
-            moe = sorted(n for n, c in MODEL_PRESETS.items() if isinstance(c, MoEGPTConfig))
-            raise ValueError(
-                f"--ep {options.ep} needs a mixture-of-experts --model (one of {moe}), "
-                f"got {options.model!r}"
-            )
+        for flag, size in (("--ep", options.ep), ("--etp", options.etp)):
+            if size > 1:
+                moe = sorted(n for n, c in MODEL_PRESETS.items() if isinstance(c, MoEGPTConfig))
+                raise ValueError(
+                    f"{flag} {size} needs a mixture-of-experts --model (one of {moe}), "
+                    f"got {options.model!r}"
+                )
         return
     dp_shard = options.dp_size // options.dp_outer
     if dp_shard % options.ep != 0:
@@ -368,3 +377,23 @@ def _check_experts(options: TrainOptions, preset: object) -> None:
             f"--ep {options.ep} does not divide the {preset.num_experts} experts of the "
             f"{options.model!r} model; expected a divisor of {preset.num_experts}"
         )
+    _check_expert_tp(options, preset, dp_shard)
+
+
+def _check_expert_tp(options: TrainOptions, preset: MoEGPTConfig, dp_shard: int) -> None:
+    """Refuse an --etp the ranks or the experts' widths cannot take."""
+    etp = options.etp
+    if etp == 1:
+        return
+    if dp_shard % (options.ep * etp) != 0:
+        raise ValueError(
+            f"--etp {etp} x --ep {options.ep} does not divide the {dp_shard} sharded "
+            f"data-parallel ranks (--nproc {options.nproc} / --tp {options.tp} / --dp-outer "
+            f"{options.dp_outer}); expected --ep x --etp to divide them"
+        )
+    for what, width in (("FFN width", preset.expert_ffn_size), ("d_model", preset.d_model)):
+        if width % etp != 0:
+            raise ValueError(
+                f"--etp {etp} does not divide the experts' {what} {width} of the "
+                f"{options.model!r} model; expected a divisor of {width}"
+            )

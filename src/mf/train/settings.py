@@ -43,6 +43,7 @@ class TrainOptions:
     timeout: float = 300.0
     max_restarts: int = 0
     ep: int = 1
+    etp: int = 1
     allow_changed_settings: bool = False
     sync_save: bool = False
     resume_from: str | None = None

@@ -2,7 +2,7 @@
 
 Every rank builds the same model from the seed, converts what ``--precision``
 asks, and shards it with mf-fsdp over the mesh ``--tp``, ``--dp-outer``, ``--cp``
-and ``--ep`` describe.
+``--ep`` and ``--etp`` describe.
 """
 
 from __future__ import annotations
@@ -105,17 +105,19 @@ def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def _expert_mesh(options: TrainOptions, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh of a MoE model's experts: each ``ep`` group is ``--ep`` consecutive dp ranks.
+    """The mesh of a MoE model's experts: ``(dp_outer, dp_cp, ep, etp, tp)``.
 
     Same ranks and row-major order as ``mesh`` (whose cp size is 1 for a MoE
     model), its ``dp`` dim split into the expert-data-parallel ``dp_cp`` (the
     ranks holding the same experts, which their gradients are reduced over;
-    named as the dense mesh's shard dim) and ``ep``.
+    named as the dense mesh's shard dim), ``ep`` and ``etp``: each ETP group is
+    ``--etp`` consecutive dp ranks, each EP group ``--ep`` ETP groups apart.
     """
+    experts = options.ep * options.etp
     return init_device_mesh(
         mesh.device_type,
-        (options.dp_outer, mesh["dp"].size() // options.ep, options.ep, options.tp),
-        mesh_dim_names=("dp_outer", "dp_cp", "ep", "tp"),
+        (options.dp_outer, mesh["dp"].size() // experts, options.ep, options.etp, options.tp),
+        mesh_dim_names=("dp_outer", "dp_cp", "ep", "etp", "tp"),
     )
 
 
@@ -131,16 +133,17 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
     moe = isinstance(config, MoEGPTConfig)
     expert_mesh = _expert_mesh(options, mesh) if moe else None
     ep_group = None if expert_mesh is None else expert_mesh["ep"].get_group()
+    etp_group = None if expert_mesh is None or options.etp == 1 else expert_mesh["etp"].get_group()
     module: nn.Module
     unit: type[nn.Module]
-    if options.tp == 1:  # experts are keyed globally: --ep does not change the model either
-        module, unit = plain_model(config, ep_group), (MoEBlock if moe else Block)
+    if options.tp == 1:  # experts are keyed globally: --ep, --etp do not change the model either
+        module, unit = plain_model(config, ep_group, etp_group), (MoEBlock if moe else Block)
     else:  # the same weights, split: --tp does not change the initial model
         tp_group = mesh["tp"].get_group()
         full_weights = plain_model(config).state_dict()
         split: GPTTensorParallel
         if isinstance(config, MoEGPTConfig):
-            split, unit = MoEGPTTensorParallel(config, tp_group, ep_group), MoEBlock
+            split, unit = MoEGPTTensorParallel(config, tp_group, ep_group, etp_group), MoEBlock
         else:
             split, unit = GPTTensorParallel(config, tp_group), TensorParallelBlock
         split.load_full_weights(full_weights)

@@ -60,6 +60,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         "tp": options.tp,
         "cp": options.cp,
         "ep": options.ep,
+        "etp": options.etp,
         "zero": options.zero,
         "optimizer": options.optimizer,
         **{name: getattr(options, name) for name in RESULT_SETTINGS},

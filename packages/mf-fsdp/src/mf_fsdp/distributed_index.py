@@ -140,6 +140,9 @@ class FSDPDistributedIndex:
             self._logical_mesh = self._swapped_mesh[(shard, outer)]
         # Dims across which this (expert) index's parameters are equal copies.
         self.replicated_dims: tuple[str | None, ...] = ()
+        # Further tp dims after tp_dim: an expert index's expert-TP dim (set by fully_shard
+        # from the expert DTensors' mesh, ``("ep", "etp")``).
+        self.extra_tp_dims: tuple[str, ...] = ()
         self.expert_index = (
             None
             if expt_device_mesh is None
@@ -155,7 +158,8 @@ class FSDPDistributedIndex:
         experts), so a norm over all parameters sums across them too. Empty for a
         mesh whose every dim is a dp or tp dim.
         """
-        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim, *self.replicated_dims}
+        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim, *self.extra_tp_dims}
+        used.update(self.replicated_dims)
         if self.device_mesh.ndim == 1:
             return ()
         # A dim inside a used one (dp and cp under a flattened dp_cp) is no expert dim.
@@ -377,7 +381,7 @@ class FSDPDistributedIndex:
         return self.get_submesh(self._outer_and_shard_dims())
 
     def dp_tp_mesh(self) -> DeviceMesh:
-        """The data-parallel dims of :meth:`dp_mesh`, in its order, plus the tp dim last.
+        """The data-parallel dims of :meth:`dp_mesh`, in its order, then the tp dim(s).
 
         The mesh of a checkpoint's tensor-parallel DTensors (no communication).
 
@@ -388,7 +392,7 @@ class FSDPDistributedIndex:
             raise ValueError("FSDPDistributedIndex.dp_tp_mesh: needs a tp_dim, got None")
         root = self._swapped_mesh if self._swapped_mesh is not None else self.device_mesh
         dp_dims = tuple(self.dp_mesh().mesh_dim_names or ())
-        return _sub_mesh(root, (*dp_dims, self.tp_dim))
+        return _sub_mesh(root, (*dp_dims, self.tp_dim, *self.extra_tp_dims))
 
 
 def _sub_mesh(root: DeviceMesh, dims: Sequence[str]) -> DeviceMesh:

@@ -27,7 +27,7 @@ from mf_fsdp.config import (
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine.discover import expert_dtensor_dim
+from mf_fsdp.engine.discover import expert_dtensor_dims
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options
 from mf_fsdp.optim.optimizer import Optimizers, fully_shard_optimizer
@@ -223,6 +223,7 @@ def fully_shard_model(
             f"device_mesh: covers {device_mesh.size()} ranks (shape {tuple(device_mesh.shape)}) "
             f"but the world has {dist.get_world_size()}; expected a mesh over every rank"
         )
+    expert_dims = expert_dtensor_dims(module, expt_device_mesh)
     index = FSDPDistributedIndex(
         device_mesh,
         dp_shard_dim=dp_shard_dim,
@@ -230,8 +231,10 @@ def fully_shard_model(
         tp_dim=tp_dim,
         hsdp_outer_dp_shard=hybrid,
         expt_device_mesh=expt_device_mesh,
-        expt_tp_dim=expert_dtensor_dim(module, expt_device_mesh),
+        expt_tp_dim=expert_dims[0] if expert_dims else None,
     )
+    if index.expert_index is not None:  # experts over (ep, etp): etp is a second tp dim
+        index.expert_index.extra_tp_dims = expert_dims[1:]
     model = MegatronFSDP(
         module,
         index,

@@ -11,6 +11,7 @@
 - :mod:`mf_tp.data`: broadcast_data.
 - :mod:`mf_tp.grouped_experts`: experts as grouped 3-D weights, one grouped matmul.
 - :mod:`mf_tp.expert_parallel`: expert parallelism for transformers' grouped experts.
+- :mod:`mf_tp.expert_rows`: expert rows between ranks (the dispatch's row orders, expert TP).
 - :mod:`mf_tp.moe`: dropless expert-parallel mixture of experts (router, dispatch, MoELayer).
 - :mod:`mf_tp.inference`: inference layers with the fused RS + residual + RMSNorm + AG path.
 - :mod:`mf_tp.partition`: split helpers and VocabUtility.

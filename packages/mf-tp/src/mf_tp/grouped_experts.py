@@ -153,10 +153,19 @@ class GroupedExperts(nn.Module):
     """``num_experts`` expert MLPs (``out(gelu(fc(x)))``, ``[N, H] -> [N, H]``) as grouped weights.
 
     Every parameter is parameter-shaped over all ``E`` experts (``fc_weight [E, F, H]``),
-    whatever the expert-parallel size: with an ``ep_group`` of size ``p`` it is a DTensor
-    ``Shard(0)`` over a 1-D ``ep`` mesh of that group (torchtitan's form), each rank's local
-    tensor its ``E / p`` experts ``[r * E/p, (r + 1) * E/p)``; without one, a plain tensor.
-    So a state dict holds the same full ``[E, ...]`` tensors at any EP size.
+    whatever the expert-parallel (EP) and expert-tensor-parallel (ETP) sizes. With an
+    ``ep_group`` of size ``p`` each is a DTensor ``Shard(0)`` over the group (torchtitan's
+    form), each rank's local tensor its ``E / p`` experts ``[r * E/p, (r + 1) * E/p)``. With
+    an ``etp_group`` of size ``t`` each expert's FFN is split over it as well: ``fc`` by
+    columns (``fc_weight`` and ``fc_bias`` split ``F``), ``out`` by rows (``out_weight``
+    split ``F``), and ``out_bias`` split ``H``, so no parameter is duplicated across ETP
+    ranks and none needs a gradient reduction over them. The DTensors then live on a mesh
+    ``("ep", "etp")`` (or ``("etp",)`` at EP 1); without groups they are plain tensors. So a
+    state dict holds the same full ``[E, ...]`` tensors at any EP and ETP size.
+
+    Under ETP, :meth:`forward` returns this rank's partial sums: its ``F / t`` hidden units'
+    share of each row, plus its ``H / t`` slice of ``out_bias``; summing them over the ETP
+    group (:func:`mf_tp.expert_rows.reduce_scatter_expert_rows`) gives the experts' output.
 
     Every parameter carries the expert mark (:func:`mf_utils.set_expert_parallel_attribute`),
     so data-parallel reductions treat it as an expert's. Built on the meta device, the
@@ -175,6 +184,7 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: int,
         *,
         ep_group: dist.ProcessGroup | None = None,
+        etp_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -187,38 +197,46 @@ class GroupedExperts(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GroupedExperts: {name} must be a positive int, got {value!r}")
         ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
-        if num_experts % ep_size != 0:
-            raise ValueError(
-                f"GroupedExperts: num_experts {num_experts} is not divisible by the "
-                f"expert-parallel (EP) size {ep_size}; every EP rank must own the same number "
-                "of experts"
-            )
+        etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
+        for what, total, size in (
+            ("num_experts", num_experts, ep_size),
+            ("ffn_hidden_size", ffn_hidden_size, etp_size),
+            ("hidden_size", hidden_size, etp_size),
+        ):
+            if total % size != 0:
+                kind = "expert-parallel (EP)" if what == "num_experts" else "expert-TP (ETP)"
+                raise ValueError(
+                    f"GroupedExperts: {what} {total} is not divisible by the {kind} size "
+                    f"{size}; every rank must hold an equal share"
+                )
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.num_local_experts = num_experts // ep_size
         ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         self.first_local_expert = ep_rank * self.num_local_experts
+        self.etp_size = etp_size
+        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
         target = torch.device(device) if device is not None else torch.get_default_device()
-        mesh = None
-        if ep_size > 1:
-            assert ep_group is not None  # a size above 1 comes from a group
-            mesh_device = "cpu" if target.type == "meta" else target.type
-            mesh = DeviceMesh.from_group(ep_group, mesh_device, mesh_dim_names=("ep",))
+        mesh = _expert_mesh(
+            ep_group if ep_size > 1 else None,
+            etp_group if etp_size > 1 else None,
+            "cpu" if target.type == "meta" else target.type,
+        )
         g, h, f = self.num_local_experts, hidden_size, ffn_hidden_size
-        shapes = {
-            "fc_weight": (g, f, h),
-            "fc_bias": (g, f),
-            "out_weight": (g, h, f),
-            "out_bias": (g, h),
+        shapes = {  # local shape, the ETP-split dim
+            "fc_weight": ((g, f // etp_size, h), 1),
+            "fc_bias": ((g, f // etp_size), 1),
+            "out_weight": ((g, h, f // etp_size), 2),
+            "out_bias": ((g, h // etp_size), 1),
         }
-        for name, shape in shapes.items():
-            local = torch.empty(shape, device=target, dtype=dtype)
-            data = (
-                local
-                if mesh is None
-                else DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-            )
+        self._etp_dims = {name: dim for name, (_, dim) in shapes.items()}
+        for name, (shape, etp_dim) in shapes.items():
+            data = torch.empty(shape, device=target, dtype=dtype)
+            if mesh is not None:
+                placements = [Shard(0)] if ep_size > 1 else []
+                placements += [Shard(etp_dim)] if etp_size > 1 else []
+                data = DTensor.from_local(data, mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(data))
         self.mark_expert_parameters()
 
@@ -239,7 +257,11 @@ class GroupedExperts(nn.Module):
         return result
 
     def load_initial_weights(self, drawn: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """Copy one dict per expert, all ``E`` (``fc.weight``, ``fc.bias``, ...); keep the local."""
+        """Copy one dict per expert, all ``E`` (``fc.weight``, ``fc.bias``, ...); keep the local.
+
+        Local: this rank's experts, and of each its ETP share (``chunk`` ``etp_rank`` of
+        ``etp_size`` along the split dim).
+        """
         if len(drawn) != self.num_experts:
             raise ValueError(
                 f"GroupedExperts.load_initial_weights: expected {self.num_experts} experts' "
@@ -248,17 +270,49 @@ class GroupedExperts(nn.Module):
         local = drawn[self.first_local_expert : self.first_local_expert + self.num_local_experts]
         with torch.no_grad():
             for name, entry in GROUPED_EXPERT_PARAMETERS.items():
-                _local(self.get_parameter(name)).copy_(torch.stack([d[entry] for d in local]))
+                stacked = torch.stack([d[entry] for d in local])
+                share = stacked.chunk(self.etp_size, dim=self._etp_dims[name])[self.etp_rank]
+                _local(self.get_parameter(name)).copy_(share)
         self.mark_expert_parameters()
 
     def forward(self, hidden_states: torch.Tensor, rows_per_expert: Sequence[int]) -> torch.Tensor:
-        """Apply local expert ``l`` to its block of ``rows_per_expert[l]`` rows, in order."""
+        """Apply local expert ``l`` to its block of ``rows_per_expert[l]`` rows, in order.
+
+        Under ETP: this rank's partial sums (see the class docstring).
+        """
         groups = RowGroups.of(rows_per_expert, hidden_states.device)
         fc_weight, fc_bias, out_weight, out_bias = (
             _local(p) for p in (self.fc_weight, self.fc_bias, self.out_weight, self.out_bias)
         )
+        if self.etp_size > 1:  # this rank's H slice of the bias, zeros elsewhere
+            width = out_bias.shape[1]
+            before = self.etp_rank * width
+            out_bias = F.pad(out_bias, (before, self.hidden_size - before - width))
         hidden = grouped_linear(hidden_states, fc_weight, fc_bias, groups)
         return grouped_linear(F.gelu(hidden), out_weight, out_bias, groups)
+
+
+def _expert_mesh(
+    ep_group: dist.ProcessGroup | None, etp_group: dist.ProcessGroup | None, device_type: str
+) -> DeviceMesh | None:
+    """The experts' DTensor mesh: ``("ep",)``, ``("etp",)``, ``("ep", "etp")`` or None.
+
+    The 2-D mesh's rank ``[i][j]`` holds EP rank ``i`` and ETP rank ``j`` of this rank's
+    experts; each ETP rank contributes its EP group's ranks (one gather at construction).
+    """
+    if ep_group is None and etp_group is None:
+        return None
+    if etp_group is None or ep_group is None:
+        group, name = (ep_group, "ep") if etp_group is None else (etp_group, "etp")
+        assert group is not None  # one of the two is given
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    columns: list[list[int] | None] = [None] * dist.get_world_size(etp_group)
+    dist.all_gather_object(columns, ep_ranks, group=etp_group)
+    mesh = torch.tensor(columns).T  # [ep, etp]
+    return DeviceMesh.from_group(
+        [ep_group, etp_group], device_type, mesh=mesh, mesh_dim_names=("ep", "etp")
+    )
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mf_tp.expert_rows import (
+    ensure_joins_backward,
+    gather_expert_rows,
+    inverse_permutation,
+    reduce_scatter_expert_rows,
+    regroup_by_local_expert,
+)
 from mf_tp.grouped_experts import GroupedExperts
 from mf_tp.mappings import all_to_all
 from mf_utils import set_expert_parallel_attribute
@@ -217,24 +224,6 @@ class TokenDispatchState:
     ep_group: _Group | None
 
 
-def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
-
-
-def _ensure_joins_backward(rows: torch.Tensor) -> torch.Tensor:
-    """Make ``rows`` require grad so this rank runs the all-to-all's backward exchange.
-
-    The exchange's backward is a collective: if one rank's rows needed no
-    gradient (a first layer fed raw data, frozen experts) it would skip it
-    while its peers wait. The gradient that arrives here is simply discarded.
-    """
-    if torch.is_grad_enabled() and not rows.requires_grad:
-        return rows.detach().requires_grad_(True)
-    return rows
-
-
 def _exchange_counts(
     send_counts: torch.Tensor, ep_group: _Group, ep_size: int
 ) -> tuple[list[int], list[int], torch.Tensor]:
@@ -250,17 +239,6 @@ def _exchange_counts(
     recv_pL = recv_counts_E.view(ep_size, -1)
     send_sizes, recv_sizes = torch.stack([send_pL.sum(1), recv_pL.sum(1)]).tolist()
     return send_sizes, recv_sizes, recv_pL
-
-
-def _regroup_by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
-    """Order turning (source, local expert) blocks into (local expert, source) blocks.
-
-    ``recv_counts[s, l]`` is the size of block (source ``s``, local expert ``l``).
-    """
-    ep_size, num_local = recv_counts.shape
-    block_expert = torch.arange(num_local, device=recv_counts.device).repeat(ep_size)
-    row_expert = block_expert.repeat_interleave(recv_counts.reshape(-1))
-    return torch.argsort(row_expert, stable=True)
 
 
 def dispatch_tokens(
@@ -326,8 +304,8 @@ def dispatch_tokens(
 
     assert ep_group is not None  # no group has size 1
     send_sizes, recv_sizes, recv_counts_pL = _exchange_counts(send_counts_E, ep_group, ep_size)
-    received = all_to_all(ep_group, _ensure_joins_backward(sorted_rows), recv_sizes, send_sizes)
-    regroup_order = _regroup_by_local_expert(recv_counts_pL)
+    received = all_to_all(ep_group, ensure_joins_backward(sorted_rows), recv_sizes, send_sizes)
+    regroup_order = regroup_by_local_expert(recv_counts_pL)
     state = TokenDispatchState(
         sort_order=sort_order,
         regroup_order=regroup_order,
@@ -366,14 +344,14 @@ def combine_tokens(
         )
     rows = expert_output
     if state.ep_group is not None and state.regroup_order is not None:
-        received = rows.index_select(0, _inverse_permutation(state.regroup_order))
+        received = rows.index_select(0, inverse_permutation(state.regroup_order))
         rows = all_to_all(
             state.ep_group,
-            _ensure_joins_backward(received),
+            ensure_joins_backward(received),
             state.send_split_sizes,
             state.recv_split_sizes,
         )
-    flat_rows = rows.index_select(0, _inverse_permutation(state.sort_order))  # [T*k, H]
+    flat_rows = rows.index_select(0, inverse_permutation(state.sort_order))  # [T*k, H]
     per_choice_TkH = flat_rows.view(num_tokens, top_k, expert_output.shape[1])
     return (per_choice_TkH * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -443,6 +421,14 @@ class ExpertMLP(nn.Module):
 class MoELayer(nn.Module):
     """Dropless top-k mixture-of-experts MLP, its experts spread over an EP group.
 
+    With an ``etp_group`` each expert's FFN is split over it too (expert tensor
+    parallelism, separate from the attention's TP): after the EP dispatch every
+    ETP rank gathers the rows of its ETP peers, computes its share of their
+    hidden units, and the partial outputs are summed back onto each row's rank
+    (:mod:`mf_tp.expert_rows`). The ETP ranks see different tokens (they are
+    data-parallel for the rest of the model); the expert weights' gradients
+    cover all of them.
+
     ``experts`` is a :class:`mf_tp.GroupedExperts`: four parameters with a
     leading expert dim, parameter-shaped over all ``E`` experts at every EP
     size (DTensors ``Shard(0)`` over the EP group when it has more than one
@@ -474,6 +460,7 @@ class MoELayer(nn.Module):
         top_k: int,
         *,
         ep_group: _Group | None = None,
+        etp_group: _Group | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -492,8 +479,15 @@ class MoELayer(nn.Module):
         # nothing that depends on the EP size.
         self.router = TopKRouter(hidden_size, num_experts, top_k, device="meta", dtype=dtype)
         self.experts = GroupedExperts(
-            num_experts, hidden_size, ffn_hidden_size, ep_group=ep_group, device="meta", dtype=dtype
+            num_experts,
+            hidden_size,
+            ffn_hidden_size,
+            ep_group=ep_group,
+            etp_group=etp_group,
+            device="meta",
+            dtype=dtype,
         )
+        self.etp_group = etp_group if self.experts.etp_size > 1 else None
         self.register_load_state_dict_pre_hook(_refuse_per_expert_entries)
         self.load_balance_loss = None
         self.tokens_per_expert = None
@@ -529,7 +523,16 @@ class MoELayer(nn.Module):
         expert_input, state = dispatch_tokens(
             tokens_TH, routing.expert_indices, self.num_experts, self.ep_group
         )
-        expert_output = self.experts(expert_input, state.tokens_per_local_expert)
+        rows_per_expert = state.tokens_per_local_expert
+        if self.etp_group is not None:  # every ETP rank's rows, then their partial sums back
+            expert_input, rows_per_expert, rows = gather_expert_rows(
+                expert_input, rows_per_expert, self.etp_group
+            )
+            expert_output = reduce_scatter_expert_rows(
+                self.experts(expert_input, rows_per_expert), rows
+            )
+        else:
+            expert_output = self.experts(expert_input, rows_per_expert)
         out_TH = combine_tokens(expert_output, routing.weights, state)
         self.load_balance_loss = routing.load_balance_loss
         self.tokens_per_expert = routing.tokens_per_expert.detach()

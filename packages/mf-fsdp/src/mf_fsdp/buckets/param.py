@@ -66,6 +66,7 @@ class ParamPieces:
         tp_size: number of tp ranks.
         tp_stride: interleaved blocks per tp rank along dim 0.
         local_shape: the tp-local shape (the shape in the bucket).
+        trailing: ``(mesh dim, tensor dim)`` of each further tp split (a dim other than 0).
     """
 
     layout: BucketLayout
@@ -77,6 +78,7 @@ class ParamPieces:
     tp_size: int
     tp_stride: int
     local_shape: tuple[int, ...]
+    trailing: tuple[tuple[int, int], ...] = ()
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParamPieces:
         return self  # immutable
@@ -100,7 +102,16 @@ class ParamPieces:
         else:
             begin, end = 0, self.local_shape[0]
         tp_rank = 0 if self.tp_mesh_dim is None else coordinate[self.tp_mesh_dim]
-        return self._global_boxes(begin, end, tp_rank)
+        boxes = self._global_boxes(begin, end, tp_rank)
+        if not self.trailing:
+            return boxes
+        shifted = []
+        for box in boxes:
+            offsets = list(box.offsets)
+            for mesh_dim, dim in self.trailing:
+                offsets[dim] += coordinate[mesh_dim] * self.local_shape[dim]
+            shifted.append(_box(offsets, box.sizes))
+        return tuple(shifted)
 
     def _global_boxes(self, begin: int, end: int, tp_rank: int) -> tuple[ChunkStorageMetadata, ...]:
         rest = list(self.local_shape[1:])

@@ -134,8 +134,9 @@ def validate_tp_params(
     for name, param in named_params:
         index = index_of(param)
         tp_ranks = None
-        if index.tp_dim is not None:
-            tp_ranks = index.get_submesh(index.tp_dim).mesh.flatten().tolist()
+        tp_dims = () if index.tp_dim is None else (index.tp_dim, *index.extra_tp_dims)
+        if tp_dims:
+            tp_ranks = index.get_submesh(tp_dims).mesh.flatten().tolist()
         if getattr(param, "sequence_parallel", False) and tp_ranks is None:
             raise ValueError(
                 f"tp_dim=None but parameter {name!r} is marked sequence_parallel=True (its "
@@ -149,13 +150,21 @@ def validate_tp_params(
                 f"tp_dim=None but {where} is tensor-parallel; expected tp_dim naming the "
                 "device_mesh dim its placements live on"
             )
-        if len(param.placements) != 1:
+        if len(param.placements) != len(tp_dims):
             raise ValueError(
-                f"{where}: expected one placement on the 1-D tp sub-mesh, got "
+                f"{where}: expected one placement per tp dim {tp_dims!r}, got "
                 f"{len(param.placements)}"
             )
-        if not isinstance(param.placements[0], (Shard, Replicate)):
-            raise ValueError(f"{where}: expected a Shard(dim) or Replicate() placement")
+        if not all(isinstance(p, (Shard, Replicate)) for p in param.placements):
+            raise ValueError(f"{where}: expected a Shard(dim) or Replicate() placement per tp dim")
+        later = [p.dim % param.dim() for p in param.placements[1:] if isinstance(p, Shard)]
+        first = param.placements[0]
+        if any(
+            d == 0 or (isinstance(first, Shard) and d == first.dim % param.dim()) for d in later
+        ):
+            raise ValueError(
+                f"{where}: a second tp dim may split only a dim other than 0 and the first's"
+            )
         ranks = param.device_mesh.mesh.flatten().tolist()
         if ranks != tp_ranks:
             raise ValueError(
@@ -175,11 +184,14 @@ class TPInfo:
     """How a parameter is split over the tensor-parallel group.
 
     Attributes:
-        mesh: the 1-D tp DeviceMesh.
-        size: number of tp ranks.
-        rank: this process's tp rank.
+        mesh: the tp DeviceMesh (2-D for a split over two tp dims).
+        size: number of tp ranks of the first tp mesh dim.
+        rank: this process's rank on it.
         dim: the partition dim, or None for a parameter duplicated on every tp rank.
         stride: interleaved blocks per tp rank along ``dim`` (mf-tp's fused QKV: 3).
+        trailing: ``(dim, size)`` of each further tp mesh dim's split, along a dim other
+            than 0 and ``dim`` (expert tensor parallelism: grouped experts split over
+            ``(ep, etp)``, ``Shard(0)`` then ``Shard(1)`` or ``Shard(2)``).
     """
 
     mesh: DeviceMesh
@@ -187,12 +199,15 @@ class TPInfo:
     rank: int
     dim: int | None
     stride: int = 1
+    trailing: tuple[tuple[int, int], ...] = ()
 
     def global_shape(self, local: Sequence[int]) -> torch.Size:
         """The full (tp-gathered) shape of a parameter whose tp-local shape is ``local``."""
         full = list(local)
         if self.dim is not None:
             full[self.dim] *= self.size
+        for dim, size in self.trailing:
+            full[dim] *= size
         return torch.Size(full)
 
 
@@ -207,17 +222,22 @@ def tp_info(name: str, param: nn.Parameter, index: FSDPDistributedIndex) -> TPIn
             a DTensor ``Shard`` dim not divisible by the tp size, an interleaving stride
             on a dim other than 0, or a stride that does not divide the local rows.
     """
+    trailing: list[tuple[int, int]] = []
     if isinstance(param, DTensor):
         mesh = param.device_mesh
-        placement = param.placements[0]
-        dim = placement.dim % param.dim() if isinstance(placement, Shard) else None
-        stride = 1
-        if dim is not None and param.shape[dim] % mesh.size():
-            raise ValueError(
-                f"parameter {name!r}: DTensor of shape {tuple(param.shape)} is split unevenly "
-                f"over {mesh.size()} tp ranks along dim {dim}; expected a dim divisible by "
-                "the tp size"
-            )
+        splits = []
+        for mesh_dim, placement in enumerate(param.placements):
+            dim = placement.dim % param.dim() if isinstance(placement, Shard) else None
+            size = mesh.size(mesh_dim)
+            if dim is not None and param.shape[dim] % size:
+                raise ValueError(
+                    f"parameter {name!r}: DTensor of shape {tuple(param.shape)} is split "
+                    f"unevenly over {size} tp ranks along dim {dim}; expected a dim divisible "
+                    "by the tp size"
+                )
+            splits.append((dim, size))
+        dim, stride = splits[0][0], 1
+        trailing = [(d, size) for d, size in splits[1:] if d is not None]
     elif index.tp_dim is not None:
         mesh = index.get_submesh(index.tp_dim)
         found = get_mcore_tensor_parallel_partition_dim(param)
@@ -231,4 +251,5 @@ def tp_info(name: str, param: nn.Parameter, index: FSDPDistributedIndex) -> TPIn
             f"parameter {name!r}: partition_stride={stride} along dim {dim} with local shape "
             f"{tuple(shape)}; expected the stride on dim 0, dividing its rows"
         )
-    return TPInfo(mesh, mesh.size(), mesh.get_local_rank(), dim, stride)
+    size, rank = mesh.size(0), mesh.get_local_rank(0)  # the first tp mesh dim's
+    return TPInfo(mesh, size, rank, dim, stride, tuple(trailing))

@@ -410,43 +410,49 @@ def discover(
     return Discovered(ignored, sources)
 
 
-def expert_dtensor_dim(module: nn.Module, expt_device_mesh: DeviceMesh | None) -> str | None:
-    """The dim of ``expt_device_mesh`` that ``module``'s expert DTensor parameters live on.
+def expert_dtensor_dims(module: nn.Module, expt_device_mesh: DeviceMesh | None) -> tuple[str, ...]:
+    """The dims of ``expt_device_mesh`` that ``module``'s expert DTensor parameters live on.
 
     Grouped experts split over expert parallelism (mf-tp's ``GroupedExperts``,
     torchtitan's experts) are DTensors ``Shard(d)`` over a 1-D mesh of the
-    expert-parallel group; the engine treats that dim of the expert mesh as their
-    tensor-parallel dim. It is recognised by its ranks: the dim whose group here holds
-    the same ranks as the parameters' mesh. None when no expert parameter is a DTensor.
+    expert-parallel group, or, with expert tensor parallelism, over a 2-D mesh
+    ``(ep, etp)``; the engine treats those dims of the expert mesh as their
+    tensor-parallel dims. Each is recognised by its ranks: the dim whose group here
+    holds the same ranks as that dim of the parameters' mesh. Empty when no expert
+    parameter is a DTensor.
 
     Raises:
-        ValueError: naming a parameter whose mesh matches no dim, or two parameters
+        ValueError: naming a parameter whose mesh dims match no dims, or two parameters
             on different dims.
     """
     if expt_device_mesh is None:
-        return None
+        return ()
     names = expt_device_mesh.mesh_dim_names or ()
     by_ranks = {
         tuple(dist.get_process_group_ranks(expt_device_mesh.get_group(name))): name
         for name in names
     }
-    found: tuple[str, str] | None = None
+    found: tuple[str, tuple[str, ...]] | None = None
     for param_name, param in module.named_parameters():
         if not (isinstance(param, DTensor) and is_expert_parallel_parameter(param)):
             continue
-        ranks = tuple(param.device_mesh.mesh.flatten().tolist())
-        dim = by_ranks.get(ranks) if param.device_mesh.ndim == 1 else None
-        if dim is None:
+        mesh = param.device_mesh
+        dims = tuple(
+            by_ranks.get(tuple(dist.get_process_group_ranks(mesh.get_group(i))), "")
+            for i in range(mesh.ndim)
+        )
+        if not all(dims):
             shape = dict(zip(names, expt_device_mesh.shape, strict=True))
+            ranks = mesh.mesh.flatten().tolist()
             raise ValueError(
                 f"expt_device_mesh: expert parameter {param_name!r} is a DTensor over ranks "
-                f"{list(ranks)} ({param.device_mesh}); expected a 1-D mesh over the ranks of "
-                f"one dim of expt_device_mesh {shape}"
+                f"{ranks} ({mesh}); expected a mesh whose every dim is a dim of "
+                f"expt_device_mesh {shape}"
             )
-        if found is not None and found[1] != dim:
+        if found is not None and found[1] != dims:
             raise ValueError(
                 f"expt_device_mesh: expert parameters {found[0]!r} and {param_name!r} are "
-                f"DTensors over its dims {found[1]!r} and {dim!r}; expected one dim"
+                f"DTensors over its dims {found[1]!r} and {dims!r}; expected the same dims"
             )
-        found = found or (param_name, dim)
-    return None if found is None else found[1]
+        found = found or (param_name, dims)
+    return () if found is None else found[1]

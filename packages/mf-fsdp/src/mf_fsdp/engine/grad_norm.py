@@ -170,9 +170,10 @@ def _local_part(grads: list[torch.Tensor], norm_type: float, is_inf: bool) -> to
     if is_inf:
         maxes = [g.detach().abs().max() for g in grads if g.numel()]
         return torch.stack(maxes).max().float() if maxes else torch.zeros((), device=device)
-    norms = torch._foreach_norm([g.detach() for g in grads if g.numel()], norm_type)
-    if not norms:
+    present = [g.detach() for g in grads if g.numel()]
+    if not present:  # this rank owns no rows of these (ZeRO-3 over more ranks than rows)
         return torch.zeros((), device=device)
+    norms = torch._foreach_norm(present, norm_type)
     return torch.stack(norms).float().pow(norm_type).sum()
 
 

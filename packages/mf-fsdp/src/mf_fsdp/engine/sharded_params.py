@@ -159,9 +159,13 @@ def _placements_and_pieces(
     """The sharded form's placements (dp dims, then tp) and where every rank's rows lie."""
     placements = list(dp_placements)
     tp_mesh_dim = None
+    trailing: list[tuple[int, int]] = []
     if fp.tp is not None:
         tp_mesh_dim = len(placements)
         placements.append(Replicate() if fp.tp.dim is None else Shard(fp.tp.dim))
+        for dim, _ in fp.tp.trailing:  # further tp dims (expert TP), one mesh dim each
+            trailing.append((len(placements), dim))
+            placements.append(Shard(dim))
     pieces = ParamPieces(
         group.main_layout,
         fp.index,
@@ -172,5 +176,6 @@ def _placements_and_pieces(
         1 if fp.tp is None else fp.tp.size,
         1 if fp.tp is None else fp.tp.stride,
         tuple(fp.shape),
+        tuple(trailing),
     )
     return placements, pieces
