@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from mf.mfu import flops_per_token, peak_flops
+from mf.mfu import dense_flops_per_token, flops_per_token, peak_flops
 from mf.models import MODEL_PRESETS, MoEGPTConfig
+from mf.train.model_folder import folder_of
 from mf.train.options import TrainOptions
 from mf.train.progress import progress_bar
 
@@ -101,6 +102,24 @@ def host_bound_hint(host_shares: list[float], micro_batch: int) -> str | None:
     )
 
 
+def _flops_and_name(options: TrainOptions) -> tuple[float | None, str]:
+    """Training FLOPs per token of ``--model`` (None for a mixture of experts), and its name.
+
+    Dense models only: a mixture of experts computes with a fraction of its parameters.
+    """
+    folder = folder_of(options.model)
+    if folder is not None:
+        flops = dense_flops_per_token(
+            folder.parameters, folder.layers, folder.width, options.seq_len
+        )
+        return flops, folder.name
+    preset = MODEL_PRESETS[options.model]
+    name = f"{options.model} GPT"
+    if isinstance(preset, MoEGPTConfig):
+        return None, name
+    return flops_per_token(preset, options.seq_len), name
+
+
 class Reporter:
     """Progress bar, JSON-lines metrics and the end-of-run summary (rank 0 only)."""
 
@@ -125,11 +144,7 @@ class Reporter:
         self.bar: Any = None
         self._host_shares: list[float] = []
         self._hinted = False
-        preset = MODEL_PRESETS[options.model]
-        # Dense GPTs only: a mixture of experts computes with a fraction of its parameters.
-        self._flops_per_token = (
-            None if isinstance(preset, MoEGPTConfig) else flops_per_token(preset, options.seq_len)
-        )
+        self._flops_per_token, model_name = _flops_and_name(options)
         if not active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +153,7 @@ class Reporter:
         experts = f"ep={options.ep}, " if options.ep > 1 else ""
         context = f"cp={options.cp}, " if options.cp > 1 else ""
         print(
-            f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
+            f"mf-train: {model_name} ({parameters / 1e6:.1f}M parameters), "
             f"{options.nproc} processes (tp={options.tp}, {context}{experts}"
             f"dp_outer={options.dp_outer}, ZeRO-{options.zero}, {options.precision}), "
             f"corpus {corpus}: {train_tokens:,} train / {validation_tokens:,} validation tokens",

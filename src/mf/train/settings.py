@@ -48,6 +48,7 @@ class TrainOptions:
     resume_from: str | None = None
     layer_drop: float = 0.0
     cp: int = 1
+    text_field: str = "text"
 
     @property
     def use_cuda(self) -> bool:

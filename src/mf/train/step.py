@@ -18,11 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from mf.models.float8 import (
     refresh_float8_scales,
 )
-from mf.train.data import TextData, decode, encode
+from mf.train.data import TextData
 from mf.train.export import sample_text
 from mf.train.options import TrainOptions
 from mf.train.sequence_shards import sequence_shards
 from mf.train.setup import dp_coordinates
+from mf.train.tokenized import TokenData
 
 __all__ = ["routing_metrics", "sample_of", "seed_layer_drop", "train_step", "validate"]
 
@@ -42,7 +43,13 @@ def _mean_over(value: torch.Tensor, mesh: DeviceMesh) -> float:
 
 
 def train_step(
-    model, optimizers, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
+    model,
+    optimizers,
+    data: TextData | TokenData,
+    options: TrainOptions,
+    step: int,
+    mesh: DeviceMesh,
+    device,
 ) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches.
 
@@ -133,7 +140,7 @@ def routing_metrics(model, tp: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def validate(
-    model, data: TextData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
+    model, data: TextData | TokenData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
 ) -> float:
     """The validation loss: ``--eval-batches`` held-out batches, averaged over the ranks."""
     model.eval()
@@ -157,12 +164,14 @@ def validate(
 
 
 @torch.no_grad()
-def sample_of(model, prompt: str, options: TrainOptions, device: torch.device) -> str:
+def sample_of(
+    model, data: TextData | TokenData, prompt: str, options: TrainOptions, device: torch.device
+) -> str:
     """Sampling (temperature 0.8) in lockstep on every rank from a shared seed.
 
     In eval mode: every block runs (``--layer-drop`` is for training), and dropout is off.
     """
-    prompt_tokens = encode(prompt).to(device)
+    prompt_tokens = data.encode(prompt).to(device)
     model.eval()
     try:
         sequence = sample_text(
@@ -170,4 +179,4 @@ def sample_of(model, prompt: str, options: TrainOptions, device: torch.device) -
         )
     finally:
         model.train()
-    return decode(sequence.cpu())
+    return data.decode(sequence.cpu())

@@ -25,9 +25,10 @@ from mf.models import (
     MODEL_PRESETS,
 )
 from mf.train.checkpoints import Checkpoints, last_save_reason, restart_checkpoint, resume
-from mf.train.data import TextData, load_corpus
 from mf.train.export import export_model
 from mf.train.failures import report_rank_failure
+from mf.train.folder_export import export_folder
+from mf.train.model_folder import folder_of
 from mf.train.options import RESULT_SETTINGS, TrainOptions
 from mf.train.report import Reporter
 from mf.train.resume import verify_resume
@@ -40,6 +41,7 @@ from mf.train.run_lock import (
 from mf.train.setup import build, dp_coordinates, setup
 from mf.train.step import routing_metrics, sample_of, train_step, validate
 from mf.train.stopping import RunStoppedError, StopFlag, stop_if_diverged
+from mf.train.tokenized import training_data
 from mf_fsdp import checkpoint as fsdp_checkpoint
 
 __all__ = ["RunStoppedError", "main", "train"]
@@ -52,8 +54,7 @@ __all__ = ["RunStoppedError", "main", "train"]
 
 
 def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[str, Any]:
-    text, corpus_name = load_corpus(options.data)
-    data = TextData.from_text(text, options.seq_len)
+    data, corpus_name = training_data(options)
     model, optimizers = build(options, mesh, device)
     info = {
         "model": options.model,
@@ -77,7 +78,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         corpus_name,
         len(data.train),
         len(data.validation),
-        MODEL_PRESETS[options.model].num_parameters(),
+        _parameters(options.model),
     )
     tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum
     tokens_per_step *= dp_coordinates(mesh)[1]
@@ -112,12 +113,24 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     saved_path = checkpoints.newest
     finished = step == options.steps
     sample = (
-        sample_of(model, "The ", options, device) if finished and options.sample_tokens else None
+        sample_of(model, data, "The ", options, device)
+        if finished and options.sample_tokens
+        else None
     )
     exported = None
     if finished and saved_path is not None and reporter.active:
-        exported = export_model(saved_path, Path(options.out_dir), options.model)
+        folder = folder_of(options.model)
+        if folder is None:
+            exported = export_model(saved_path, Path(options.out_dir), options.model)
+        else:
+            exported = export_folder(saved_path, Path(options.out_dir), folder)
     return reporter.finish(sample, saved_path, exported)
+
+
+def _parameters(model: str) -> int:
+    """The parameters of ``--model``: a preset's, or a folder's model's."""
+    folder = folder_of(model)
+    return MODEL_PRESETS[model].num_parameters() if folder is None else folder.parameters
 
 
 def train(options: TrainOptions) -> dict[str, Any]:
