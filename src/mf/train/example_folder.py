@@ -62,7 +62,9 @@ def make_llama_folder(
     no more merges); the model's embedding has ``vocab_size`` rows.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # save_pretrained's bar is not this command's output
     folder.mkdir(parents=True, exist_ok=True)
     save_tokenizer(folder, vocab_size, corpus_chars)
     config = LlamaConfig(

@@ -19,6 +19,7 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.model_folder import ModelFolder, folder_of
+from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
 from mf.train.settings import TrainOptions
 
@@ -190,6 +191,25 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--out-dir", default="runs/mf-train", help="metrics, loss curve, sample, model export")
     add("--no-plot", dest="plot", action="store_false", help="do not draw loss.png")
     add(
+        "--tensorboard",
+        action="store_true",
+        help="write loss, validation loss, lr, grad norm, tokens/s, MFU and memory per step "
+        "to <out-dir>/tensorboard (rank 0)",
+    )
+    add(
+        "--profile",
+        default=None,
+        metavar="START:END",
+        help="a torch.profiler Chrome trace of steps START to END (from 1, both included) per "
+        "rank, in <out-dir>/profile/rank<R>.json",
+    )
+    add(
+        "--peak-tflops",
+        type=_finite_float,
+        default=None,
+        help="the device's peak TFLOP/s for MFU (default: known for H100, H200, A100; else no MFU)",
+    )
+    add(
         "--max-restarts",
         type=int,
         default=0,
@@ -246,6 +266,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     if options.save_every < 0:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
+    if options.profile is not None:
+        parse_window(options.profile, options.steps)
+    if options.peak_tflops is not None and not options.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be a positive number, got {options.peak_tflops}")
     if options.nproc % options.tp != 0:
         raise ValueError(
             f"--tp {options.tp} does not divide the {options.nproc} processes (--nproc); "

@@ -27,6 +27,7 @@ from mf.models import MODEL_PRESETS, MoEGPTConfig
 from mf.train.model_folder import folder_of
 from mf.train.options import TrainOptions
 from mf.train.progress import progress_bar
+from mf.train.tensorboard import TensorBoardWriter
 
 __all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "host_bound_hint", "last_saved_checkpoint"]
 
@@ -144,6 +145,7 @@ class Reporter:
         self.bar: Any = None
         self._host_shares: list[float] = []
         self._hinted = False
+        self.tensorboard: TensorBoardWriter | None = None
         self._flops_per_token, model_name = _flops_and_name(options)
         if not active:
             return
@@ -162,6 +164,8 @@ class Reporter:
         if start_step:
             print(f"mf-train: resumed from {options.ckpt_dir} at step {start_step}", flush=True)
         self.bar = progress_bar(options.steps, start_step)
+        if options.tensorboard:
+            self.tensorboard = TensorBoardWriter(self.out_dir, start_step)
 
     def _earlier_records(self, start_step: int) -> list[dict[str, Any]]:
         """The metrics of the steps a resumed run keeps (up to ``start_step``).
@@ -182,6 +186,8 @@ class Reporter:
         # fp8 against the bf16 peak, as torchtitan reports it: the same work, done faster.
         dtype = torch.float32 if self.options.precision == "fp32" else torch.bfloat16
         peak = peak_flops(device, dtype)
+        if self.options.peak_tflops is not None:
+            peak = (self.options.peak_tflops * 1e12, "--peak-tflops")
         if peak is None or self._flops_per_token is None:
             return None
         return self._flops_per_token * tokens_per_s / (peak[0] * self.options.nproc)
@@ -207,6 +213,7 @@ class Reporter:
         mfu = self.mfu(tokens_per_s, device)
         if mfu is not None:
             record["mfu"] = mfu
+        record["memory_mib"] = _memory_mib(device)
         record.update(extra or {})
         self._note_host_share(step, host_share, device)
         if validation is not None:
@@ -215,10 +222,12 @@ class Reporter:
         self.history.append(record)
         with open(self.metrics_path, "a") as out:
             out.write(_json_line(record))
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         postfix = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}"}
         if mfu is not None:
             postfix["mfu"] = f"{mfu:.2f}"
-        postfix["mem"] = f"{_memory_mib(device):.0f}MiB"
+        postfix["mem"] = f"{record['memory_mib']:.0f}MiB"
         self.bar.set_postfix(postfix)
         self.bar.update(1)
 
@@ -261,6 +270,8 @@ class Reporter:
         except BaseException:
             if self.bar is not None:
                 self.bar.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             raise
 
     def stopped(self, message: str) -> None:
@@ -281,6 +292,8 @@ class Reporter:
         if not self.active:
             return {}
         self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         seconds = time.perf_counter() - self.started
         last = self.history[-1] if self.history else {}
         validations = [r["validation_loss"] for r in self.history if "validation_loss" in r]

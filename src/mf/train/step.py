@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,14 @@ from mf.train.sequence_shards import sequence_shards
 from mf.train.setup import dp_coordinates
 from mf.train.tokenized import TokenData
 
-__all__ = ["routing_metrics", "sample_of", "seed_layer_drop", "train_step", "validate"]
+__all__ = [
+    "StepResult",
+    "routing_metrics",
+    "sample_of",
+    "seed_layer_drop",
+    "train_step",
+    "validate",
+]
 
 
 def _learning_rate(options: TrainOptions, step: int) -> float:
@@ -42,6 +49,19 @@ def _mean_over(value: torch.Tensor, mesh: DeviceMesh) -> float:
     return total.item() / dist.get_world_size()
 
 
+class StepResult(NamedTuple):
+    """What one optimizer step reports."""
+
+    loss: float
+    """The loss, averaged over the ranks."""
+    issued: float
+    """When (``time.perf_counter()``) the host had issued all of the step's work."""
+    lr: float
+    """The step's learning rate."""
+    grad_norm: float | None
+    """The gradients' total 2-norm before the step (``--tensorboard`` only: a collective)."""
+
+
 def train_step(
     model,
     optimizers,
@@ -50,18 +70,18 @@ def train_step(
     step: int,
     mesh: DeviceMesh,
     device,
-) -> tuple[float, float]:
+) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches.
 
-    Returns the mean loss over ranks and the moment (``time.perf_counter()``) the
-    host had issued all of the step's work, before it waits for the loss. The
+    The issue moment is taken before the host waits for the loss. The
     micro-batches are copied to the device first: a copy from pageable memory
     waits for the device's earlier work, which would count as host time.
     """
     dp_rank, dp_size = dp_coordinates(mesh)
+    lr = _learning_rate(options, step)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(options, step)
+            group["lr"] = lr
     batches = [
         tuple(
             t.to(device)
@@ -89,6 +109,11 @@ def train_step(
             loss = model(inputs, targets, positions=positions) / options.grad_accum
             loss.backward()
         losses.append(loss.detach())
+    grad_norm = None
+    if options.tensorboard:
+        from mf_fsdp import get_grad_norm
+
+        grad_norm = get_grad_norm(model).item()
     for optimizer in optimizers:
         optimizer.step()
     if options.precision == "fp8":
@@ -96,7 +121,7 @@ def train_step(
     for optimizer in optimizers:
         optimizer.zero_grad()
     issued = time.perf_counter()
-    return _mean_over(torch.stack(losses).sum(), mesh), issued
+    return StepResult(_mean_over(torch.stack(losses).sum(), mesh), issued, lr, grad_norm)
 
 
 def seed_layer_drop(model, options: TrainOptions, micro_batch: int, dp_rank: int) -> None:

@@ -9,6 +9,7 @@ on every rank at the same step, after rank 0 printed why in one line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -30,6 +31,7 @@ from mf.train.failures import report_rank_failure
 from mf.train.folder_export import export_folder
 from mf.train.model_folder import folder_of
 from mf.train.options import RESULT_SETTINGS, TrainOptions
+from mf.train.profiling import StepProfiler, parse_window
 from mf.train.report import Reporter
 from mf.train.resume import verify_resume
 from mf.train.run_lock import (
@@ -84,21 +86,31 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     tokens_per_step *= dp_coordinates(mesh)[1]
     checkpoints = Checkpoints(ckpt_dir, model, optimizers, info, reporter)
     step = start_step
-    with StopFlag() as stop, reporter.bar_closed_on_error():
+    profiler = StepProfiler(
+        None if options.profile is None else parse_window(options.profile, options.steps),
+        Path(options.out_dir),
+        dist.get_rank(),
+    )
+    with StopFlag() as stop, reporter.bar_closed_on_error(), contextlib.closing(profiler):
         while step < options.steps:
             started = time.perf_counter()
-            train_loss, issued = train_step(model, optimizers, data, options, step, mesh, device)
+            profiler.before(step + 1)
+            result = train_step(model, optimizers, data, options, step, mesh, device)
+            train_loss = result.loss
             step += 1
+            profiler.after(step)
             elapsed = time.perf_counter() - started
             rate = tokens_per_step / elapsed
-            host_share = (issued - started) / elapsed  # the rest: waiting for the device
+            host_share = (result.issued - started) / elapsed  # the rest: waiting for the device
             validation = None
             if math.isfinite(train_loss) and (
                 step % options.eval_every == 0 or step == options.steps
             ):
                 validation = validate(model, data, options, mesh, device)
-            routing = routing_metrics(model, options.tp)
-            reporter.step(step, train_loss, validation, rate, device, routing, host_share)
+            extra = {"lr": result.lr, **routing_metrics(model, options.tp)}
+            if result.grad_norm is not None:
+                extra["grad_norm"] = result.grad_norm
+            reporter.step(step, train_loss, validation, rate, device, extra, host_share)
             if not math.isfinite(train_loss):
                 checkpoints.settle()  # the stop names the newest checkpoint
             stop_if_diverged(reporter, train_loss, step, checkpoints.newest)
