@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
+    "LAUNCHER_PID_VARIABLE",
+    "guarded_command",
     "leave_process_group",
     "local_launch_config",
     "new_run_id",
@@ -30,6 +33,11 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+LAUNCHER_PID_VARIABLE = "MF_LAUNCHER_PID"
+"""Set by ``mf-train``'s launcher to its own pid for the workers it starts."""
+
+_armed: str | None = None  # how stop_with_launcher armed this process, once it did
 
 
 def leave_process_group() -> None:
@@ -46,24 +54,75 @@ def leave_process_group() -> None:
     gc.collect()
 
 
-def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent, the launcher, dies.
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (it may be a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _watch_parent(parent: int, sig: int, interval: float) -> None:
+    """Signal this process once its parent is no longer ``parent`` (a daemon thread)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="mf-stop-with-launcher", daemon=True).start()
+
+
+def stop_with_launcher(sig: int = signal.SIGTERM, *, interval: float = 0.5) -> str:
+    """Have this process receive ``sig`` when its parent, the launcher, dies.
 
     A worker whose launcher was killed (SIGKILL, the OOM killer, a closed
     terminal) would otherwise train on as an orphan, holding its devices and
-    writing into the run's folders. ``mf.train.worker`` stops on SIGTERM as on
-    Ctrl-C: every rank saves a checkpoint and exits. Linux only (the parent-death
-    signal); returns whether it is armed.
+    writing into the run's folders, or wait out the rendezvous timeout on a dead
+    store. ``mf.train.worker`` stops on SIGTERM as on Ctrl-C: every rank saves a
+    checkpoint and exits; before it joined the group, SIGTERM ends it at once.
+
+    Call it first thing, before heavy imports: the parent is compared with the
+    launcher's pid that ``mf-train``'s launcher passes down in
+    ``MF_LAUNCHER_PID``, so a worker whose launcher died before this call (it is
+    then a child of init or of a subreaper) gets ``sig`` at once instead of
+    arming against its new parent. Without the variable (``torchrun``) the parent
+    at the time of the call is the launcher.
+
+    Returns how it is armed: ``"prctl"`` (Linux: the kernel's parent-death
+    signal) or ``"thread"`` (elsewhere: a daemon thread polling the parent pid
+    every ``interval`` seconds).
     """
-    if not sys.platform.startswith("linux"):
-        return False
+    global _armed
+    if _armed is not None:  # already armed, by the guarded start
+        return _armed
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os.kill(os.getpid(), sig)
-    return True
+    launcher = int(os.environ.get(LAUNCHER_PID_VARIABLE, "0") or 0)
+    if launcher and launcher != parent and not _alive(launcher):
+        os.kill(os.getpid(), sig)  # the launcher is already gone
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the launcher died before the request took effect
+                os.kill(os.getpid(), sig)
+            _armed = "prctl"
+            return _armed
+    _watch_parent(parent, sig, interval)
+    _armed = "thread"
+    return _armed
+
+
+def guarded_command(module: str) -> list[str]:
+    """The arguments after ``python`` that run ``-m module`` armed by ``stop_with_launcher``.
+
+    This file runs as a script (``python launch.py -m module ...``): it imports
+    nothing but the standard library, so the parent-death signal is armed in the
+    interpreter's first milliseconds, not after the seconds ``import torch`` takes.
+    """
+    return ["-u", str(Path(__file__).resolve()), "-m", module]
 
 
 def new_run_id(prefix: str) -> str:
@@ -145,3 +204,19 @@ def wake_stopped_workers(interval: float = 0.5) -> Iterator[None]:
     finally:
         done.set()
         thread.join()
+
+
+def _run_guarded(argv: list[str]) -> None:
+    """``python launch.py -m MODULE ARGS``: arm ``stop_with_launcher``, then run MODULE."""
+    import runpy
+
+    if len(argv) < 2 or argv[0] != "-m":
+        raise SystemExit(f"usage: python {__file__} -m MODULE [ARGS...]")
+    sys.path.pop(0)  # this file's folder, which the script run put first
+    stop_with_launcher()
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _run_guarded(sys.argv[1:])

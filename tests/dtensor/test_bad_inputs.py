@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 from mf_dtensor import (
     ExplicitPieces,
     UnevenDTensor,
+    gather_uneven_dtensor_to_full_tensor,
     rank_order_chunks,
     uneven_dtensor_from_local,
     validate_chunk_layout,
@@ -95,3 +96,28 @@ def _rank_bad_global_shape(rank: int, world_size: int) -> None:
 @pytest.mark.multiprocess
 def test_bad_global_shape_on_ranks() -> None:
     run_on_ranks(_rank_bad_global_shape, 2, timeout=120)
+
+
+def _rank_dtype_differs(rank: int, world_size: int) -> None:
+    mesh = cpu_mesh((world_size,), ("dp",))
+    local = torch.zeros(2, dtype=torch.float32 if rank == 0 else torch.bfloat16)
+    match = r"dtensors: ranks of the mesh hold local pieces of different dtypes \(this rank: "
+    with pytest.raises(ValueError, match=match + str(local.dtype)):  # the layout exchanged
+        uneven_dtensor_from_local(local, mesh, [Shard(0)], global_shape=(4,))
+    dtensor = uneven_dtensor_from_local(
+        local, mesh, [Shard(0)], global_shape=(4,), global_offset=(2 * rank,), validate=False
+    )
+    with pytest.raises(ValueError, match=match):  # the gather exchanges it first
+        gather_uneven_dtensor_to_full_tensor(dtensor)
+    # The group is still usable: the same dtype everywhere gathers.
+    same = uneven_dtensor_from_local(
+        torch.full((2,), float(rank)), mesh, [Shard(0)], global_shape=(4,)
+    )
+    full = gather_uneven_dtensor_to_full_tensor(same).to_local()
+    assert full.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.multiprocess
+def test_pieces_of_different_dtypes_stop_with_one_line() -> None:
+    """Pieces whose dtype differs across ranks raise on every rank, not gloo's abort."""
+    run_on_ranks(_rank_dtype_differs, 2, timeout=120)

@@ -70,23 +70,28 @@ pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not
 VOCAB, SEQ, BATCH, STEPS = 2048, 32, 2, 5
 
 
+def sharded_dims(ep: int) -> ParallelDims:
+    """torchtitan's ``ParallelDims`` sharding every rank's data (``dp_shard=world``), ``ep``."""
+    world = dist.get_world_size()
+    return ParallelDims(
+        dp_replicate=1,
+        dp_shard=world,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=ep,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+
+
 def _parallelized(shard, param_dtype: str, tmp: str, seed: int = 0, compile_blocks: bool = False):
     """torchtitan's ``parallelize_llama`` on a meta model, ``fully_shard`` being ``shard``.
 
     The one line a torchtitan user changes is the patched name; the rest is
     torchtitan's (its ``ParallelDims`` mesh, with the CPU as the device type).
     """
-    world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=world,
-        cp=1,
-        tp=1,
-        pp=1,
-        ep=1,
-        world_size=world,
-        spmd_backend="partial_dtensor",
-    )
+    dims = sharded_dims(ep=1)
     with torch.device("meta"):
         model = _config().build()
     with (

@@ -10,8 +10,10 @@ chunk lengths, heads, grouped-query shapes, causal or not).
 
 Tolerances: fp32 results differ from one process only in the order of fp32
 sums (the log-sum-exp merge, the split of a row's keys into blocks), so
-rtol 1e-5 with an atol of 1e-6 for values near zero. bf16 runs are compared
-with the fp32 reference at 3e-2: bf16 keeps 8 bits of mantissa.
+rtol 1e-5 with an atol of 5e-6 for values near zero (hypothesis found a causal
+world-4 case, seed 2037, whose ``dv`` differs by 1.5e-6 at a value near
+zero). bf16 runs are compared with the fp32 reference at 3e-2: bf16 keeps 8
+bits of mantissa. fp64 runs are compared with a fp64 reference at 1e-10.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mf_tp
-from mf_tp._attention_kernels import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, MATH
+from mf_tp._attention_kernels import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, MATH, BlockSaved
 from mf_tp._blockwise_attention import attend, attend_backward, attention_blocks
 from mf_tp._sequence_layout import SequenceLayout
 from mf_tp.context_parallelism import SUPPORTED
 from tests._multiprocess import cpu_mesh, run_on_ranks
 
 RTOL = 1e-5
-ATOL = 1e-6
+ATOL = 5e-6
 BF16_TOL = 3e-2
+FP64_TOL = 1e-10
 
 
 def _qkv(
@@ -170,9 +173,8 @@ def test_cuda_kernels_are_called_as_aten_declares(kernel: object) -> None:
     assert result.out.shape == q.shape
     assert result.lse.shape == (2, 4, 8)
     assert result.lse.dtype == torch.float32
-    dq, dk, dv = kernel.backward(
-        result.out, q, k, k, result.out, result.lse, result.aux, causal=False, scale=0.25
-    )
+    saved = BlockSaved(result.out, q, k, k, result.out, result.lse, result.aux)
+    dq, dk, dv = kernel.backward(saved, causal=False, scale=0.25)
     assert dq.shape == q.shape
     assert dk.shape == dv.shape == k.shape
 
@@ -185,6 +187,8 @@ def _rank_parity(rank: int, world: int, dtype: torch.dtype, cases: list[tuple]) 
     for causal, heads, kv_heads in cases:
         seq = 4 * world
         q, k, v, grad = _qkv(2, heads, kv_heads, seq, 8, seed=heads + 10 * kv_heads + causal)
+        if dtype == torch.float64:  # the reference in float64 too: equal to 1e-10
+            q, k, v, grad = (t.double() for t in (q, k, v, grad))
         expected = _reference(q, k, v, grad, causal)
         positions = torch.arange(seq)
         buffers = [t.to(dtype) for t in (q, k, v, grad)] + [positions]
@@ -202,18 +206,17 @@ def _rank_parity(rank: int, world: int, dtype: torch.dtype, cases: list[tuple]) 
             )
             mine = [t.index_select(2, positions) for t in expected]
         what = f"causal={causal} heads={heads}/{kv_heads} {dtype}"
-        tol = (
-            {"rtol": RTOL, "atol": ATOL}
-            if dtype == torch.float32
-            else dict.fromkeys(("rtol", "atol"), BF16_TOL)
-        )
+        tol = {
+            torch.float64: dict.fromkeys(("rtol", "atol"), FP64_TOL),
+            torch.float32: {"rtol": RTOL, "atol": ATOL},
+        }.get(dtype, dict.fromkeys(("rtol", "atol"), BF16_TOL))
         local = (out, local_q.grad, local_k.grad, local_v.grad)
         for name, g, e in zip(("out", "dq", "dk", "dv"), local, mine, strict=True):
             assert g.dtype == dtype
-            torch.testing.assert_close(g.float(), e, **tol, msg=f"rank {rank} {name} {what}")
+            torch.testing.assert_close(g.to(e.dtype), e, **tol, msg=f"rank {rank} {name} {what}")
         full = (full_out, full_dq, full_dk, full_dv)
         for name, g, e in zip(("out", "dq", "dk", "dv"), full, expected, strict=True):
-            torch.testing.assert_close(g.float(), e, **tol, msg=f"unsharded {name} {what}")
+            torch.testing.assert_close(g.to(e.dtype), e, **tol, msg=f"unsharded {name} {what}")
         for index in (0, 1, 2, 4):
             assert torch.equal(buffers[index], originals[index]), f"buffer {index} not restored"
         assert buffers[3].shape[2] == seq // world, "a no_restore buffer came back"
@@ -225,6 +228,12 @@ _CASES = [(False, 4, 4), (True, 4, 4), (True, 4, 2), (False, 4, 1)]
 @pytest.mark.multiprocess
 def test_parity_world_2_fp32() -> None:
     run_on_ranks(_rank_parity, 2, torch.float32, _CASES, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_parity_world_2_fp64() -> None:
+    """float64 attention, causal among the cases, equals one process's float64 to 1e-10."""
+    run_on_ranks(_rank_parity, 2, torch.float64, _CASES, timeout=120)
 
 
 @pytest.mark.multiprocess

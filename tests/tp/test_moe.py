@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
 
 import mf_tp
 import mf_utils
@@ -131,12 +132,13 @@ def test_combine_sends_gradient_to_router_weights() -> None:
     _close(weights.grad, expected, "weights.grad")
 
 
-def test_layer_marks_expert_parameters_and_keys_experts_globally() -> None:
+def test_layer_marks_expert_parameters_and_groups_experts() -> None:
     torch.manual_seed(0)
     layer = mf_tp.MoELayer(HIDDEN, FFN, NUM_EXPERTS, TOP_K)
     for name, param in layer.named_parameters():
         assert mf_utils.is_expert_parallel_parameter(param) == name.startswith("experts."), name
-    assert sorted(layer.experts.keys(), key=int) == [str(e) for e in range(NUM_EXPERTS)]
+    assert layer.experts.fc_weight.shape == (NUM_EXPERTS, FFN, HIDDEN)
+    assert layer.experts.out_weight.shape == (NUM_EXPERTS, HIDDEN, FFN)
     expert = mf_tp.ExpertMLP(4, 8)
     assert all(mf_utils.is_expert_parallel_parameter(p) for p in expert.parameters())
     assert expert(torch.zeros(0, 4)).shape == (0, 4)  # an expert with no token still works
@@ -272,6 +274,12 @@ def _reference_run(
     return mine, expert_grads
 
 
+def _mine(grad: torch.Tensor, rank: int, ep_size: int) -> torch.Tensor:
+    """Rank ``rank``'s experts' rows of a full ``[E, ...]`` expert tensor."""
+    local = NUM_EXPERTS // ep_size
+    return grad[rank * local : (rank + 1) * local]
+
+
 def _rank_ep_parity(rank: int, ep_size: int) -> None:
     group = dist.group.WORLD
     layer, rng_after_ep = _build_same_seed(group)
@@ -281,15 +289,17 @@ def _rank_ep_parity(rank: int, ep_size: int) -> None:
     # The default generator advanced the same at EP size 1 and ep_size.
     assert torch.equal(rng_after_ep, rng_after_reference)
 
-    # Same initial weights, and the EP checkpoint loads into the EP=1 layer.
+    # Same initial weights, parameter-shaped at any EP size: the EP checkpoint's entries
+    # are the full [E, ...] tensors and load into the EP=1 layer with strict=True.
     ep_state, reference_state = layer.state_dict(), reference.state_dict()
-    owned = {k for k in reference_state if k.split(".")[1] in map(str, layer.local_expert_indices)}
-    assert set(ep_state) == {"router.weight"} | owned
-    for name, value in ep_state.items():
+    assert set(ep_state) == set(reference_state)
+    full_state = {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in ep_state.items()
+    }
+    for name, value in full_state.items():
         assert torch.equal(value, reference_state[name]), name
-    missing, unexpected = reference.load_state_dict(ep_state, strict=False)
-    assert unexpected == []
-    assert set(missing) == set(reference_state) - set(ep_state)
+    reference.load_state_dict(full_state, strict=True)
 
     with torch.no_grad():
         layer.router.weight.copy_(_router_weight())
@@ -305,7 +315,8 @@ def _rank_ep_parity(rank: int, ep_size: int) -> None:
     _close(layer.router.weight.grad, expected["router.grad"], "router gradient")
     for name, param in layer.named_parameters():
         if name.startswith("experts."):
-            _close(param.grad, expected_expert_grads[name], f"gradient of {name}")
+            expected_grad = _mine(expected_expert_grads[name], rank, ep_size)
+            _close(param.grad.to_local(), expected_grad, f"gradient of {name}")
     assert torch.equal(layer.tokens_per_expert, expected["tokens_per_expert"])
 
     # The uneven routing this test is about really happened.
@@ -315,8 +326,8 @@ def _rank_ep_parity(rank: int, ep_size: int) -> None:
     if rank == 0:
         assert layer.tokens_per_expert[local : 2 * local].sum() == 0, "rank 0 sends to rank 1"
     if rank == ep_size - 1:
-        grads = [p.grad for p in layer.experts[str(NUM_EXPERTS - 1)].parameters()]
-        assert all(grad is not None and not grad.any() for grad in grads)
+        grads = [p.grad.to_local()[-1] for p in layer.experts.parameters()]
+        assert not any(grad.any() for grad in grads), "the unused last expert got a gradient"
 
     # A rank whose tokens need no gradient still joins the backward exchanges.
     layer.zero_grad(set_to_none=True)
@@ -324,7 +335,8 @@ def _rank_ep_parity(rank: int, ep_size: int) -> None:
     _forward_and_loss(layer, x_again, g)[1].backward()
     for name, param in layer.named_parameters():
         if name.startswith("experts."):
-            _close(param.grad, expected_expert_grads[name], f"gradient of {name} (no input grad)")
+            expected_grad = _mine(expected_expert_grads[name], rank, ep_size)
+            _close(param.grad.to_local(), expected_grad, f"gradient of {name} (no input grad)")
 
     # The EP size must divide the number of experts.
     bad = NUM_EXPERTS + 1

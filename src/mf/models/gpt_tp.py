@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from mf.models.gpt import GPTConfig, layer_drop, token_positions
 from mf_tp import (
@@ -203,17 +204,24 @@ class GPTTensorParallel(nn.Module):
             if name not in full_state:
                 raise KeyError(f"load_full_weights: full_state has no {name!r}")
             full = full_state[name]
-            if is_mcore_tensor_model_parallel(param):
+            target: torch.Tensor = param
+            if isinstance(param, DTensor):  # grouped experts: Shard(0) over the EP group
+                (placement,) = param.placements
+                assert isinstance(placement, Shard)  # mf-tp's grouped experts are sharded
+                mesh = param.device_mesh
+                full = full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+                target = param.to_local()
+            elif is_mcore_tensor_model_parallel(param):
                 dim = get_mcore_tensor_parallel_partition_dim(param)
                 assert dim is not None  # a tensor-parallel parameter has its partition dim
                 stride = getattr(param, "partition_stride", 1)
                 full = torch.cat(full.chunk(size * stride, dim=dim)[rank::size], dim=dim)
-            if full.shape != param.shape:
+            if full.shape != target.shape:
                 raise ValueError(
-                    f"load_full_weights: {name!r} has shape {tuple(param.shape)} on this rank, "
+                    f"load_full_weights: {name!r} has shape {tuple(target.shape)} on this rank, "
                     f"the full tensor gives {tuple(full.shape)}"
                 )
-            param.copy_(full)
+            target.copy_(full)
 
 
 def _residual_projection(

@@ -5,8 +5,9 @@ Every block routes each token to ``top_k`` of ``num_experts`` expert MLPs
 holds ``num_experts / ep_size`` experts and tokens travel to their experts
 and back by all-to-all; without one (``ep_group=None``) a single process
 holds every expert: that model is the single-process reference of every
-expert-parallel run. Experts are keyed by their global index, so state-dict
-keys (``blocks.0.moe.experts.5.fc.weight``) and values are the same at any
+expert-parallel run. Experts are grouped weights (:class:`mf_tp.GroupedExperts`),
+parameter-shaped over every expert at any EP size, so state-dict entries
+(``blocks.0.moe.experts.fc_weight [E, F, D]``) and values are the same at any
 EP size, and a checkpoint moves between EP sizes.
 
 Initialisation draws from torch's default generator in a fixed order (dense

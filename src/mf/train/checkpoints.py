@@ -7,9 +7,12 @@ before training goes on); the last save is always written in the foreground.
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from mf.train.options import TrainOptions
 from mf.train.report import Reporter, last_saved_checkpoint
@@ -32,15 +35,31 @@ def resume(options: TrainOptions, model, optimizers) -> int:
 
 
 def restart_checkpoint(options: TrainOptions) -> Path | None:
-    """After an elastic restart: the newest checkpoint this run saved, else None.
+    """After an elastic restart: the newest complete checkpoint this run wrote, else None.
 
-    Every rank reads the same ``last_checkpoint.json`` (the launcher's run id
-    survives restarts), so all resume from the same step by themselves; a
-    newer checkpoint of another run in the same folder is never picked.
+    ``last_checkpoint.json`` names the newest checkpoint the run *reported*
+    (the launcher's run id survives restarts); a background save published
+    after it (the ranks were killed before the next save reported it) is
+    newer and complete, so the restart resumes from the newest complete
+    checkpoint in ``--ckpt-dir`` written after the reported one. A newer
+    checkpoint of another, earlier run in the same folder is never picked: its
+    record is older than this run's report. Every rank reads the same files,
+    so all resume from the same step by themselves.
     """
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         return None
-    return last_saved_checkpoint(Path(options.out_dir), os.environ.get("TORCHELASTIC_RUN_ID"))
+    reported = last_saved_checkpoint(Path(options.out_dir), os.environ.get("TORCHELASTIC_RUN_ID"))
+    if reported is None:
+        return None
+    newest = fsdp_checkpoint.latest_checkpoint(options.ckpt_dir)
+    if newest is None or newest.resolve() == reported.resolve():
+        return reported
+    record = fsdp_checkpoint.RECORD_FILE
+    try:
+        later = (newest / record).stat().st_mtime_ns >= (reported / record).stat().st_mtime_ns
+    except OSError:
+        return reported
+    return newest if later else reported
 
 
 def last_save_reason(step: int, steps: int, interrupted: bool) -> str | None:
@@ -82,8 +101,21 @@ class Checkpoints:
         except RuntimeError as error:
             self._failed(step, error, final)
             return
+        self._published(path, step)
+
+    def _published(self, path: Path, step: int) -> None:
+        """Report a complete checkpoint; remove the unfinished folders saves left behind.
+
+        A save killed mid-write leaves ``.step_NNNNNNN.partial``; a later save
+        of the same step reuses it, but one of a step never saved again would
+        stay forever. No save is in flight here, and the run holds the folder's
+        lock, so every partial folder is debris: global rank 0 removes them.
+        """
         self.reporter.saved(path, step)
         self.newest = path
+        if dist.get_rank() == 0:
+            for debris in self.ckpt_dir.glob(".step_*.partial"):
+                shutil.rmtree(debris, ignore_errors=True)
 
     def _save(self, step: int, async_save: bool) -> Any:
         return fsdp_checkpoint.save_checkpoint(
@@ -105,8 +137,7 @@ class Checkpoints:
         except RuntimeError as error:
             self._failed(step, error, None)
             return
-        self.reporter.saved(path, step)
-        self.newest = path
+        self._published(path, step)
 
     def _failed(self, step: int, error: RuntimeError, final: str | None) -> None:
         cause = (str(error).splitlines() or [type(error).__name__])[0]

@@ -24,6 +24,7 @@ For several machines, run the worker module under torchrun on each node
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mf.launch import local_launch_config, new_run_id, wake_stopped_workers
+from mf.launch import (
+    LAUNCHER_PID_VARIABLE,
+    guarded_command,
+    local_launch_config,
+    new_run_id,
+    wake_stopped_workers,
+)
 from mf.train.failures import failure_lines
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
@@ -101,7 +108,10 @@ def check_local_processes(options: TrainOptions) -> None:
 
 
 def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
-    """Run ``python -m mf.train.worker <argv>`` on ``--nproc`` local processes.
+    """Run ``mf.train.worker <argv>`` on ``--nproc`` local processes.
+
+    Each starts through ``mf.launch.guarded_command``: it stops with this launcher
+    from its first milliseconds, not only once torch is imported.
 
     The ranks are commands, as under torchrun, not functions: rank 0 prints
     the summary itself, and a rank that saved its checkpoint after Ctrl-C
@@ -120,8 +130,10 @@ def _launch(options: TrainOptions, run_id: str, argv: Sequence[str]) -> None:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     # A rank frozen by a signal would hold the end of a failed run for the agent's 30 s.
+    # Each rank arms its parent-death signal before importing torch, against this pid.
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())
     with launcher_holds_locks(), wake_stopped_workers():  # the ranks do not lock again
-        elastic_launch(config, sys.executable)("-u", "-m", "mf.train.worker", *argv)
+        elastic_launch(config, sys.executable)(*guarded_command("mf.train.worker"), *argv)
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -92,7 +92,7 @@ def _train(model, opt, rank: int, world: int, steps: int, first_step: int = 0) -
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    """This rank's parameters (its experts only), gathered to their full shapes."""
+    """The parameters, gathered to their full shapes (the experts: all ``E`` of them)."""
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
         for name, p in model.named_parameters()
@@ -110,8 +110,10 @@ def _rank_parity(rank: int, world: int, ep: int, zeros: list[int]) -> None:
         )
         for zero in zeros:
             model, opt, _ = _sharded_moe(world, ep, opt_name, zero)
-            own = sorted(model.module.blocks[0].moe.experts.keys(), key=int)
-            assert len(own) == CONFIG.num_experts // ep, own
+            experts = model.module.blocks[0].moe.experts
+            assert experts.num_local_experts == CONFIG.num_experts // ep
+            full = experts.fc_weight.full_tensor()  # parameter-shaped over every expert
+            assert full.shape[0] == CONFIG.num_experts, full.shape
             losses = _train(model, opt, rank, world, STEPS)
             _check(losses, _full(model), ref_losses, ref_params, f"ep{ep} {opt_name} z{zero}")
     # Averaging inside the collective: over the expert-data-parallel group it divides by

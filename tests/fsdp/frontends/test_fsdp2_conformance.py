@@ -103,9 +103,11 @@ def test_train_parity_single_group_shard_dim0() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="shard_placement_fn: mf shards flat buckets by rows")
 def test_train_parity_single_group_shard_largest_dim() -> None:
-    """``...::TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim``."""
+    """``...::TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim``.
+
+    mf keeps its row layout whatever dim ``shard_placement_fn`` names (docs/fsdp2.md).
+    """
     run_on_ranks(_rank_single_group, WORLD, [[(32, 16), (16, 8)]], True)
 
 

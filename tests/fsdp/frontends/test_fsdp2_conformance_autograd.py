@@ -87,11 +87,6 @@ def _rank_unused_output(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parameter no rank used keeps a zero gradient where FSDP2 leaves None, so "
-    "Adam moves it by its momentum",
-)
 def test_unused_forward_output() -> None:
     """``test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_output``.
 

@@ -198,8 +198,9 @@ def gather_chunk_layouts(
         For each DTensor, one chunk per rank in row-major mesh order.
 
     Raises:
-        ValueError: if the ranks disagree on the batch, some but not all ranks
-            have attached metadata, or the local shapes cannot form a layout.
+        ValueError: if the ranks disagree on the batch or on a tensor's dtype, some
+            but not all ranks have attached metadata, or the local shapes cannot form a
+            layout.
     """
     if not dtensors:
         return []
@@ -221,12 +222,23 @@ def gather_chunk_layouts(
             payload += [1, *chunk.offsets, *shape]
         signature += [dtensor.ndim, *dtensor.shape]
     check = zlib.crc32(repr(signature).encode())
+    dtypes = [str(dtensor.to_local().dtype) for dtensor in dtensors]
+    dtype_check = zlib.crc32(repr(dtypes).encode())
     all_mesh_dims = list(range(mesh.ndim))
-    header = all_gather_over_mesh_dims(torch.tensor([len(payload), check]), mesh, all_mesh_dims)
-    if not bool((header == header[0]).all()):
+    header = all_gather_over_mesh_dims(
+        torch.tensor([len(payload), check, dtype_check]), mesh, all_mesh_dims
+    )
+    if not bool((header[:, :2] == header[0, :2]).all()):
         raise ValueError(
             "dtensors: ranks of the mesh passed different DTensors (count, ranks or global "
-            f"shapes differ); per-rank [payload length, signature]: {header.tolist()}"
+            f"shapes differ); per-rank [payload length, signature]: {header[:, :2].tolist()}"
+        )
+    if not bool((header[:, 2] == header[0, 2]).all()):
+        # Checked here, before any rank gathers the pieces themselves: gloo's all-gather
+        # of buffers of different dtypes aborts the process instead of raising.
+        raise ValueError(
+            f"dtensors: ranks of the mesh hold local pieces of different dtypes (this rank: "
+            f"{', '.join(dtypes)}); expected the same dtype for each tensor on every rank"
         )
     gathered = all_gather_over_mesh_dims(torch.tensor(payload), mesh, all_mesh_dims).tolist()
     layouts = []

@@ -98,6 +98,7 @@ from mf_dtensor.whole_tensor_ops import (
     is_random_fill,
     is_whole_copy,
     reduce_whole,
+    stand_in_empty_pieces,
 )
 from mf_dtensor.wrapping import (
     Uneven,
@@ -260,6 +261,7 @@ class UnevenDTensor(DTensor):
         check_same_pieces(func, shared)
         for group in positional:
             check_same_pieces(func, itertools.chain(shared, group))
+        base_args = stand_in_empty_pieces(func, base_args)
 
         # What DTensor.__torch_dispatch__ does for subclasses (re-call the op on
         # base DTensors, which takes DTensor's C++ fast path), without its two

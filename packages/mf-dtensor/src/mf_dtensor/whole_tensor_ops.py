@@ -4,8 +4,8 @@ DTensor runs these ops assuming ``torch.chunk`` pieces, so
 ``UnevenDTensor.__torch_dispatch__`` sends them here first: an in-place random
 fill draws the whole tensor and keeps this rank's boxes (see [Note: random
 fills] in :func:`fill_randomly`), ``copy_`` from a value every rank holds whole
-keeps this rank's boxes of it, and ``any()``/``all()`` combine every rank's
-answer.
+keeps this rank's boxes of it, ``any()``/``all()`` combine every rank's
+answer, and an infinity norm lets an empty piece stand in as one neutral element.
 
 Invariants: each returns what DTensor would (the target itself for an in-place
 op, a replicated 0-dim DTensor for a reduction). Only :func:`reduce_whole`
@@ -16,6 +16,7 @@ predicates take it as ``uneven``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "is_random_fill",
     "is_whole_copy",
     "reduce_whole",
+    "stand_in_empty_pieces",
 ]
 
 
@@ -112,3 +114,34 @@ def reduce_whole(func: torch._ops.OpOverload, tensor: Uneven) -> DTensor:
     answers = all_gather_over_mesh_dims(local, mesh, mesh_dims).to(torch.bool)
     result = func(answers).to(tensor._local_tensor.device)
     return DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+_INF_NORMS = {torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default}
+
+
+def stand_in_empty_pieces(func: torch._ops.OpOverload, args: list[Any]) -> list[Any]:
+    """``args`` for an infinity norm with each empty local piece given one neutral element.
+
+    torch's kernels refuse the infinity norms (a max or a min of ``|x|``) of an empty
+    tensor, having no identity; a rank that holds no rows of a parameter holds an
+    empty piece of a tensor that has elements (``clip_grad_norm_(...,
+    norm_type=inf)`` over sharded grads). Such a piece is computed as one element
+    that changes no answer: 0 for ``inf`` (every ``|x|`` is at least 0), ``inf`` for
+    ``-inf``. ``args`` are the op's, DTensors already base DTensors; anything else
+    comes back as it is. A whole tensor with no element is left to torch's error.
+    """
+    if func not in _INF_NORMS or len(args) < 2 or args[1] not in (math.inf, -math.inf):
+        return args
+    neutral = 0.0 if args[1] > 0 else math.inf
+
+    def stand_in(tensor: Any) -> Any:
+        if not isinstance(tensor, DTensor) or tensor._local_tensor.numel() or not tensor.numel():
+            return tensor
+        local = tensor._local_tensor
+        one = torch.full((1,), neutral, dtype=local.dtype, device=local.device)
+        return DTensor(one, tensor._spec, requires_grad=False)
+
+    first = args[0]
+    if isinstance(first, list | tuple):
+        return [[stand_in(tensor) for tensor in first], *args[1:]]
+    return [stand_in(first), *args[1:]]

@@ -51,6 +51,11 @@ class FSDPDistributedIndex:
             expert-data-parallel group experts are sharded and reduced over; dims named
             like ``dp_outer_dim`` and ``tp_dim`` are used when present. Its other dims
             (expert-parallel) are the model's business.
+        expt_dp_shard_dim: the expert mesh's expert-data-parallel dim when it is named
+            otherwise than ``dp_shard_dim`` (torchtitan's ``efsdp``); None: the same name.
+        expt_tp_dim: the expert mesh's dim the expert parameters are DTensors over when
+            it is named otherwise than ``tp_dim`` (FSDP2's per-parameter mesh: experts as
+            DTensors ``Shard(0)`` over an ``ep`` mesh); None: ``tp_dim`` where present.
 
     Raises:
         TypeError: if ``device_mesh`` is not a DeviceMesh.
@@ -68,6 +73,8 @@ class FSDPDistributedIndex:
         hybrid_fsdp_group: dist.ProcessGroup | None = None,
         hsdp_outer_dp_shard: bool = False,
         expt_device_mesh: DeviceMesh | None = None,
+        expt_dp_shard_dim: str | None = None,
+        expt_tp_dim: str | None = None,
     ) -> None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(
@@ -131,8 +138,12 @@ class FSDPDistributedIndex:
         if self._swapped_mesh is not None:
             outer, shard = self._outer_and_shard_dims()
             self._logical_mesh = self._swapped_mesh[(shard, outer)]
+        # Dims across which this (expert) index's parameters are equal copies.
+        self.replicated_dims: tuple[str | None, ...] = ()
         self.expert_index = (
-            None if expt_device_mesh is None else self._build_expert_index(expt_device_mesh)
+            None
+            if expt_device_mesh is None
+            else self._build_expert_index(expt_device_mesh, expt_dp_shard_dim, expt_tp_dim)
         )
         self.expt_fsdp_group = None if self.expert_index is None else self.expert_index.fsdp_group
 
@@ -144,7 +155,7 @@ class FSDPDistributedIndex:
         experts), so a norm over all parameters sums across them too. Empty for a
         mesh whose every dim is a dp or tp dim.
         """
-        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim}
+        used = {self.dp_shard_dim, self.dp_outer_dim, self.tp_dim, *self.replicated_dims}
         if self.device_mesh.ndim == 1:
             return ()
         # A dim inside a used one (dp and cp under a flattened dp_cp) is no expert dim.
@@ -161,7 +172,9 @@ class FSDPDistributedIndex:
             if not any(set(dist.get_process_group_ranks(group)) <= ranks for ranks in covered)
         )
 
-    def _build_expert_index(self, expt_device_mesh: DeviceMesh) -> FSDPDistributedIndex:
+    def _build_expert_index(
+        self, expt_device_mesh: DeviceMesh, shard_dim: str | None, tp_dim: str | None
+    ) -> FSDPDistributedIndex:
         # The expert parameters' own index: the same dim names on the expert mesh, whose
         # dp_shard dim is the expert-data-parallel group (world / (EP x expert-TP) ranks).
         if not isinstance(expt_device_mesh, DeviceMesh):
@@ -178,20 +191,27 @@ class FSDPDistributedIndex:
                 "(its dims: the expert-data-parallel dim, then expert-parallel and expert-TP)"
             )
         names = get_mesh_names(expt_device_mesh)
-        if self.dp_shard_dim not in names:
+        arg = "expt_dp_shard_dim" if shard_dim else "dp_shard_dim"
+        shard_dim = shard_dim or self.dp_shard_dim
+        if shard_dim not in names:
             raise ValueError(
                 f"FSDPDistributedIndex: expt_device_mesh has dims {names!r}, none named "
-                f"dp_shard_dim={self.dp_shard_dim!r}; expected the expert-data-parallel dim "
-                "under the same name as the dense one"
+                f"{arg}={shard_dim!r}; expected the expert-data-parallel dim (named like "
+                "dp_shard_dim unless expt_dp_shard_dim names it)"
             )
         outer = self.dp_outer_dim if self.dp_outer_dim in names else None
-        return FSDPDistributedIndex(
+        index = FSDPDistributedIndex(
             expt_device_mesh,
-            self.dp_shard_dim,
+            shard_dim,
             outer,
-            self.tp_dim if self.tp_dim in names else None,
+            tp_dim or (self.tp_dim if self.tp_dim in names else None),
             hsdp_outer_dp_shard=self.hsdp_outer_dp_shard and outer is not None,
         )
+        if tp_dim is not None and tp_dim != self.tp_dim and self.tp_dim in names:
+            # Experts split over another dim (ep) are whole on each rank of the dense tp
+            # dim, and equal there: no expert-parallel spread for a norm to sum over.
+            index.replicated_dims = (self.tp_dim,)
+        return index
 
     def _build_swapped_mesh(self) -> DeviceMesh:
         # The root mesh with dp_shard and dp_outer swapped; sliced to (dp_shard, dp_outer)

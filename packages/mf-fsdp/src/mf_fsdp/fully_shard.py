@@ -27,6 +27,7 @@ from mf_fsdp.config import (
     normalize_strategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.engine.discover import expert_dtensor_dim
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options
 from mf_fsdp.optim.optimizer import Optimizers, fully_shard_optimizer
@@ -152,7 +153,10 @@ def fully_shard_model(
         alignment: per-tensor alignment inside a bucket, in elements.
         expt_device_mesh: the mesh of expert parameters (mixture-of-experts models):
             over the same ranks, with a dim named like ``dp_shard_dim`` that is the
-            expert-data-parallel group (see ``FSDPDistributedIndex``).
+            expert-data-parallel group (see ``FSDPDistributedIndex``). Grouped experts
+            that are DTensors ``Shard(d)`` over the expert-parallel group (mf-tp's
+            ``GroupedExperts``) keep that split: the dim of this mesh over the same
+            ranks is found, and their state-dict entries are the full ``[E, ...]``.
         suggested_communication_unit_size: the communication window in elements
             (``DistributedDataParallelConfig``): consecutive units whose buckets fit
             in it together are gathered and reduced in one collective; 0 turns that off.
@@ -226,6 +230,7 @@ def fully_shard_model(
         tp_dim=tp_dim,
         hsdp_outer_dp_shard=hybrid,
         expt_device_mesh=expt_device_mesh,
+        expt_tp_dim=expert_dtensor_dim(module, expt_device_mesh),
     )
     model = MegatronFSDP(
         module,

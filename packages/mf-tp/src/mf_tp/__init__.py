@@ -9,6 +9,8 @@
 - :mod:`mf_tp.embedding`: VocabParallelEmbedding.
 - :mod:`mf_tp.cross_entropy`: vocab-parallel cross entropy.
 - :mod:`mf_tp.data`: broadcast_data.
+- :mod:`mf_tp.grouped_experts`: experts as grouped 3-D weights, one grouped matmul.
+- :mod:`mf_tp.expert_parallel`: expert parallelism for transformers' grouped experts.
 - :mod:`mf_tp.moe`: dropless expert-parallel mixture of experts (router, dispatch, MoELayer).
 - :mod:`mf_tp.inference`: inference layers with the fused RS + residual + RMSNorm + AG path.
 - :mod:`mf_tp.partition`: split helpers and VocabUtility.
@@ -25,6 +27,8 @@ from mf_tp.context_parallelism import context_parallel, context_parallel_unshard
 from mf_tp.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from mf_tp.data import broadcast_data
 from mf_tp.embedding import VocabParallelEmbedding
+from mf_tp.expert_parallel import expert_parallel
+from mf_tp.grouped_experts import GroupedExperts, convert_per_expert_state_dict
 from mf_tp.inference import (
     InferenceLayerNormColumnParallelLinear,
     InferenceRowParallelLinear,
@@ -95,6 +99,7 @@ from mf_utils import (
 __all__ = [
     "ColumnParallelLinear",
     "ExpertMLP",
+    "GroupedExperts",
     "InferenceLayerNormColumnParallelLinear",
     "InferenceRowParallelLinear",
     "LinearWithFrozenWeight",
@@ -117,10 +122,12 @@ __all__ = [
     "combine_tokens",
     "context_parallel",
     "context_parallel_unshard",
+    "convert_per_expert_state_dict",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "destroy_model_parallel",
     "dispatch_tokens",
+    "expert_parallel",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "gather_split_1d_tensor",

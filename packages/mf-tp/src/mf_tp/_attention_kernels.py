@@ -4,7 +4,8 @@ Responsibility: exact attention of one block of queries ``q [B, H, Lq, D]``
 against one block of keys and values ``k, v [B, Hkv, Lk, D]`` (``Hkv``
 divides ``H``: grouped-query attention), with an optional causal mask aligned
 at the top-left, returning the output in the input dtype and the natural
-log-sum-exp of each query row's scaled scores, fp32 ``[B, H, Lq]``; and the
+log-sum-exp of each query row's scaled scores ``[B, H, Lq]`` (fp32, fp64 for fp64
+inputs: :func:`lse_dtype`); and the
 backward that returns this block's share of ``dq, dk, dv``.
 
 [Note: block backward with merged statistics] Let a query row attend over
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionKernel", "BlockResult", "kernel_for"]
+__all__ = ["AttentionKernel", "BlockResult", "BlockSaved", "kernel_for", "lse_dtype"]
 
 aten = torch.ops.aten
 _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its log-sum-exp rows to this
@@ -43,11 +44,33 @@ _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its log-sum-exp rows to t
 
 @dataclass(frozen=True, slots=True)
 class BlockResult:
-    """One block's attention: output ``[B, H, Lq, Dv]``, fp32 ``lse [B, H, Lq]``, kernel extras."""
+    """One block's attention: output ``[B, H, Lq, Dv]``, ``lse [B, H, Lq]``, kernel extras."""
 
     out: torch.Tensor
     lse: torch.Tensor
     aux: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSaved:
+    """What one block's backward reads: the gradient of its rows, its inputs, the row statistics.
+
+    ``out`` and ``lse`` are the merged ones of the whole row (see
+    [Note: block backward with merged statistics]); ``aux`` the kernel's forward extras.
+    """
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    aux: Any = None
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs of ``dtype``: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -75,17 +98,7 @@ class AttentionKernel:
         raise NotImplementedError
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
+        self, saved: BlockSaved, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This block's ``(dq, dk, dv)`` given the row's ``out`` and ``lse``.
 
@@ -108,20 +121,10 @@ class _CPUFlash(AttentionKernel):
         return BlockResult(out, lse)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
+        self, saved: BlockSaved, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            saved.dout, saved.q, saved.k, saved.v, saved.out, saved.lse, 0.0, causal, scale=scale
         )
         return dq, dk, dv
 
@@ -143,27 +146,17 @@ class _CUDAFlash(AttentionKernel):
         return BlockResult(out, lse, (cum_q, cum_k, max_q, max_k, seed, offset))
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
+        self, saved: BlockSaved, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cum_q, cum_k, max_q, max_k, seed, offset = aux
-        heads, kv_heads = q.shape[1], k.shape[1]
+        cum_q, cum_k, max_q, max_k, seed, offset = saved.aux
+        heads, kv_heads = saved.q.shape[1], saved.k.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout,
-            q,
-            _repeat_heads(k, heads),
-            _repeat_heads(v, heads),
-            out,
-            lse,
+            saved.dout,
+            saved.q,
+            _repeat_heads(saved.k, heads),
+            _repeat_heads(saved.v, heads),
+            saved.out,
+            saved.lse,
             cum_q,
             cum_k,
             max_q,
@@ -199,30 +192,20 @@ class _CUDAEfficient(AttentionKernel):
         return BlockResult(out, lse[..., : q.shape[2]], (seed, offset))
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
+        self, saved: BlockSaved, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        seed, offset = aux
-        heads, kv_heads = q.shape[1], k.shape[1]
-        rows = lse.shape[-1]
+        seed, offset = saved.aux
+        heads, kv_heads = saved.q.shape[1], saved.k.shape[1]
+        rows = saved.lse.shape[-1]
         padded = -(-rows // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
-        lse = torch.nn.functional.pad(lse, (0, padded - rows))
+        lse = torch.nn.functional.pad(saved.lse, (0, padded - rows))
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout,
-            q,
-            _repeat_heads(k, heads),
-            _repeat_heads(v, heads),
+            saved.dout,
+            saved.q,
+            _repeat_heads(saved.k, heads),
+            _repeat_heads(saved.v, heads),
             None,
-            out,
+            saved.out,
             lse,
             seed,
             offset,
@@ -252,35 +235,22 @@ class _Math(AttentionKernel):
             lse = scores.logsumexp(-1)
         return torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype)), lse
 
-    @staticmethod
-    def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-        return torch.promote_types(t.dtype, torch.float32)
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
     ) -> BlockResult:
-        dtype, heads = self._compute_dtype(q), q.shape[1]
+        dtype, heads = lse_dtype(q.dtype), q.shape[1]
         qf, kf, vf = (t.to(dtype) for t in (q, _repeat_heads(k, heads), _repeat_heads(v, heads)))
         probs, lse = self._probabilities(qf, kf, causal, scale, None)
-        return BlockResult((probs @ vf).to(q.dtype), lse.float())
+        return BlockResult((probs @ vf).to(q.dtype), lse)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
+        self, saved: BlockSaved, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dtype, heads, kv_heads = self._compute_dtype(q), q.shape[1], k.shape[1]
+        q, k, v = saved.q, saved.k, saved.v
+        dtype, heads, kv_heads = lse_dtype(q.dtype), q.shape[1], k.shape[1]
         qf, kf, vf = (t.to(dtype) for t in (q, _repeat_heads(k, heads), _repeat_heads(v, heads)))
-        doutf, outf = dout.to(dtype), out.to(dtype)
-        probs, _ = self._probabilities(qf, kf, causal, scale, lse)
+        doutf, outf = saved.dout.to(dtype), saved.out.to(dtype)
+        probs, _ = self._probabilities(qf, kf, causal, scale, saved.lse)
         dv = probs.transpose(-1, -2) @ doutf
         row_dot = (doutf * outf).sum(-1, keepdim=True)
         dscores = probs * (doutf @ vf.transpose(-1, -2) - row_dot) * scale

@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import torch
 
-from mf_tp._attention_kernels import AttentionKernel, BlockResult
+from mf_tp._attention_kernels import AttentionKernel, BlockResult, BlockSaved, lse_dtype
 from mf_tp._sequence_layout import SequenceLayout
 
 __all__ = ["AttentionBlock", "attend", "attend_backward", "attention_blocks", "merge_blocks"]
@@ -99,7 +99,7 @@ def attend(
     kernel: AttentionKernel,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[Any]]]:
-    """Forward of one rank: ``(out [B, H, S/N, Dv], lse fp32 [B, H, S/N], kernel extras)``.
+    """Forward of one rank: ``(out [B, H, S/N, Dv], lse [B, H, S/N], kernel extras)``.
 
     ``q`` holds the rank's rows; ``k``, ``v`` the whole sequence in global order.
     """
@@ -111,7 +111,7 @@ def attend(
         return result.out, result.lse, [[result.aux]]
     batch, heads, length, _ = q.shape
     out = q.new_empty((batch, heads, length, v.shape[-1]))
-    lse = torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, heads, length), dtype=lse_dtype(q.dtype), device=q.device)
     extras = []
     for group in blocks:
         results = [
@@ -148,7 +148,7 @@ def attend_backward(
     dv = torch.zeros(v.shape, dtype=accumulate, device=v.device)
     for group, group_extras in zip(blocks, extras, strict=True):
         for block, aux in zip(group, group_extras, strict=True):
-            dq_b, dk_b, dv_b = kernel.backward(
+            saved = BlockSaved(
                 _rows(dout, block),
                 _rows(q, block),
                 _keys(k, block),
@@ -156,9 +156,8 @@ def attend_backward(
                 _rows(out, block),
                 _rows(lse, block),
                 aux,
-                causal=block.causal,
-                scale=scale,
             )
+            dq_b, dk_b, dv_b = kernel.backward(saved, causal=block.causal, scale=scale)
             dq[:, :, block.rows] += dq_b
             dk[:, :, block.keys] += dk_b
             dv[:, :, block.keys] += dv_b

@@ -36,14 +36,15 @@ It must not: drop tokens, or hold routing state other than the latest
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mf_tp.grouped_experts import GroupedExperts
 from mf_tp.mappings import all_to_all
 from mf_utils import set_expert_parallel_attribute
 
@@ -442,11 +443,15 @@ class ExpertMLP(nn.Module):
 class MoELayer(nn.Module):
     """Dropless top-k mixture-of-experts MLP, its experts spread over an EP group.
 
-    ``experts`` is a ``ModuleDict`` keyed by the *global* expert index
-    (``"0"`` .. ``"E-1"``) holding only this EP rank's experts. So a
-    state-dict key names the same expert at every EP size
-    (``experts.5.fc.weight`` is expert 5 everywhere), and a checkpoint written
-    at one EP size loads at another.
+    ``experts`` is a :class:`mf_tp.GroupedExperts`: four parameters with a
+    leading expert dim, parameter-shaped over all ``E`` experts at every EP
+    size (DTensors ``Shard(0)`` over the EP group when it has more than one
+    rank, each rank computing with its own experts' rows). So a state-dict
+    entry (``experts.fc_weight [E, F, H]``) is the same tensor at every EP
+    size, and a checkpoint written at one EP size loads at another. A
+    checkpoint with the per-expert entries of mf-tp before 0.3.0
+    (``experts.5.fc.weight``) is refused, naming
+    :func:`mf_tp.convert_per_expert_state_dict`.
 
     After each forward, ``load_balance_loss`` (a scalar in the graph: add a
     multiple of it to the loss) and ``tokens_per_expert`` (``[E]`` long,
@@ -486,12 +491,10 @@ class MoELayer(nn.Module):
         # Built on meta and initialised once, below, so that construction draws
         # nothing that depends on the EP size.
         self.router = TopKRouter(hidden_size, num_experts, top_k, device="meta", dtype=dtype)
-        self.experts = nn.ModuleDict(
-            {
-                str(e): ExpertMLP(hidden_size, ffn_hidden_size, device="meta", dtype=dtype)
-                for e in self.local_expert_indices
-            }
+        self.experts = GroupedExperts(
+            num_experts, hidden_size, ffn_hidden_size, ep_group=ep_group, device="meta", dtype=dtype
         )
+        self.register_load_state_dict_pre_hook(_refuse_per_expert_entries)
         self.load_balance_loss = None
         self.tokens_per_expert = None
         target = torch.device(device) if device is not None else torch.get_default_device()
@@ -507,12 +510,12 @@ class MoELayer(nn.Module):
         generator in fp32; keeps the local experts' and discards the rest.
         """
         self.router.reset_parameters()
-        for expert_index in range(self.num_experts):
-            drawn = _draw_expert_weights(self.hidden_size, self.ffn_hidden_size)
-            key = str(expert_index)
-            if key in self.experts:
-                # cast: nn.ModuleDict is not generic; it holds ExpertMLPs only
-                cast(ExpertMLP, self.experts[key]).load_initial_weights(drawn)
+        self.experts.load_initial_weights(
+            [
+                _draw_expert_weights(self.hidden_size, self.ffn_hidden_size)
+                for _ in range(self.num_experts)
+            ]
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``: route, dispatch, run the local experts, combine."""
@@ -526,19 +529,22 @@ class MoELayer(nn.Module):
         expert_input, state = dispatch_tokens(
             tokens_TH, routing.expert_indices, self.num_experts, self.ep_group
         )
-        expert_output = self._run_local_experts(expert_input, state.tokens_per_local_expert)
+        expert_output = self.experts(expert_input, state.tokens_per_local_expert)
         out_TH = combine_tokens(expert_output, routing.weights, state)
         self.load_balance_loss = routing.load_balance_loss
         self.tokens_per_expert = routing.tokens_per_expert.detach()
         return out_TH.view(hidden_states.shape)
 
-    def _run_local_experts(
-        self, expert_input: torch.Tensor, rows_per_expert: list[int]
-    ) -> torch.Tensor:
-        """Apply local expert ``l`` to its contiguous block of ``rows_per_expert[l]`` rows."""
-        blocks = expert_input.split(rows_per_expert, dim=0)
-        outputs = [
-            self.experts[str(e)](block)
-            for e, block in zip(self.local_expert_indices, blocks, strict=True)
-        ]
-        return torch.cat(outputs, dim=0)
+
+def _refuse_per_expert_entries(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *args: object
+) -> None:
+    """Stop a load of a checkpoint with per-expert entries, naming the converter."""
+    per_expert = re.compile(rf"{re.escape(prefix)}experts\.\d+\.")
+    old = next((key for key in state_dict if per_expert.match(key)), None)
+    if old is not None:
+        raise ValueError(
+            f"MoELayer.load_state_dict: entry {old!r} is a per-expert entry of mf-tp before "
+            "0.3.0; expected grouped ones (experts.fc_weight [E, F, H], ...): convert the "
+            "checkpoint with mf_tp.convert_per_expert_state_dict"
+        )

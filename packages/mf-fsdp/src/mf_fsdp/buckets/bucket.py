@@ -57,7 +57,7 @@ from mf_fsdp.buckets.tp_params import (
     set_local_data,
     wrap_grad,
 )
-from mf_fsdp.buckets.unused_grads import UnusedGrads
+from mf_fsdp.buckets.unused_grads import OwnedSpans, UnusedGrads
 from mf_fsdp.buckets.weight_storage import BucketGeometry, WeightStorage, weight_storage_for
 from mf_fsdp.config import ZeroDPStrategy
 from mf_fsdp.distributed_index import FSDPDistributedIndex
@@ -200,11 +200,16 @@ class Bucket(BucketReduction, UnusedGrads):
         # empty store) hold negative zeros (``unused_mark``).
         self.used = False
         self.unused_mark = False
-        # mark_unused_params: each parameter's owned rows of the grad store, as two
-        # rows (starts, ends) of a device tensor; the parameter whose ``.grad`` tells
+        # mark_unused_params: each parameter's owned rows of the grad store, as device
+        # tensors (see ``unused_params``); the parameter whose ``.grad`` tells
         # whether the optimizer dropped the grads it was given (one it was given);
         # grads were withheld, so the local grads must be attached again.
-        self._owned_spans: torch.Tensor | None = None
+        self._owned_spans: OwnedSpans | None = None
+        # mark_unused_params: the parameters with no rows here (None: not looked up
+        # yet), and per such parameter whether this rank's backwards left it unreached.
+        self._rowless: list[FSDPParam] | None = None
+        self._rowless_index: list[int] = []  # their positions in the bucket
+        self._rowless_unused: torch.Tensor | None = None
         self._probe = self.fsdp_params[0]
         self._reattach = False
         self._allocate()
@@ -492,6 +497,7 @@ class Bucket(BucketReduction, UnusedGrads):
         self.grads_handed_out = False
         self._probe = self.fsdp_params[0]
         self.used = self.unused_mark = False
+        self._rowless_unused = None
         self.grads.reset()
 
     def scale_gradients(self, factor: float) -> None:

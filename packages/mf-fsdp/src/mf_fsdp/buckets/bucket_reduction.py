@@ -58,6 +58,7 @@ class _Reducing(Protocol):
     hybrid: bool
     replicated: bool
     requires_grad: bool
+    mark_unused_params: bool
     pending_inner: torch.Tensor | None
     _pending: tuple[collectives.Handle | None, torch.Tensor, torch.Tensor] | None
     _aside: dict[Reduced, torch.Tensor]
@@ -79,6 +80,15 @@ class _Reducing(Protocol):
     def _sum_sequence_parallel_grads(self, src: torch.Tensor) -> None: ...
 
     def finish_reduce(self) -> None: ...
+
+    def note_rowless_use(self, local: torch.Tensor) -> None: ...
+
+    @property
+    def outer_due(self) -> bool: ...
+
+    def launch_outer(self, async_op: bool) -> collectives.Handle | None: ...
+
+    def land_outer(self, work: collectives.Handle | None) -> None: ...
 
 
 class BucketReduction:
@@ -123,6 +133,8 @@ class BucketReduction:
             return
         buffers = self._grad_buffers()
         local = buffers.local_for_reduction()
+        if self.mark_unused_params:
+            self.note_rowless_use(local)
         # The result may land in the store itself while it holds nothing (a store that
         # views the local buffer is this rank's piece of it: an in-place reduce-scatter).
         into_store = (
@@ -210,6 +222,31 @@ class BucketReduction:
         for tensor in temporaries.values():
             self.pool.give(tensor)
 
+    @property
+    def outer_due(self: _Reducing) -> bool:
+        """Replicated HSDP whose store is reduced over dp_shard only: its dp_outer stage is due."""
+        return self.outer is not None and not self.hybrid and self.grads.reduced is Reduced.INNER
+
+    def launch_outer(self: _Reducing, async_op: bool) -> collectives.Handle | None:
+        """Start the dp_outer all-reduce of a replicated HSDP store (``outer_due``; in place).
+
+        ``land_outer`` with the handle finishes it; inside ``coalescing()`` several
+        buckets' all-reduces go out as one.
+        """
+        assert self.outer is not None  # internal invariant: outer_due
+        self._host_grads_current = False
+        if self.dist_index.outer_size == 1:  # one replica has nothing to reduce
+            return None
+        store = self._grad_buffers().store()
+        return collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer, async_op)
+
+    def land_outer(self: _Reducing, work: collectives.Handle | None) -> None:
+        """Wait for ``launch_outer``'s all-reduce: the store holds the fully reduced grads."""
+        if work is not None:
+            work.wait()
+        self.grads.reduce_outer()
+        self._merge_aside(Reduced.FULL, self._grad_buffers().store())
+
     def reduce_outer(self: _Reducing) -> None:
         """Finish the dp_shard reduction, then run the dp_outer one (once per step).
 
@@ -221,14 +258,8 @@ class BucketReduction:
         if self.outer is None:
             return
         if not self.hybrid:
-            # A dp_outer of one replica has nothing to reduce.
-            if self.grads.reduced is Reduced.INNER:
-                self._host_grads_current = False
-                if self.dist_index.outer_size > 1:  # one replica has nothing to reduce
-                    store = self._grad_buffers().store()
-                    collectives.all_reduce(store, self.reduce_spec.outer_op, self.outer)
-                self.grads.reduce_outer()
-                self._merge_aside(Reduced.FULL, self._grad_buffers().store())
+            if self.outer_due:
+                self.land_outer(self.launch_outer(async_op=False))
             return
         pending, buffers = self.pending_inner, self._grad_buffers()
         if pending is None:

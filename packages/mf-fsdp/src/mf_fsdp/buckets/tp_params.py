@@ -86,8 +86,14 @@ def set_local_data(param: nn.Parameter, view: torch.Tensor) -> None:
         # The Parameter object (placements, mesh, global shape) stays what the module
         # holds. ``.data`` updates the wrapper's dtype (bf16 compute buffers) but keeps
         # the old local tensor, so the local tensor is swapped as well (as FSDP2 does).
+        # The local tensor aliases the buffer's storage with a version counter of its own,
+        # as ``.data`` gives a plain parameter: gathering into the buffer again before the
+        # backward (same values) must not invalidate what autograd saved of it, such as
+        # a view of ``to_local()`` (mf-tp's grouped experts save their weights so).
         param.data = wrap_grad(param, view)
-        param._local_tensor = view
+        param._local_tensor = view.new_empty(0).set_(
+            view.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+        )
     else:
         param.data = view
 

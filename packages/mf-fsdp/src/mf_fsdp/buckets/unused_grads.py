@@ -15,7 +15,11 @@ from mf_fsdp.buckets.grad_state import GradState, Reduced
 from mf_fsdp.buckets.grad_storage import GradBuffers
 from mf_fsdp.buckets.param import FSDPParam
 
-__all__ = ["UnusedGrads"]
+__all__ = ["OwnedSpans", "UnusedGrads"]
+
+OwnedSpans = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Per parameter of a bucket: its last owned element, the one before its first (both
+clamped to the store), whether that one exists, whether it owns rows here."""
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer dtype a float's bits are read as, by element size (``-0.0`` is its minimum)."""
@@ -33,7 +37,10 @@ class _Marking(Protocol):
     used: bool
     unused_mark: bool
     grads_handed_out: bool
-    _owned_spans: torch.Tensor | None
+    _owned_spans: OwnedSpans | None
+    _rowless: list[FSDPParam] | None
+    _rowless_index: list[int]
+    _rowless_unused: torch.Tensor | None
     _probe: FSDPParam
     _reattach: bool
     _host_grads_current: bool
@@ -46,9 +53,12 @@ class _Marking(Protocol):
 class UnusedGrads:
     """The unused-gradient methods of ``Bucket`` (see the module docstring)."""
 
-    # The Bucket attribute these methods assign, with Bucket's type (an annotation only: a
-    # type checker would otherwise take its type from the assignment here).
-    _owned_spans: torch.Tensor | None
+    # The Bucket attributes these methods assign, with Bucket's types (annotations only: a
+    # type checker would otherwise take their type from the assignment here).
+    _owned_spans: OwnedSpans | None
+    _rowless: list[FSDPParam] | None
+    _rowless_index: list[int]
+    _rowless_unused: torch.Tensor | None
 
     def mark_used(self: _Marking) -> None:
         """This rank ran the bucket's unit in this step: its grads count as made here.
@@ -115,8 +125,10 @@ class UnusedGrads:
         Needs ``mark_unused_params`` and the step's grads fully reduced: with every
         empty grad ``-0.0``, a parameter's owned rows of the store are all ``-0.0``
         exactly when no rank added a gradient to them (see [Note: grads no rank
-        made]). A parameter with no rows on this rank counts as used: it has
-        nothing to withhold. A few ops for the whole bucket, no sync.
+        made]). A parameter with no rows on this rank learns nothing from the store:
+        it answers from this rank's own backwards (``note_rowless_use``), as each
+        FSDP2 rank leaves ``.grad`` None when its own backward did not reach the
+        parameter. A few ops for the whole bucket, no sync.
         """
         store = self._grad_buffers().store()
         if self._owned_spans is None:
@@ -125,12 +137,68 @@ class UnusedGrads:
                 view = self.main_view(fp, store)
                 start = view.storage_offset() - store.storage_offset()
                 spans.append((start, start + view.numel()))
-            self._owned_spans = torch.tensor(spans, dtype=torch.long, device=self.device).T
-        bits = store.view(_SAME_WIDTH_INT[store.element_size()])
-        marked = bits == torch.iinfo(bits.dtype).min  # the bit pattern of -0.0
-        made = torch.nn.functional.pad(torch.cumsum(~marked, 0), (1, 0))
-        starts, ends = self._owned_spans
-        return (made[ends] == made[starts]) & (ends > starts)
+            # Per parameter: its last and its first element's predecessor (clamped to the
+            # store), whether it has a predecessor, whether it owns rows here.
+            columns = list(zip(*spans, strict=True)) if spans else [(), ()]
+            self._owned_spans = (
+                torch.tensor([max(end - 1, 0) for end in columns[1]], device=self.device),
+                torch.tensor([max(start - 1, 0) for start in columns[0]], device=self.device),
+                torch.tensor([int(start > 0) for start in columns[0]], device=self.device),
+                torch.tensor([end > start for start, end in spans], device=self.device),
+            )
+        last, before, has_before, owned = self._owned_spans
+        if store.numel() == 0:
+            unused = torch.zeros(len(self.fsdp_params), dtype=torch.bool, device=self.device)
+        else:
+            bits = store.view(_SAME_WIDTH_INT[store.element_size()])
+            # made[i]: elements up to i that are not -0.0 (what some rank's backward added)
+            made = torch.cumsum(bits != torch.iinfo(bits.dtype).min, 0)
+            unused = (made[last] == made[before] * has_before) & owned
+        if self._rowless_unused is not None:
+            unused[self._rowless_index] = self._rowless_unused
+        return unused
+
+    def may_hold_unused(self: _Marking) -> torch.Tensor:
+        """False (on the device) when ``unused_params`` would find nothing here.
+
+        That is: the store holds no ``-0.0`` and every parameter with no rows here
+        was reached, the usual step. Three ops, no sync. ``-0.0`` is the smallest
+        value of the float's bits read as a signed integer.
+        """
+        store = self._grad_buffers().store()
+        if store.numel() == 0:
+            flag = torch.zeros((), dtype=torch.bool, device=self.device)
+        else:
+            bits = store.view(_SAME_WIDTH_INT[store.element_size()])
+            flag = bits.amin() == torch.iinfo(bits.dtype).min
+        if self._rowless_unused is not None:
+            flag = flag | self._rowless_unused.any()
+        return flag
+
+    def note_rowless_use(self: _Marking, local: torch.Tensor) -> None:
+        """Note which parameters with no rows here this rank's backward left unreached.
+
+        Run before ``local`` (the bucket's local grads) is reduced: such a parameter's
+        elements there are all ``-0.0``. ``unused_params`` answers for them from this,
+        accumulated over the step's backwards. A few ops per reduction, only in buckets
+        with such parameters.
+        """
+        if self._rowless is None:
+            positions = [
+                i for i, fp in enumerate(self.fsdp_params) if fp.main_rows[0] == fp.main_rows[1]
+            ]
+            self._rowless = [self.fsdp_params[i] for i in positions]
+            self._rowless_index = positions
+        if not self._rowless:
+            return
+        bits = local.view(_SAME_WIDTH_INT[local.element_size()])
+        negative_zero = torch.iinfo(bits.dtype).min
+        unreached = torch.stack(
+            [(bits[fp.start : fp.start + fp.numel] == negative_zero).all() for fp in self._rowless]
+        )
+        if self._rowless_unused is not None:
+            unreached &= self._rowless_unused
+        self._rowless_unused = unreached
 
     def withhold_grads(self: _Marking, unused: list[FSDPParam]) -> None:
         """Give the optimizer no grad for ``unused`` parameters in this step, as torch does.

@@ -51,6 +51,8 @@ class BucketOptions:
         scaling_factor: an extra factor on every reduced gradient, or None.
         divide_factor: FSDP2's ``set_gradient_divide_factor``, or None (the mean).
         alignment: per-tensor start alignment inside a bucket, in elements.
+        expert_mean_over_own_group: expert gradients are averaged over their own
+            (expert-data-parallel) group, FSDP2's rule, not over every dp rank.
     """
 
     dist_index: FSDPDistributedIndex
@@ -63,6 +65,7 @@ class BucketOptions:
     scaling_factor: float | None
     divide_factor: float | None
     alignment: int
+    expert_mean_over_own_group: bool = False
 
 
 @dataclass(slots=True)
@@ -87,8 +90,9 @@ def reduce_spec_for(index: FSDPDistributedIndex, options: BucketOptions) -> Redu
     the main thread a pass over the whole bucket (see
     ``collectives.divides_after_reduction``).
     """
+    mean_over = index if options.expert_mean_over_own_group else options.dist_index
     return ReduceSpec.build(
-        options.dist_index.dp_size,
+        mean_over.dp_size,
         options.per_token,
         options.ddp_config.average_in_collective
         or collectives.divides_after_reduction(index.fsdp_group),

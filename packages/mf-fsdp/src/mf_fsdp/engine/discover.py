@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mf_fsdp.buckets.bucket import ParamSource
@@ -242,13 +243,20 @@ def check_ranks_agree(
             )
 
 
-def refuse_offloaded_tp(sources: dict[int, ParamSource]) -> None:
+def refuse_offloaded_tp(sources: dict[int, ParamSource], experts: set[int]) -> None:
     """Raise if a parameter is tensor-parallel: ``offload_optimizer_state`` does not cover TP.
+
+    Expert parameters (``id`` in ``experts``) split over the expert-parallel dim, which
+    the expert index takes as their tp dim (grouped experts), offload as the rest do
+    (``tests/fsdp/buckets/test_offload.py::test_expert_parallel_world2``).
 
     Raises:
         ValueError: naming the option and a TP parameter.
     """
-    tp = next((s.fqns[0] for s in sources.values() if s.tp is not None), None)
+    tp = next(
+        (s.fqns[0] for key, s in sources.items() if s.tp is not None and key not in experts),
+        None,
+    )
     if tp is not None:
         raise ValueError(
             f"offload_optimizer_state=True is not supported with tensor parallelism: parameter "
@@ -398,5 +406,47 @@ def discover(
     validate_tp_params(named, index_of, meta_init)
     sources = param_sources(module, index_of, strategy, ignored)
     if ddp_config.offload_optimizer_state:
-        refuse_offloaded_tp(sources)
+        refuse_offloaded_tp(sources, {id(p) for _, p in named if is_expert_parallel_parameter(p)})
     return Discovered(ignored, sources)
+
+
+def expert_dtensor_dim(module: nn.Module, expt_device_mesh: DeviceMesh | None) -> str | None:
+    """The dim of ``expt_device_mesh`` that ``module``'s expert DTensor parameters live on.
+
+    Grouped experts split over expert parallelism (mf-tp's ``GroupedExperts``,
+    torchtitan's experts) are DTensors ``Shard(d)`` over a 1-D mesh of the
+    expert-parallel group; the engine treats that dim of the expert mesh as their
+    tensor-parallel dim. It is recognised by its ranks: the dim whose group here holds
+    the same ranks as the parameters' mesh. None when no expert parameter is a DTensor.
+
+    Raises:
+        ValueError: naming a parameter whose mesh matches no dim, or two parameters
+            on different dims.
+    """
+    if expt_device_mesh is None:
+        return None
+    names = expt_device_mesh.mesh_dim_names or ()
+    by_ranks = {
+        tuple(dist.get_process_group_ranks(expt_device_mesh.get_group(name))): name
+        for name in names
+    }
+    found: tuple[str, str] | None = None
+    for param_name, param in module.named_parameters():
+        if not (isinstance(param, DTensor) and is_expert_parallel_parameter(param)):
+            continue
+        ranks = tuple(param.device_mesh.mesh.flatten().tolist())
+        dim = by_ranks.get(ranks) if param.device_mesh.ndim == 1 else None
+        if dim is None:
+            shape = dict(zip(names, expt_device_mesh.shape, strict=True))
+            raise ValueError(
+                f"expt_device_mesh: expert parameter {param_name!r} is a DTensor over ranks "
+                f"{list(ranks)} ({param.device_mesh}); expected a 1-D mesh over the ranks of "
+                f"one dim of expt_device_mesh {shape}"
+            )
+        if found is not None and found[1] != dim:
+            raise ValueError(
+                f"expt_device_mesh: expert parameters {found[0]!r} and {param_name!r} are "
+                f"DTensors over its dims {found[1]!r} and {dim!r}; expected one dim"
+            )
+        found = found or (param_name, dim)
+    return None if found is None else found[1]

@@ -27,7 +27,7 @@ from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.tp_params import local_value
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP, owner_of
 from mf_fsdp.engine.sharded_params import SPREAD_ATTR
-from mf_utils import get_group_device
+from mf_utils import get_group_device, is_expert_parallel_parameter
 
 __all__ = ["clip_grad_norm_", "get_grad_norm"]
 
@@ -119,12 +119,15 @@ def get_grad_norm(
     """
     norm_type = _check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
-    grids: dict[int, list[tuple[torch.Tensor, list[dist.ProcessGroup]]]] = {}
+    # Keyed by (expert?, spread groups): an expert DTensor split over the expert-parallel
+    # dim (grouped experts) has no spread groups left, yet is no dense parameter either.
+    grids: dict[tuple[bool, int], list[tuple[torch.Tensor, list[dist.ProcessGroup]]]] = {}
     for p in _params(parameters):
         if p.grad is None:
             continue
         spread = list(getattr(p, SPREAD_ATTR, ()))
-        grids.setdefault(len(spread), []).append((p.grad, _signature(p.grad) + spread))
+        key = (is_expert_parallel_parameter(p), len(spread))
+        grids.setdefault(key, []).append((p.grad, _signature(p.grad) + spread))
     if not grids:
         return torch.tensor(0.0)
     totals = [_grid_part(grids[key], norm_type, is_inf) for key in sorted(grids)]

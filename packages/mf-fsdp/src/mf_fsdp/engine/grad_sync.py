@@ -123,8 +123,11 @@ class GradSync:
             return
         if policy.wait_at_backward_end():
             outer = policy.outer_at_backward_end()
-            for group in self.groups:
-                (group.reduce_outer if outer else group.finish_reduce)()
+            if outer:
+                self.synchronize()
+            else:
+                for group in self.groups:
+                    group.finish_reduce()
             self.attach()
             self.grads_final = outer or all(group.outer is None for group in self.groups)
 
@@ -141,10 +144,22 @@ class GradSync:
     def synchronize(self) -> None:
         """Wait for every launched reduction and fold results into the grad stores.
 
-        Also runs the deferred dp_outer stage of the reduction (HSDP; once per step).
+        Also runs the deferred dp_outer stage of the reduction (HSDP; once per step):
+        the replicated buckets' all-reduces go out coalesced (one collective for the
+        small ones, as the dp_shard stage's).
         """
-        for group in self.groups:
-            group.reduce_outer()
+        groups = self.groups
+        for group in groups:
+            group.finish_reduce()
+        due = [group for group in groups if group.outer_due]
+        if due:
+            with collectives.coalescing(self._ddp_config.suggested_communication_unit_size):
+                launched = [group.launch_outer(async_op=True) for group in due]
+            for group, work in zip(due, launched, strict=True):
+                group.land_outer(work)
+        for group in groups:
+            if group.hybrid:
+                group.reduce_outer()
 
     def finish(self, release_held: Callable[[], None]) -> None:
         """Reduce everything still local, wait, and attach grads for the optimizer.
@@ -196,7 +211,7 @@ class GradSync:
         groups = [group for group in groups if not (group.requires_grad and group.untouched)]
         for group in groups:
             for fp in group.fsdp_params:
-                if fp.grad is not None:
+                if fp.grad is not None and fp.sharded.requires_grad:  # frozen: no grad
                     fp.sharded.grad = fp.grad
         for group in groups:
             if group.unused_mark and group.unused_everywhere():
@@ -218,8 +233,18 @@ class GradSync:
             self._withhold_unused(groups)
 
     def _withhold_unused(self, groups: list[Bucket]) -> None:
-        """Take back the grads of parameters no rank's backward reached (one device sync)."""
+        """Take back the grads of parameters no rank's backward reached.
+
+        One device sync a step (the quick look), a second one where some bucket may
+        hold such a parameter.
+        """
         groups = [group for group in groups if group.grads_handed_out]
+        if not groups:
+            return
+        # A quick look first (three ops a bucket): a bucket whose store holds no -0.0 and
+        # whose rowless parameters were all reached has nothing to withhold, the usual step.
+        maybe = torch.stack([group.may_hold_unused() for group in groups]).tolist()
+        groups = [group for group, flag in zip(groups, maybe, strict=True) if flag]
         if not groups:
             return
         unused = iter(torch.cat([group.unused_params() for group in groups]).tolist())
@@ -227,6 +252,32 @@ class GradSync:
             withheld = [fp for fp in group.fsdp_params if next(unused)]
             if withheld:
                 group.withhold_grads(withheld)
+
+    def follow_requires_grad(self) -> None:
+        """Freeze (or unfreeze) each compute form as its sharded form is, FSDP2's rule.
+
+        ``requires_grad_(False)`` on a parameter of the sharded model (its sharded
+        form, what ``parameters()`` gives) leaves it without a gradient: autograd
+        skips its compute form and ``hand_out`` gives it none, so no optimizer moves
+        it. One comparison per parameter; run before each forward of the root.
+
+        Raises:
+            NotImplementedError: for a parameter unfrozen in a bucket built frozen
+                (it has no gradient buffers).
+        """
+        for fp in self.fsdp_params:
+            wanted = fp.sharded.requires_grad
+            if fp.compute.requires_grad != wanted:
+                if wanted and not self._bucket_of(fp).requires_grad:
+                    raise NotImplementedError(
+                        f"requires_grad_(True) on {fp.fqn}, frozen when the model was sharded "
+                        "(its first parameters(), state_dict() or forward): mf built its bucket "
+                        "without gradient buffers; unfreeze it before, or freeze after"
+                    )
+                fp.compute.requires_grad_(wanted)
+
+    def _bucket_of(self, fp: FSDPParam) -> Bucket:
+        return next(g for g in self.groups if any(f is fp for f in g.fsdp_params))
 
     def scale(self, factor: float) -> None:
         """Multiply every gradient held by the engine by ``factor``."""

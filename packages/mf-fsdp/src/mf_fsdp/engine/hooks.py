@@ -81,13 +81,7 @@ from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPS
 from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.held_units import HeldUnits
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
-from mf_fsdp.engine.unit import (
-    Unit,
-    eager,
-    grad_tensors,
-    on_first_grad,
-    thread_inputs,
-)
+from mf_fsdp.engine.unit import Unit, eager, grad_tensors, on_first_grad, thread_inputs
 from mf_fsdp.engine.unit_order import OrderAgreement, merge_chains
 
 __all__ = ["UnitHooks"]
@@ -587,8 +581,10 @@ class UnitHooks:
         if self._root.state is not TrainingState.POST_BACKWARD:
             self._finish(self._root)
         self._comm.hand_over_reductions()
-        for unit in self._units:  # prefetched for a backward that did not reach them
-            if unit.state is not TrainingState.POST_BACKWARD:
+        sharded = self._strategy.shards_params  # prefetched, or gathered after its backward:
+        for unit in self._units:  # released, or held for the optimizer step to release
+            done = unit.state is TrainingState.POST_BACKWARD
+            if not done or (sharded and not all(g.released for g in unit.groups)):
                 self.held.release_after_backward(unit)
         for unit in (self._root, *self._units):
             unit.state = TrainingState.IDLE

@@ -115,6 +115,9 @@ class MegatronFSDP(WrappedModule):
         unit_mixed_precision: a unit's own dtypes, in place of
             ``mixed_precision_policy``, keyed by the unit's module (the first of its
             group), as FSDP2 takes an ``mp_policy`` per ``fully_shard`` call.
+        expert_mean_over_own_group: average expert gradients over the expert-data-parallel
+            group (FSDP2's rule for a parameter on its own mesh) instead of over every
+            data-parallel rank (Megatron's rule, the default).
 
     Raises:
         TypeError: if ``module``, ``dist_index``, ``ddp_config``,
@@ -147,6 +150,7 @@ class MegatronFSDP(WrappedModule):
         unit_modules: Sequence[Sequence[nn.Module]] = (),
         ignored_params: Collection[nn.Parameter] = (),
         unit_mixed_precision: Mapping[nn.Module, MixedPrecisionPolicy] | None = None,
+        expert_mean_over_own_group: bool = False,
     ) -> None:
         super().__init__()
         check_module_to_wrap(module)
@@ -203,6 +207,7 @@ class MegatronFSDP(WrappedModule):
             gradient_scaling_factor,
             None,
             alignment,
+            expert_mean_over_own_group,
         )
         parts = assemble(
             module,

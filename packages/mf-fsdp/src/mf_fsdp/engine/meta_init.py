@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["allocate_meta_params", "describe_meta_init", "materialize_meta_params"]
 
@@ -68,8 +69,17 @@ def describe_meta_init(model: nn.Module) -> str:
 def _swap_to_empty(params: Iterable[nn.Parameter], device: torch.device) -> None:
     for p in params:
         # swap_tensors keeps the Parameter object (optimizers and ties refer to it).
-        real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-        torch.utils.swap_tensors(p, real)
+        torch.utils.swap_tensors(p, nn.Parameter(_empty(p, device), p.requires_grad))
+
+
+def _empty(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Empty storage for meta ``p`` on ``device``; a DTensor keeps its mesh and placements."""
+    if not isinstance(p, DTensor):
+        return torch.empty(p.shape, dtype=p.dtype, device=device)
+    local = torch.empty(p._local_tensor.shape, dtype=p.dtype, device=device)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def allocate_meta_params(params: Iterable[nn.Parameter], device: torch.device) -> None:

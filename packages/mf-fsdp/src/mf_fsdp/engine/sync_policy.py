@@ -48,6 +48,9 @@ class SyncPolicy:
         microbatch_count: backwards since the last ``step_finished``.
         steps: steps finished (``step_finished`` after at least one backward); names
             the step in error messages.
+        outer_each_backward: every backward that waits also runs the dp_outer stage
+            (HSDP), so ``.grad`` is fully reduced when ``backward()`` returns, as FSDP2
+            gives it (``mf_fsdp.fsdp2``); else once per step.
     """
 
     shards_grads: bool
@@ -56,6 +59,7 @@ class SyncPolicy:
     suppressed: bool = False
     microbatch_count: int = 0
     steps: int = 0
+    outer_each_backward: bool = False
 
     def reduce_at_unit_end(self) -> bool:
         """Whether a unit's backward end launches its reduction (else grads stay local)."""
@@ -68,8 +72,8 @@ class SyncPolicy:
         return self.auto_sync and self.reduce_at_unit_end()
 
     def outer_at_backward_end(self) -> bool:
-        """Whether that wait also runs the dp_outer stage (once per step: the last one)."""
-        return self.last_microbatch
+        """Whether that wait also runs the dp_outer stage (the step's last backward, or each)."""
+        return self.last_microbatch or self.outer_each_backward
 
     def backward_ended(self) -> None:
         """Count a micro-batch."""

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from mf_fsdp.engine.megatron_fsdp import check_module_to_wrap
 from mf_fsdp.fsdp2.mixed_precision import cast_inputs, cast_output
 from mf_fsdp.fsdp2.module import fsdp_class
+from mf_fsdp.fsdp2.placement import check_placement_fn
 from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, link_pending
 
 if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
@@ -63,7 +64,12 @@ def fully_shard(
             backward. None means True. The root always keeps its own (as FSDP2's).
             An int is the group size to reshard to, as FSDP2's: the shard group's
             size means True, 1 means False; other sizes are not supported.
-        shard_placement_fn: must be None (mf shards flat buckets by rows).
+        shard_placement_fn: FSDP2's, asked for each parameter of the call when the
+            engine is built (its first use): None or ``Shard(dim)`` keeps the parameter
+            on ``mesh``, sharded by mf's whole rows whatever the dim (the values users
+            see are the same); torch 2.15's ``ShardPlacementResult`` naming another
+            1-D mesh puts a DTensor parameter (experts over an ``ep`` mesh) on that
+            mesh's group, sharded, reduced and averaged there (see ``placement.py``).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (compute),
             ``reduce_dtype`` (gradient reduction; default ``param_dtype``),
             ``output_dtype`` and ``cast_forward_inputs`` as in FSDP2; torch 2.15's
@@ -113,6 +119,7 @@ def fully_shard(
     record = CallRecord(modules, mesh, reshard, mp_policy)
     record.ignored_params = _ignored_tuple(ignored_params)
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
+    record.shard_placement_fn = shard_placement_fn
     for item in modules:
         item.__dict__[RECORD_ATTR] = record
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
@@ -168,11 +175,7 @@ def _check_options(
             "mesh as mesh (1-D shard, or 2-D (replicate, shard)) and tensor-parallel "
             "parameters as DTensors over their own tp mesh"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "fully_shard: shard_placement_fn is not supported by mf_fsdp.fsdp2 (mf shards each "
-            "unit's flat bucket by rows, Shard(0)); expected None"
-        )
+    check_placement_fn(shard_placement_fn)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             "fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "

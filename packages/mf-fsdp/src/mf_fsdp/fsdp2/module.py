@@ -85,9 +85,15 @@ class FSDPModule(_ModuleFSDPModule):
 
     # -- the module contract: the first use builds the engine
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Build the engine on the first call, then run the module (with its hooks)."""
-        if self.__dict__[RECORD_ATTR].engine is None:
-            ensure_built(self)
+        """Build the engine on the first call, then run the module (with its hooks).
+
+        The root's call first carries the user's ``requires_grad_`` on the sharded
+        parameters over to their compute forms (``GradSync.follow_requires_grad``).
+        """
+        record = self.__dict__[RECORD_ATTR]
+        engine = record.engine if record.engine is not None else ensure_built(self)
+        if record.is_root:
+            engine._grads.follow_requires_grad()
         return super().__call__(*args, **kwargs)
 
     def named_parameters(
@@ -285,6 +291,21 @@ class FSDPModule(_ModuleFSDPModule):
         units = _prefetched_units(self, modules, "set_modules_to_backward_prefetch")
         for unit in self._units(recurse=False):
             unit.prefetch_backward = units
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backwards end the step's gradient work, as FSDP2's (any module).
+
+        True (the default): a backward's end waits for its reductions and hands the
+        grads out. False (micro-batches before the last, 1F1B schedules): the
+        reductions are launched (per ``set_requires_gradient_sync``) and left in
+        flight; the next backward, a later last one, or the optimizer step finishes
+        them. Stays as set until set again.
+        """
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(
+                f"set_is_last_backward: is_last_backward must be a bool, got {is_last_backward!r}"
+            )
+        self._engine_and_record()[0].sync_policy.auto_sync = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.

@@ -34,7 +34,7 @@ module's class (``module.py`` does).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.unit import Unit
 from mf_fsdp.fsdp2.mixed_precision import engine_policy, own_dtypes, resolve_policies
+from mf_fsdp.fsdp2.placement import ExpertMesh, place_params
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
 from mf_utils import get_group_device
 
@@ -77,6 +78,7 @@ class CallRecord:
     hooks: list[Any] = field(default_factory=list)
     ignored_params: tuple[nn.Parameter, ...] = ()
     offload: bool = False  # CPUOffloadPolicy
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # asked at the build
     hook_ids: AbstractSet[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
     state_view: TorchStateView | None = None  # what torch's free functions read (torch_state)
     building: bool = False  # its model's engine is being built now
@@ -173,12 +175,20 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     )
     hooks_before = _forward_hook_ids(module)
     root_engine_policy = engine_policy(module, root_policy)
+    mesh = _dense_mesh(root.mesh)
+    asked = [
+        (r.shard_placement_fn, _call_params(r, ignored.keys()))
+        for r in (root, *units)
+        if r.shard_placement_fn is not None
+    ]
+    experts = place_params(asked, mesh)
     engine = MegatronFSDP(
         module,
-        _dist_index(root.mesh),
+        _dist_index(mesh, experts),
         DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             offload_optimizer_state=root.offload,
+            find_unused_parameters=True,  # FSDP2 leaves .grad None where no backward reached
         ),
         sync_model_each_microbatch=True,
         mixed_precision_policy=root_engine_policy,
@@ -189,6 +199,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
             for unit, policy in zip(units, unit_policies, strict=True)
             if own_dtypes(root_policy, policy)
         },
+        expert_mean_over_own_group=True,  # FSDP2 averages over each parameter's own mesh
     )
     hook_ids = _forward_hook_ids(module) - hooks_before
     bind_optimizers_at_step(engine)  # the user's optimizer steps as mf_fsdp.fully_shard's
@@ -201,7 +212,26 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         record.unit = by_module.get(id(record.modules[0]))
         if record.unit is not None:
             record.unit.reshard_after_forward = record.reshard_after_forward
+    # FSDP2's .grad is fully reduced when backward() returns, HSDP's replicate dim included.
+    engine.sync_policy.outer_each_backward = True
     module.__dict__[_ENGINE_ATTR] = engine  # kept alive with the model
+
+
+def _call_params(
+    record: CallRecord, ignored: AbstractSet[int]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters ``record``'s call manages: under its modules, not under another call's."""
+    seen: set[int] = set()
+    stack = [(type(m).__name__, m) for m in reversed(record.modules)]
+    while stack:
+        prefix, module = stack.pop()
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) not in ignored and id(param) not in seen:
+                seen.add(id(param))
+                yield f"{prefix}.{attr}", param
+        for attr, child in reversed(module._modules.items()):
+            if child is not None and child.__dict__.get(RECORD_ATTR, record) is record:
+                stack.append((f"{prefix}.{attr}", child))
 
 
 def _check_same(root: CallRecord, unit: CallRecord) -> None:
@@ -228,8 +258,8 @@ def _forward_hook_ids(module: nn.Module) -> set[int]:
     }
 
 
-def _dist_index(mesh: DeviceMesh | None) -> FSDPDistributedIndex:
-    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard)."""
+def _dense_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """FSDP2's mesh (None: a 1-D one over the world), named; refused unless over every rank."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard: torch.distributed is not initialised; call "
@@ -243,12 +273,24 @@ def _dist_index(mesh: DeviceMesh | None) -> FSDPDistributedIndex:
             f"fully_shard: mesh covers {mesh.size()} of {world} ranks; mf_fsdp.fsdp2 needs a "
             "mesh over every rank"
         )
+    if mesh.mesh_dim_names is None:
+        if mesh.ndim != 1:
+            raise ValueError("fully_shard: a 2-D mesh needs dim names (replicate, shard)")
+        mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=("dp_shard",))
+    return mesh
+
+
+def _dist_index(mesh: DeviceMesh, experts: ExpertMesh | None) -> FSDPDistributedIndex:
+    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard), and experts'."""
     names = mesh.mesh_dim_names
+    assert names is not None  # _dense_mesh names it
+    expert_args: dict[str, Any] = {}
+    if experts is not None:
+        expert_args = {
+            "expt_device_mesh": experts.mesh,
+            "expt_dp_shard_dim": experts.shard_dim,
+            "expt_tp_dim": experts.tp_dim,
+        }
     if mesh.ndim == 1:
-        if names is None:
-            mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=("dp_shard",))
-            names = ("dp_shard",)
-        return FSDPDistributedIndex(mesh, dp_shard_dim=names[0])
-    if names is None:
-        raise ValueError("fully_shard: a 2-D mesh needs dim names (replicate, shard)")
-    return FSDPDistributedIndex(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
+        return FSDPDistributedIndex(mesh, dp_shard_dim=names[0], **expert_args)
+    return FSDPDistributedIndex(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0], **expert_args)
