@@ -118,13 +118,17 @@ def _reference_losses(llama: Path, argv: list[str]) -> tuple[list[float], int]:
 
 _EXPORT_LOGITS = """
 import sys, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 saved = torch.load(sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], local_files_only=True)
 with torch.no_grad():
     logits = model(input_ids=saved["tokens"]).logits
 torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
 print("equal", model.dtype)
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+prompt = tokenizer("The ", return_tensors="pt")
+out = model.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+print("generated", out.shape[1] - prompt["input_ids"].shape[1], repr(tokenizer.decode(out[0])))
 """
 
 
@@ -161,6 +165,7 @@ def test_folder_fine_tune_at_world_2_equals_transformers_and_exports(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "equal torch.float32" in done.stdout
+    assert "generated 6 " in done.stdout, done.stdout
 
     # Resumed at step 4, in the second epoch (the corpus packs into 4 steps' worth less
     # a few sequences): the unbroken run's losses.
@@ -215,7 +220,8 @@ def _cli(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def _bad_folders(root: Path, llama: Path) -> dict[str, Path]:
-    """A folder without config.json, one of a vision model, one without a tokenizer."""
+    """A folder without config.json, one of a vision model, one without a tokenizer, and one
+    whose tokenizer_config.json names a tokenizer class transformers does not know."""
     from transformers import ViTConfig
 
     no_config = root / "no_config"
@@ -227,7 +233,19 @@ def _bad_folders(root: Path, llama: Path) -> dict[str, Path]:
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         (no_tokenizer / name).write_bytes((llama / name).read_bytes())
-    return {"no_config": no_config, "vision": vision, "no_tokenizer": no_tokenizer}
+    unknown_tokenizer = root / "unknown_tokenizer"
+    unknown_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (unknown_tokenizer / name).write_bytes((llama / name).read_bytes())
+    (unknown_tokenizer / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "NoSuchTokenizerFast", "eos_token": "<eos>"})
+    )
+    return {
+        "no_config": no_config,
+        "vision": vision,
+        "no_tokenizer": no_tokenizer,
+        "unknown_tokenizer": unknown_tokenizer,
+    }
 
 
 def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> None:
@@ -241,6 +259,10 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
         "no_config": (["--model", str(folders["no_config"])], "holds no config.json"),
         "vision": (["--model", str(folders["vision"])], "not a causal language model"),
         "no_tokenizer": (["--model", str(folders["no_tokenizer"])], "no tokenizer"),
+        "unknown_tokenizer": (
+            ["--model", str(folders["unknown_tokenizer"])],
+            "no tokenizer AutoTokenizer can load",
+        ),
         "no_field": (
             ["--model", str(llama), "--data", str(bad_line)],
             f"--data {str(bad_line)!r} line 2: the object has no 'text' field",

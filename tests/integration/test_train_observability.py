@@ -51,6 +51,8 @@ def test_tensorboard_scalars_and_profile_traces(tmp_path: Path) -> None:
     run_on_ranks(_rank_train, 1, [*one, "--ckpt-dir", str(tmp_path / "cb")], timeout=150)
 
     scalars = _scalars(tmp_path / "a")
+    wanted = {"loss", "validation_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_mib"}
+    assert set(SCALARS) == wanted  # the seven: loss ... memory
     every_step = list(range(1, STEPS + 1))
     for key, tag in SCALARS.items():
         steps = [step for step, _ in scalars[tag]]
