@@ -280,3 +280,36 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
         assert len(lines) == 1, (name, lines)
         assert expected in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def _rank_loads_bf16_folder(rank: int, world: int, folder: str) -> None:
+    from safetensors.torch import load_file
+
+    from mf.train.setup import build, setup
+    from mf_dtensor import UnevenDTensor, gather_uneven_dtensor_to_full_tensor
+    from mf_fsdp.checkpoint import get_model_state_dict
+
+    argv = ["--model", folder, "--device", "cpu", "--zero", "3", "--precision", "fp32"]
+    options = parse_options([*argv, "--seq-len", "32", "--nproc", str(world)])
+    device, mesh = setup(options)
+    model, _ = build(options, mesh, device)
+    files = load_file(f"{folder}/model.safetensors")
+    state = get_model_state_dict(model)
+    assert {k.removeprefix("lm.") for k in state} == set(files)
+    for key, value in state.items():
+        assert isinstance(value, UnevenDTensor), key
+        full = gather_uneven_dtensor_to_full_tensor(value).to_local()
+        assert full.dtype == torch.float32, key
+        torch.testing.assert_close(full, files[key.removeprefix("lm.")].float(), rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_bf16_folder_loads_exactly_into_fp32_main_weights(tmp_path: Path) -> None:
+    """A bf16 folder (as most downloads are) read row by row, converted on the way: each
+    rank's rows, gathered, are the file's tensors exactly (bf16 -> fp32 is exact).
+
+    Planted: converting through a buffer one row short (the last row left zero) fails it.
+    """
+    folder = make_llama_folder(tmp_path / "bf16", corpus_chars=4000, dtype=torch.bfloat16)
+    run_on_ranks(_rank_loads_bf16_folder, 2, str(folder), timeout=100)
