@@ -14,7 +14,7 @@ import torch
 
 from mf.models import GPTConfig
 
-__all__ = ["PEAK_TFLOPS", "flops_per_token", "peak_flops"]
+__all__ = ["PEAK_TFLOPS", "dense_flops_per_token", "flops_per_token", "peak_flops"]
 
 PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
     "H200": {torch.bfloat16: 989.4, torch.float32: 66.9},
@@ -24,9 +24,14 @@ PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
 """Dense peak TFLOP/s by GPU family and compute dtype (fp32: without TF32, torch's default)."""
 
 
+def dense_flops_per_token(parameters: int, layers: int, width: int, seq_len: int) -> float:
+    """Training FLOPs per token of any dense decoder: its weights' and its attention's."""
+    return 6.0 * parameters + 12.0 * layers * width * seq_len
+
+
 def flops_per_token(config: GPTConfig, seq_len: int) -> float:
     """Training FLOPs (forward and backward) per token of a ``config`` GPT at ``seq_len``."""
-    return 6.0 * config.num_parameters() + 12.0 * config.n_layers * config.d_model * seq_len
+    return dense_flops_per_token(config.num_parameters(), config.n_layers, config.d_model, seq_len)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:

@@ -39,12 +39,12 @@ from mf.launch import (
     new_run_id,
     wake_stopped_workers,
 )
-from mf.train.data import TextData, load_corpus
 from mf.train.failures import failure_lines
 from mf.train.options import TrainOptions, local_cpu_cores, parse_options
 from mf.train.report import last_saved_checkpoint
 from mf.train.resume import verify_resume
 from mf.train.run_lock import RunLockError, acquire_run_locks, launcher_holds_locks
+from mf.train.tokenized import training_data
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -74,9 +74,12 @@ def user_warning(message: str) -> None:
 
 
 def check_data(options: TrainOptions) -> None:
-    """Raise a one-line ValueError if the corpus is missing, empty or too short for --seq-len."""
-    text, _ = load_corpus(options.data)
-    TextData.from_text(text, options.seq_len)
+    """Raise a one-line ValueError for data the run cannot train on.
+
+    A missing, empty or non-UTF-8 file, a bad JSONL line, a corpus too short for
+    --seq-len, or a model folder's tokenizer that cannot serve.
+    """
+    training_data(options)
 
 
 def check_local_processes(options: TrainOptions) -> None:

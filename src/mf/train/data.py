@@ -3,7 +3,8 @@
 The default corpus is the Python Language Reference that ships inside every
 CPython (``pydoc_data.topics``, PSF licence, about 465 KB of English prose
 and code), so the first run needs no download. ``--data PATH`` trains on the
-user's own UTF-8 text file instead. Bytes are the tokens (vocabulary 256),
+user's own UTF-8 text file (or JSON lines, ``mf.train.documents``)
+instead. Bytes are the tokens (vocabulary 256),
 so any text works without a tokenizer to fit or ship.
 
 Batches are a pure function of (seed, step, rank): a resumed run draws the
@@ -17,9 +18,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "TextData", "decode", "encode", "load_corpus"]
+from mf.train.documents import read_documents
+
+__all__ = [
+    "BUILTIN_CORPUS",
+    "BYTES",
+    "VOCAB_SIZE",
+    "ByteCodec",
+    "TextData",
+    "builtin_documents",
+    "decode",
+    "encode",
+    "load_corpus",
+]
 
 VOCAB_SIZE = 256
+BUILTIN_CORPUS = "the Python Language Reference (pydoc_data.topics)"
 _VALIDATION_FRACTION = 0.1
 
 
@@ -34,34 +48,43 @@ def decode(tokens: torch.Tensor | list[int]) -> str:
     return bytes(values).decode("utf-8", errors="replace")
 
 
-def _builtin_corpus() -> str:
+def builtin_documents() -> list[str]:
+    """The built-in corpus: the Language Reference's topics, in name order."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[name] for name in sorted(topics))
+    return [topics[name] for name in sorted(topics)]
 
 
-def load_corpus(path: str | None) -> tuple[str, str]:
+def _builtin_corpus() -> str:
+    return "\n\n".join(builtin_documents())
+
+
+def load_corpus(path: str | None, text_field: str = "text") -> tuple[str, str]:
     """Return (text, description) of the user's file at ``path``, or of the built-in corpus.
 
+    A JSONL file's documents (``mf.train.documents``) are joined by blank lines.
+
     Raises:
-        ValueError: if the file does not exist, is not a file, is empty or is not UTF-8.
+        ValueError: if the file does not exist, is not a file, is empty, is not UTF-8,
+            or has a bad JSONL line.
     """
     if path is None:
-        return _builtin_corpus(), "the Python Language Reference (pydoc_data.topics)"
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--data: {path!r} does not exist or is not a file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--data: {path!r} is not UTF-8 text ({error.reason})") from None
-    if not text.strip():
-        raise ValueError(f"--data: {path!r} is empty")
-    return text, str(file)
+        return _builtin_corpus(), BUILTIN_CORPUS
+    return "\n\n".join(read_documents(path, text_field)), str(Path(path))
+
+
+class ByteCodec:
+    """Bytes as tokens: ``encode`` and ``decode`` as methods (a tokenizer's interface)."""
+
+    encode = staticmethod(encode)
+    decode = staticmethod(decode)
+
+
+BYTES = ByteCodec()
 
 
 @dataclass(frozen=True)
-class TextData:
+class TextData(ByteCodec):
     """A tokenized corpus split into training and held-out validation tokens."""
 
     train: torch.Tensor

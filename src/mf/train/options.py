@@ -18,6 +18,8 @@ import torch
 from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
+from mf.train.model_folder import ModelFolder, folder_of
+from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
 from mf.train.settings import TrainOptions
 
@@ -96,9 +98,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--dp-outer", type=int, default=1, help="HSDP replicas (outer data-parallel size)")
     add(
         "--model",
-        choices=sorted(MODEL_PRESETS),
         default="small",
-        help="model preset (moe-*: mixtures of experts)",
+        help=f"a model preset ({', '.join(sorted(MODEL_PRESETS))}; moe-*: mixtures of experts), "
+        "or the path of a local transformers causal-LM folder (config.json, *.safetensors, "
+        "tokenizer files), read offline",
     )
     add(
         "--ep",
@@ -147,7 +150,17 @@ def _build_parser() -> argparse.ArgumentParser:
         "GPUs from sm_89; --tp 1 only",
     )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    add("--data", default=None, help="a UTF-8 text file (default: the built-in corpus)")
+    add(
+        "--data",
+        default=None,
+        help="a UTF-8 text file (one document), or a .jsonl file of one JSON object per line "
+        "(default: the built-in corpus)",
+    )
+    add(
+        "--text-field",
+        default="text",
+        help="the field of each --data .jsonl object that holds its document",
+    )
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
     add("--save-every", type=int, default=200, help="save every N steps (0: only at the end)")
     add(
@@ -185,6 +198,25 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--out-dir", default="runs/mf-train", help="metrics, loss curve, sample, model export")
     add("--no-plot", dest="plot", action="store_false", help="do not draw loss.png")
     add(
+        "--tensorboard",
+        action="store_true",
+        help="write loss, validation loss, lr, grad norm, tokens/s, MFU and memory per step "
+        "to <out-dir>/tensorboard (rank 0)",
+    )
+    add(
+        "--profile",
+        default=None,
+        metavar="START:END",
+        help="a torch.profiler Chrome trace of steps START to END (from 1, both included) per "
+        "rank, in <out-dir>/profile/rank<R>.json",
+    )
+    add(
+        "--peak-tflops",
+        type=_finite_float,
+        default=None,
+        help="the device's peak TFLOP/s for MFU (default: known for H100, H200, A100; else no MFU)",
+    )
+    add(
         "--max-restarts",
         type=int,
         default=0,
@@ -208,10 +240,13 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     """
     args = _build_parser().parse_args(argv)
     options = TrainOptions(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    folder = folder_of(options.model)
     if options.nproc is None:
         gpus = torch.cuda.device_count() if options.use_cuda else 0
         options = dataclasses.replace(options, nproc=gpus or 2)
-    options = _hardware_defaults(options)
+    options = _hardware_defaults(options, folder)
+    if folder is not None:  # first: an option that does not apply is named before its sizes
+        _check_folder_options(options, folder)
     for name in (
         "nproc",
         "tp",
@@ -239,6 +274,10 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     if options.save_every < 0:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
+    if options.profile is not None:
+        parse_window(options.profile, options.steps)
+    if options.peak_tflops is not None and not options.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be a positive number, got {options.peak_tflops}")
     if options.nproc % options.tp != 0:
         raise ValueError(
             f"--tp {options.tp} does not divide the {options.nproc} processes (--nproc); "
@@ -255,6 +294,46 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--dp-outer {options.dp_outer} does not divide the data-parallel size "
             f"{options.dp_size} (= --nproc {options.nproc} / --tp {options.tp} / --cp {options.cp})"
         )
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine")
+    if folder is None:
+        _check_preset_options(options)
+    if options.resume_from is not None:
+        options = dataclasses.replace(options, resume=True)
+    if options.resume:
+        check_resume_settings(options)
+    return options
+
+
+def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
+    """Refuse what does not apply to a transformers model folder, naming the model."""
+    refused = {
+        "--tp": (options.tp > 1, "its layers are transformers', not mf-tp's tensor-parallel ones"),
+        "--cp": (options.cp > 1, "mf-train splits sequences only for its own GPT presets"),
+        "--ep": (options.ep > 1, "expert parallelism is for the moe-* presets"),
+        "--layer-drop": (options.layer_drop > 0, "LayerDrop is in mf's GPT presets"),
+        "--optimizer": (
+            options.optimizer != "adamw",
+            "the muon recipe picks the blocks' matrices of mf's GPT presets; use adamw",
+        ),
+        "--precision": (
+            options.precision == "fp8",
+            "float8 training is wired for mf's GPT presets; use bf16 or fp32",
+        ),
+    }
+    for flag, (applies, why) in refused.items():
+        if applies:
+            value = getattr(options, flag[2:].replace("-", "_"))
+            raise ValueError(f"{flag} {value} does not apply to the {folder.name}: {why}")
+    if options.seq_len > folder.positions:
+        raise ValueError(
+            f"--seq-len {options.seq_len} exceeds the {folder.positions} positions of the "
+            f"{folder.name} (max_position_embeddings)"
+        )
+
+
+def _check_preset_options(options: TrainOptions) -> None:
+    """The checks of a run on one of mf's GPT presets."""
     preset = MODEL_PRESETS[options.model]
     _check_experts(options, preset)
     _check_context_parallel(options, preset)
@@ -272,8 +351,6 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             f"--tp {options.tp} does not divide the {preset.n_heads} attention heads of the "
             f"{options.model!r} model"
         )
-    if options.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device on this machine")
     if options.seq_len > preset.seq_len:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {options.model!r} model's "
@@ -281,21 +358,16 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         )
     if options.precision == "fp8":
         _check_float8(options, preset)
-    if options.resume_from is not None:
-        options = dataclasses.replace(options, resume=True)
-    if options.resume:
-        check_resume_settings(options)
-    return options
 
 
-def _hardware_defaults(options: TrainOptions) -> TrainOptions:
+def _hardware_defaults(options: TrainOptions, folder: ModelFolder | None) -> TrainOptions:
     """Fill the options left unset with what suits the device.
 
     On a GPU: bf16 compute where the GPU has it, the model's full sequence length
     and a larger micro-batch, so a step gives the GPU work enough not to wait on
     the host (the engine's Python and kernel launches cost the same at any size).
     """
-    positions = MODEL_PRESETS[options.model].seq_len
+    positions = MODEL_PRESETS[options.model].seq_len if folder is None else folder.positions
     gpu = options.use_cuda
     seq_len = options.seq_len
     if seq_len is None:

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from mf.mfu import flops_per_token, peak_flops
+from mf.mfu import dense_flops_per_token, flops_per_token, peak_flops
 from mf.models import MODEL_PRESETS, MoEGPTConfig
+from mf.train.model_folder import folder_of
 from mf.train.options import TrainOptions
 from mf.train.progress import progress_bar
+from mf.train.tensorboard import TensorBoardWriter
 
 __all__ = ["LAST_CHECKPOINT_FILE", "Reporter", "host_bound_hint", "last_saved_checkpoint"]
 
@@ -101,6 +103,24 @@ def host_bound_hint(host_shares: list[float], micro_batch: int) -> str | None:
     )
 
 
+def _flops_and_name(options: TrainOptions) -> tuple[float | None, str]:
+    """Training FLOPs per token of ``--model`` (None for a mixture of experts), and its name.
+
+    Dense models only: a mixture of experts computes with a fraction of its parameters.
+    """
+    folder = folder_of(options.model)
+    if folder is not None:
+        flops = dense_flops_per_token(
+            folder.parameters, folder.layers, folder.width, options.seq_len
+        )
+        return flops, folder.name
+    preset = MODEL_PRESETS[options.model]
+    name = f"{options.model} GPT"
+    if isinstance(preset, MoEGPTConfig):
+        return None, name
+    return flops_per_token(preset, options.seq_len), name
+
+
 class Reporter:
     """Progress bar, JSON-lines metrics and the end-of-run summary (rank 0 only)."""
 
@@ -125,11 +145,8 @@ class Reporter:
         self.bar: Any = None
         self._host_shares: list[float] = []
         self._hinted = False
-        preset = MODEL_PRESETS[options.model]
-        # Dense GPTs only: a mixture of experts computes with a fraction of its parameters.
-        self._flops_per_token = (
-            None if isinstance(preset, MoEGPTConfig) else flops_per_token(preset, options.seq_len)
-        )
+        self.tensorboard: TensorBoardWriter | None = None
+        self._flops_per_token, model_name = _flops_and_name(options)
         if not active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +155,7 @@ class Reporter:
         experts = f"ep={options.ep}, " if options.ep > 1 else ""
         context = f"cp={options.cp}, " if options.cp > 1 else ""
         print(
-            f"mf-train: {options.model} GPT ({parameters / 1e6:.1f}M parameters), "
+            f"mf-train: {model_name} ({parameters / 1e6:.1f}M parameters), "
             f"{options.nproc} processes (tp={options.tp}, {context}{experts}"
             f"dp_outer={options.dp_outer}, ZeRO-{options.zero}, {options.precision}), "
             f"corpus {corpus}: {train_tokens:,} train / {validation_tokens:,} validation tokens",
@@ -147,6 +164,8 @@ class Reporter:
         if start_step:
             print(f"mf-train: resumed from {options.ckpt_dir} at step {start_step}", flush=True)
         self.bar = progress_bar(options.steps, start_step)
+        if options.tensorboard:
+            self.tensorboard = TensorBoardWriter(self.out_dir, start_step)
 
     def _earlier_records(self, start_step: int) -> list[dict[str, Any]]:
         """The metrics of the steps a resumed run keeps (up to ``start_step``).
@@ -167,6 +186,8 @@ class Reporter:
         # fp8 against the bf16 peak, as torchtitan reports it: the same work, done faster.
         dtype = torch.float32 if self.options.precision == "fp32" else torch.bfloat16
         peak = peak_flops(device, dtype)
+        if self.options.peak_tflops is not None:
+            peak = (self.options.peak_tflops * 1e12, "--peak-tflops")
         if peak is None or self._flops_per_token is None:
             return None
         return self._flops_per_token * tokens_per_s / (peak[0] * self.options.nproc)
@@ -192,6 +213,7 @@ class Reporter:
         mfu = self.mfu(tokens_per_s, device)
         if mfu is not None:
             record["mfu"] = mfu
+        record["memory_mib"] = _memory_mib(device)
         record.update(extra or {})
         self._note_host_share(step, host_share, device)
         if validation is not None:
@@ -200,10 +222,12 @@ class Reporter:
         self.history.append(record)
         with open(self.metrics_path, "a") as out:
             out.write(_json_line(record))
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         postfix = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}"}
         if mfu is not None:
             postfix["mfu"] = f"{mfu:.2f}"
-        postfix["mem"] = f"{_memory_mib(device):.0f}MiB"
+        postfix["mem"] = f"{record['memory_mib']:.0f}MiB"
         self.bar.set_postfix(postfix)
         self.bar.update(1)
 
@@ -246,6 +270,8 @@ class Reporter:
         except BaseException:
             if self.bar is not None:
                 self.bar.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             raise
 
     def stopped(self, message: str) -> None:
@@ -266,6 +292,8 @@ class Reporter:
         if not self.active:
             return {}
         self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         seconds = time.perf_counter() - self.started
         last = self.history[-1] if self.history else {}
         validations = [r["validation_loss"] for r in self.history if "validation_loss" in r]

@@ -27,9 +27,8 @@ from pathlib import Path
 from shlex import quote
 from typing import TYPE_CHECKING
 
-import torch
-
-from mf.models import MODEL_PRESETS, build_optimizers, plain_model
+from mf.models import build_optimizers
+from mf.train.model_folder import meta_module
 
 if TYPE_CHECKING:
     from mf.train.settings import TrainOptions
@@ -157,8 +156,7 @@ def _verify(path: Path, options: TrainOptions) -> None:
     """``mf_fsdp.verify_checkpoint`` against this run's model and optimizers (meta device)."""
     from mf_fsdp import checkpoint as fsdp_checkpoint
 
-    with torch.device("meta"):
-        module = plain_model(MODEL_PRESETS[options.model])
+    module = meta_module(options.model)
     optimizers = build_optimizers(options.optimizer, module, options.lr)
     fsdp_checkpoint.verify_checkpoint(path, module, optimizers)
 

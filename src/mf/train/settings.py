@@ -49,6 +49,10 @@ class TrainOptions:
     resume_from: str | None = None
     layer_drop: float = 0.0
     cp: int = 1
+    text_field: str = "text"
+    tensorboard: bool = False
+    profile: str | None = None
+    peak_tflops: float | None = None
 
     @property
     def use_cuda(self) -> bool:

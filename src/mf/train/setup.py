@@ -31,6 +31,8 @@ from mf.models.float8 import (
     FSDP_FLOAT8_ALL_GATHER,
     convert_gpt_to_float8,
 )
+from mf.train.folder_weights import load_folder_weights
+from mf.train.model_folder import PREFIX, ModelFolder, folder_of, meta_causal_lm, unit_classes
 from mf.train.options import TrainOptions, local_cpu_cores
 from mf.train.stopping import RunStoppedError, join
 
@@ -126,8 +128,9 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
 
     The optimizers are ``--optimizer``'s recipe, a list (AdamW; or Muon and AdamW).
     """
-    from mf_fsdp import MixedPrecisionPolicy, fully_shard
-
+    folder = folder_of(options.model)
+    if folder is not None:
+        return _build_from_folder(options, mesh, device, folder)
     torch.manual_seed(options.seed)  # the same full weights on every rank
     config = MODEL_PRESETS[options.model]
     moe = isinstance(config, MoEGPTConfig)
@@ -153,6 +156,20 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         gathers_fp8 = FSDP_FLOAT8_ALL_GATHER and options.zero == 3
         convert_gpt_to_float8(module, fsdp_float8_all_gather=gathers_fp8)
     optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
+    return _shard(options, mesh, module, optimizers, [unit], expert_mesh)
+
+
+def _shard(
+    options: TrainOptions,
+    mesh: DeviceMesh,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    units: list[type[nn.Module]],
+    expert_mesh: DeviceMesh | None = None,
+):
+    """``module`` and its optimizers sharded over ``mesh`` as the options say."""
+    from mf_fsdp import MixedPrecisionPolicy, fully_shard
+
     compute = torch.float32 if options.precision == "fp32" else torch.bfloat16
     return fully_shard(
         module,
@@ -162,9 +179,25 @@ def build(options: TrainOptions, mesh: DeviceMesh, device: torch.device):
         dp_outer_dim="dp_outer",
         tp_dim="tp",
         expt_device_mesh=expert_mesh,
-        fsdp_unit_modules=[unit],
+        fsdp_unit_modules=units,
         zero_dp_strategy=options.zero,
         mixed_precision_policy=MixedPrecisionPolicy(
             main_params_dtype=torch.float32, param_dtype=compute
         ),
     )
+
+
+def _build_from_folder(
+    options: TrainOptions, mesh: DeviceMesh, device: torch.device, folder: ModelFolder
+):
+    """A transformers folder's model, wrapped on the meta device, each rank reading its rows.
+
+    Its decoder layers are the units; see ``mf.train.model_folder`` and
+    ``mf.train.folder_weights``.
+    """
+    module = meta_causal_lm(folder, device)
+    optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
+    model, optimizers = _shard(options, mesh, module, optimizers, unit_classes(module.lm))
+    model.to_empty(device=device)
+    load_folder_weights(model, folder.path, PREFIX)
+    return model, optimizers

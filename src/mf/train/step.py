@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +18,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from mf.models.float8 import (
     refresh_float8_scales,
 )
-from mf.train.data import TextData, decode, encode
+from mf.train.data import TextData
 from mf.train.export import sample_text
 from mf.train.options import TrainOptions
 from mf.train.sequence_shards import sequence_shards
 from mf.train.setup import dp_coordinates
+from mf.train.tokenized import TokenData
 
-__all__ = ["routing_metrics", "sample_of", "seed_layer_drop", "train_step", "validate"]
+__all__ = [
+    "StepResult",
+    "routing_metrics",
+    "sample_of",
+    "seed_layer_drop",
+    "train_step",
+    "validate",
+]
 
 
 def _learning_rate(options: TrainOptions, step: int) -> float:
@@ -41,20 +49,39 @@ def _mean_over(value: torch.Tensor, mesh: DeviceMesh) -> float:
     return total.item() / dist.get_world_size()
 
 
+class StepResult(NamedTuple):
+    """What one optimizer step reports."""
+
+    loss: float
+    """The loss, averaged over the ranks."""
+    issued: float
+    """When (``time.perf_counter()``) the host had issued all of the step's work."""
+    lr: float
+    """The step's learning rate."""
+    grad_norm: float | None
+    """The gradients' total 2-norm before the step (``--tensorboard`` only: a collective)."""
+
+
 def train_step(
-    model, optimizers, data: TextData, options: TrainOptions, step: int, mesh: DeviceMesh, device
-) -> tuple[float, float]:
+    model,
+    optimizers,
+    data: TextData | TokenData,
+    options: TrainOptions,
+    step: int,
+    mesh: DeviceMesh,
+    device,
+) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches.
 
-    Returns the mean loss over ranks and the moment (``time.perf_counter()``) the
-    host had issued all of the step's work, before it waits for the loss. The
+    The issue moment is taken before the host waits for the loss. The
     micro-batches are copied to the device first: a copy from pageable memory
     waits for the device's earlier work, which would count as host time.
     """
     dp_rank, dp_size = dp_coordinates(mesh)
+    lr = _learning_rate(options, step)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(options, step)
+            group["lr"] = lr
     batches = [
         tuple(
             t.to(device)
@@ -82,6 +109,11 @@ def train_step(
             loss = model(inputs, targets, positions=positions) / options.grad_accum
             loss.backward()
         losses.append(loss.detach())
+    grad_norm = None
+    if options.tensorboard:
+        from mf_fsdp import get_grad_norm
+
+        grad_norm = get_grad_norm(model).item()
     for optimizer in optimizers:
         optimizer.step()
     if options.precision == "fp8":
@@ -89,7 +121,7 @@ def train_step(
     for optimizer in optimizers:
         optimizer.zero_grad()
     issued = time.perf_counter()
-    return _mean_over(torch.stack(losses).sum(), mesh), issued
+    return StepResult(_mean_over(torch.stack(losses).sum(), mesh), issued, lr, grad_norm)
 
 
 def seed_layer_drop(model, options: TrainOptions, micro_batch: int, dp_rank: int) -> None:
@@ -133,7 +165,7 @@ def routing_metrics(model, tp: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def validate(
-    model, data: TextData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
+    model, data: TextData | TokenData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
 ) -> float:
     """The validation loss: ``--eval-batches`` held-out batches, averaged over the ranks."""
     model.eval()
@@ -157,12 +189,14 @@ def validate(
 
 
 @torch.no_grad()
-def sample_of(model, prompt: str, options: TrainOptions, device: torch.device) -> str:
+def sample_of(
+    model, data: TextData | TokenData, prompt: str, options: TrainOptions, device: torch.device
+) -> str:
     """Sampling (temperature 0.8) in lockstep on every rank from a shared seed.
 
     In eval mode: every block runs (``--layer-drop`` is for training), and dropout is off.
     """
-    prompt_tokens = encode(prompt).to(device)
+    prompt_tokens = data.encode(prompt).to(device)
     model.eval()
     try:
         sequence = sample_text(
@@ -170,4 +204,4 @@ def sample_of(model, prompt: str, options: TrainOptions, device: torch.device) -
         )
     finally:
         model.train()
-    return decode(sequence.cpu())
+    return data.decode(sequence.cpu())

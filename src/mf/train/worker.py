@@ -9,6 +9,7 @@ on every rank at the same step, after rank 0 printed why in one line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -25,10 +26,12 @@ from mf.models import (
     MODEL_PRESETS,
 )
 from mf.train.checkpoints import Checkpoints, last_save_reason, restart_checkpoint, resume
-from mf.train.data import TextData, load_corpus
 from mf.train.export import export_model
 from mf.train.failures import report_rank_failure
+from mf.train.folder_export import export_folder
+from mf.train.model_folder import folder_of
 from mf.train.options import RESULT_SETTINGS, TrainOptions
+from mf.train.profiling import StepProfiler, parse_window
 from mf.train.report import Reporter
 from mf.train.resume import verify_resume
 from mf.train.run_lock import (
@@ -40,6 +43,7 @@ from mf.train.run_lock import (
 from mf.train.setup import build, dp_coordinates, setup
 from mf.train.step import routing_metrics, sample_of, train_step, validate
 from mf.train.stopping import RunStoppedError, StopFlag, stop_if_diverged
+from mf.train.tokenized import training_data
 from mf_fsdp import checkpoint as fsdp_checkpoint
 
 __all__ = ["RunStoppedError", "main", "train"]
@@ -52,8 +56,7 @@ __all__ = ["RunStoppedError", "main", "train"]
 
 
 def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[str, Any]:
-    text, corpus_name = load_corpus(options.data)
-    data = TextData.from_text(text, options.seq_len)
+    data, corpus_name = training_data(options)
     model, optimizers = build(options, mesh, device)
     info = {
         "model": options.model,
@@ -78,27 +81,37 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         corpus_name,
         len(data.train),
         len(data.validation),
-        MODEL_PRESETS[options.model].num_parameters(),
+        _parameters(options.model),
     )
     tokens_per_step = options.micro_batch * options.seq_len * options.grad_accum
     tokens_per_step *= dp_coordinates(mesh)[1]
     checkpoints = Checkpoints(ckpt_dir, model, optimizers, info, reporter)
     step = start_step
-    with StopFlag() as stop, reporter.bar_closed_on_error():
+    profiler = StepProfiler(
+        None if options.profile is None else parse_window(options.profile, options.steps),
+        Path(options.out_dir),
+        dist.get_rank(),
+    )
+    with StopFlag() as stop, reporter.bar_closed_on_error(), contextlib.closing(profiler):
         while step < options.steps:
             started = time.perf_counter()
-            train_loss, issued = train_step(model, optimizers, data, options, step, mesh, device)
+            profiler.before(step + 1)
+            result = train_step(model, optimizers, data, options, step, mesh, device)
+            train_loss = result.loss
             step += 1
+            profiler.after(step)
             elapsed = time.perf_counter() - started
             rate = tokens_per_step / elapsed
-            host_share = (issued - started) / elapsed  # the rest: waiting for the device
+            host_share = (result.issued - started) / elapsed  # the rest: waiting for the device
             validation = None
             if math.isfinite(train_loss) and (
                 step % options.eval_every == 0 or step == options.steps
             ):
                 validation = validate(model, data, options, mesh, device)
-            routing = routing_metrics(model, options.tp)
-            reporter.step(step, train_loss, validation, rate, device, routing, host_share)
+            extra = {"lr": result.lr, **routing_metrics(model, options.tp)}
+            if result.grad_norm is not None:
+                extra["grad_norm"] = result.grad_norm
+            reporter.step(step, train_loss, validation, rate, device, extra, host_share)
             if not math.isfinite(train_loss):
                 checkpoints.settle()  # the stop names the newest checkpoint
             stop_if_diverged(reporter, train_loss, step, checkpoints.newest)
@@ -113,12 +126,24 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
     saved_path = checkpoints.newest
     finished = step == options.steps
     sample = (
-        sample_of(model, "The ", options, device) if finished and options.sample_tokens else None
+        sample_of(model, data, "The ", options, device)
+        if finished and options.sample_tokens
+        else None
     )
     exported = None
     if finished and saved_path is not None and reporter.active:
-        exported = export_model(saved_path, Path(options.out_dir), options.model)
+        folder = folder_of(options.model)
+        if folder is None:
+            exported = export_model(saved_path, Path(options.out_dir), options.model)
+        else:
+            exported = export_folder(saved_path, Path(options.out_dir), folder)
     return reporter.finish(sample, saved_path, exported)
+
+
+def _parameters(model: str) -> int:
+    """The parameters of ``--model``: a preset's, or a folder's model's."""
+    folder = folder_of(model)
+    return MODEL_PRESETS[model].num_parameters() if folder is None else folder.parameters
 
 
 def train(options: TrainOptions) -> dict[str, Any]:
