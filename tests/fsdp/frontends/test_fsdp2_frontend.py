@@ -313,7 +313,7 @@ def _rank_unsupported(rank: int, world: int) -> None:
         fsdp2.fully_shard(make_model(), mp_policy=object())
     model = make_model()
     shard_like_torchtitan(model)
-    with pytest.raises(ValueError, match="already passed to fully_shard"):
+    with pytest.raises(AssertionError, match="already passed to fully_shard"):
         fsdp2.fully_shard(model)
     for name in UNSUPPORTED:
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name}"):

@@ -219,6 +219,7 @@ class ExtensionWeights(WeightStorage):
         self._received: torch.Tensor | None = None  # several tensors: their packed bytes
         self._metadata: Any = None
         self._compute: nn.Parameter | None = None
+        self._trim_rows = False  # see _post: refills get the outputs cut to the parameter's rows
         self._freed: list[tuple[torch.Tensor, int]] = []  # storages released between gathers
 
     # ------------------------------------------------------------------ values
@@ -391,12 +392,21 @@ class ExtensionWeights(WeightStorage):
                 if self._compute is not None:
                     for tensor, nbytes in self._freed:
                         _hold(tensor, nbytes)
+                    if self._trim_rows:
+                        gathered = tuple(t[: self._size[0]] for t in gathered)
                     local.fsdp_post_all_gather(  # type: ignore[attr-defined]
                         gathered, self._metadata, self._param_dtype, out=self._compute
                     )
                     return
                 whole, inner = local.fsdp_post_all_gather(  # type: ignore[attr-defined]
                     gathered, self._metadata, self._param_dtype
+                )
+                # An uneven split: the first ``post`` built the padded rows from row-shaped
+                # outputs, and ``out`` (the parameter) has the unpadded rows. Later refills
+                # get those outputs cut to the parameter's rows, so ``out.copy_(output)``
+                # fits (FSDP2 hands the padded outputs with the unpadded ``out``).
+                self._trim_rows = whole.shape[0] > self._size[0] and all(
+                    t.shape[0] == whole.shape[0] for t in gathered
                 )
                 whole = torch.as_strided(whole, self._size, self._stride, 0)
         except ExtensionError:

@@ -97,8 +97,12 @@ def fully_shard(
     Raises:
         TypeError: for a module that is not an ``nn.Module`` (or a list of them), or a
             policy of another type.
-        ValueError: for a module already sharded.
-        NotImplementedError: naming an option mf cannot honour yet.
+        AssertionError: for a module already passed to ``fully_shard``, or a 2-D mesh
+            without dim names (FSDP2's types).
+        ValueError: for a module another engine manages, a ``ModuleList``/``ModuleDict``
+            without a forward, a scalar parameter, or a mesh of 3 or more dims.
+        NotImplementedError: for a non-contiguous parameter, or naming an option mf
+            cannot honour yet.
     """
     modules = tuple(module) if isinstance(module, list | tuple) else (module,)
     if not modules:
@@ -109,15 +113,21 @@ def fully_shard(
                 f"fully_shard: module must be an nn.Module or a list of them, got {item!r}"
             )
         if RECORD_ATTR in item.__dict__:
-            raise ValueError(
+            # FSDP2's type (torch's composable ``contract`` asserts it), mf's line.
+            raise AssertionError(
                 f"fully_shard: {type(item).__name__} was already passed to fully_shard; "
-                "expected each module once"
+                "expected each module once. Each distinct composable distributed API can only "
+                "be applied to a module once."
             )
         check_module_to_wrap(item)
+        _check_container(item)
     _check_options(mesh, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims)
     reshard = reshard_flag(reshard_after_forward, mesh)
+    ignored = _ignored_tuple(ignored_params)
+    for item in modules:
+        _check_param_shapes(item, ignored)
     record = CallRecord(modules, mesh, reshard, mp_policy)
-    record.ignored_params = _ignored_tuple(ignored_params)
+    record.ignored_params = ignored
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
     record.shard_placement_fn = shard_placement_fn
     for item in modules:
@@ -132,6 +142,52 @@ def fully_shard(
         item.__class__ = fsdp_class(type(item))
     link_pending(record)  # the pending calls below now reach their root through it
     return module
+
+
+def _check_container(module: nn.Module) -> None:
+    """Refuse a ``ModuleList``/``ModuleDict`` without a forward, as FSDP2 does.
+
+    Such a container is never called, so no hook of its unit would ever run.
+
+    Raises:
+        ValueError: naming the container's class (FSDP2's type).
+    """
+    if (
+        isinstance(module, nn.ModuleList | nn.ModuleDict)
+        and type(module).forward is nn.Module.forward
+    ):
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: got a "
+            f"{type(module).__name__}; expected a module with a forward (shard its items, or "
+            "pass them as a list)"
+        )
+
+
+def _check_param_shapes(module: nn.Module, ignored: tuple[nn.Parameter, ...]) -> None:
+    """Refuse a scalar or non-contiguous parameter ``module`` would shard, as FSDP2 does.
+
+    mf's buckets hold whole dim-0 rows of contiguous tensors: a 0-d parameter has no
+    row and a strided one no row-major layout to cut (FSDP2 refuses both too).
+
+    Raises:
+        ValueError: for a scalar parameter (FSDP2's type).
+        NotImplementedError: for a non-contiguous one (FSDP2's type).
+    """
+    skip = {id(param) for param in ignored}
+    for name, param in nn.Module.named_parameters(module):
+        if id(param) in skip:
+            continue
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard doesn't support scalar parameters: {name} has shape (); "
+                f"expected at least 1 dim. Change {name} to a 1D tensor with numel equal to 1."
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"fully_shard: FSDP does not support non-contiguous parameters: {name} has "
+                f"shape {tuple(param.shape)} and stride {param.stride()}; expected a "
+                "contiguous tensor (call .contiguous() on it before fully_shard)"
+            )
 
 
 def _ignored_tuple(ignored_params: object) -> tuple[nn.Parameter, ...]:
@@ -164,9 +220,16 @@ def _check_options(
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {mesh!r}")
     if mesh is not None and mesh.ndim not in (1, 2):
-        raise NotImplementedError(
-            f"fully_shard: mesh has {mesh.ndim} dims; mf_fsdp.fsdp2 supports a 1-D mesh "
-            "(shard) or a 2-D one (replicate, shard)"
+        raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim} dims); "
+            "expected a 1-D mesh (shard) or a 2-D one (replicate, shard)"
+        )
+    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        # FSDP2's type for this mistake; mf's line names what to pass.
+        raise AssertionError(
+            "fully_shard: mesh is 2-D without mesh_dim_names; expected init_device_mesh(..., "
+            "mesh_dim_names=(replicate, shard)). Please init the 2D mesh for HSDP with "
+            "mesh_dim_names specified"
         )
     if dp_mesh_dims is not None:
         raise NotImplementedError(

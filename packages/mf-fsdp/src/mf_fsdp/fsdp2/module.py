@@ -55,9 +55,10 @@ def fsdp_class(cls: type) -> type:
 
 
 def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise NotImplementedError(
-        "deepcopy of a module sharded by mf_fsdp.fsdp2 is not supported (as with FSDP2); "
-        "copy through its state_dict()"
+    # FSDP2 raises AssertionError here; code that catches it keeps working.
+    raise AssertionError(
+        "FSDP does not support deepcopy of a module sharded by mf_fsdp.fsdp2 (as with FSDP2); "
+        "expected a copy through its state_dict()"
     )
 
 
