@@ -6,11 +6,10 @@ Hooks (per unit, registered once):
   units in last iteration's forward order, and (ZeRO-0/1, and the walk's first
   unit) thread the unit's inputs through ``RegisterFSDPBackwardFunction`` so its
   backward end is observable;
-- forward post-hook: release the bucket (ZeRO-3; not the units the backward
-  starts with, which it would gather again at once: the last unit, and those
-  before it that fit in the communication window with it) and hook the
-  outputs' grads (pre-backward: gather again, prefetch the previous
-  units, get the grad buffer);
+- forward post-hook: release the bucket (ZeRO-3; not the units the backward starts with,
+  which it would gather again at once: the last unit, and those before it that fit in
+  the communication window with it) and hook the outputs' grads (pre-backward: gather
+  again, prefetch the previous units, get the grad buffer);
 - post-backward (the identity function's backward, or under ZeRO-2/3 the
   pre-backward of the unit before it, see [Note: where a unit's backward ends]):
   reduce the unit's grads (overlapped with the rest of backward) and release
@@ -19,13 +18,12 @@ Hooks (per unit, registered once):
   the root and any unit whose post-backward did not fire, then hands over to
   the engine's end-of-backward step (micro-batch count, auto-sync).
 
-Ranks may skip units (see [Note: ranks that skip units]): every rank walks the
-units in one order and issues a skipped unit's collectives in its place, in the
-forward (``_stand_in_forward``) and in the backward (``_finish_before``). The
-order starts as the registration order; a unit called before units the walk
-has passed makes the ranks agree on a new one (``_reorder``,
-``engine/unit_order.py``); an order they cannot agree on stops every rank
-(``engine/rank_paths.py``).
+Ranks may skip units (see [Note: ranks that skip units]): every rank walks the units in
+one order and issues a skipped unit's collectives in its place, in the forward
+(``_stand_in_forward``) and in the backward (``_finish_before``). The order starts as
+the registration order; a unit called before units the walk has passed makes the ranks
+agree on a new one (``_reorder``, ``engine/unit_order.py``); an order they cannot agree
+on stops every rank (``engine/rank_paths.py``).
 
 [Note: where a unit's backward ends] Under ZeRO-2/3 a unit's backward ends
 where the backward reaches the unit before it in the walk (that unit's
@@ -43,9 +41,9 @@ overlap the rest (the embedding's, say). ZeRO-0/1 units have no pre-backward
 hook and may run again after other units (``_may_run_again``): they keep
 theirs too.
 
-A forward seen while a unit is already in backward is activation
-recomputation: the gathered weights are reused, nothing is released, so
-recompute and backward share one gather.
+A forward seen while a unit is already in backward is activation recomputation: the
+gathered weights are reused, nothing is released, so recompute and backward share one
+gather.
 
 [Note: a unit called by itself] A unit called outside the root's forward and
 outside any backward (torchtitan's chunked loss calls the LM head once per
@@ -59,9 +57,8 @@ its order and states, the unit's included. Units left gathered by
 ``reshard_after_backward=False`` or an explicit ``unshard`` are released
 before the optimizer step (``release_held``): the step changes their shards.
 
-This module owns only the per-iteration order and states; it does not build
-buckets, decide *whether* to reduce (the engine's ``SyncPolicy`` does),
-or touch the optimizer.
+This module owns only the per-iteration order and states; it does not build buckets,
+decide *whether* to reduce (the engine's ``SyncPolicy`` does), or touch the optimizer.
 """
 
 from __future__ import annotations
@@ -107,14 +104,11 @@ class UnitHooks:
         on_backward_start: run once per backward, before any gradient is accumulated
             (and before any recomputed forward, which needs the compute forms).
         on_backward_end: run once per backward, after every unit is back to IDLE.
-        on_idle: run after every forward and every backward: between passes the
-            modules hold the sharded parameters (a released bucket's compute views
-            have no storage).
+        on_idle: run after every forward and backward: between passes the modules
+            hold the sharded parameters (released compute views have no storage).
         step: the optimizer step the engine is in (for error messages).
-        peers: the global ranks of the data-parallel group, which agree on a new
-            order (default: every rank of the default group).
-        on_compute: run before a unit called by itself: the modules must hold the
-            compute parameters.
+        peers: the data-parallel group's global ranks, which agree on a new order.
+        on_compute: run before a unit called by itself (modules hold compute params).
         on_reduced: run with the units whose reductions just finished (their grads
             are final for this backward), or None (the engine's
             ``optimizer_step_in_backward``).
@@ -205,14 +199,7 @@ class UnitHooks:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
         # A forward whose backward never ran left the root (and the units kept for the
         # backward) gathered; the weights may have changed since: gather them afresh.
-        for unit in (self._root, *self._units):
-            if unit.state is TrainingState.FORWARD:
-                for group in unit.groups:
-                    group.reshard()
-            unit.forwarded = unit.ran = False
-            unit.pending = 0
-        self._next = 0
-        self._last = None
+        self._forget_pass()
         self._in_forward = True
         # The units the backward starts with (its first window) stay gathered from
         # their forward on: the backward would gather them again at once.
@@ -224,6 +211,23 @@ class UnitHooks:
         self._comm.start_gathers(self._root, ahead, 0, +1)
         for group in self._root.groups:
             group.wait_unshard()
+
+    def _forget_pass(self) -> None:
+        """Release the units a forward left gathered and restart the walk of the units."""
+        for unit in (self._root, *self._units):
+            if unit.state is TrainingState.FORWARD:
+                for group in unit.groups:
+                    group.reshard()
+            unit.forwarded, unit.ran, unit.pending = False, False, 0
+        self._next, self._last, self._in_forward = 0, None, False
+
+    def reset_iteration(self) -> None:
+        """Forget a pass an exception cut short (FSDP2's ``reset_iter_state``)."""
+        # After a cut forward the modules get the sharded forms (never mid-backward).
+        idle = all(u.state in (TrainingState.FORWARD, TrainingState.IDLE) for u in self._units)
+        self._forget_pass()
+        if idle and self._root.state is not TrainingState.PRE_BACKWARD:
+            self._on_idle()
 
     @translated(_store)
     def root_post_forward(self, out: Any) -> Any:

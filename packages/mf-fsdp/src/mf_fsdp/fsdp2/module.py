@@ -273,6 +273,34 @@ class FSDPModule(_ModuleFSDPModule):
         for unit in self._units(recurse=False):
             hooks.reshard(unit)
 
+    def reset_iter_state(self) -> None:
+        """Forget a forward or backward an exception cut short, as FSDP2's ``reset_iter_state``.
+
+        Every unit of the model is released and back to IDLE, so the next forward
+        starts a fresh pass (the next root forward would also release the units a
+        forward left gathered; this covers a backward cut short too). Before the
+        engine is built there is nothing to forget.
+        """
+        engine = self.__dict__[RECORD_ATTR].engine
+        if engine is not None:
+            engine._unit_hooks.reset_iteration()
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Accepted and checked, then a no-op: FSDP2's cap on reduce-scatter input buffers.
+
+        mf reduces a unit's gradients in place in its flat bucket (no copy-in buffer
+        per reduce-scatter) and its communication window bounds what is in flight,
+        so there is no buffer count to raise. Bad values raise as FSDP2's do.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+
     def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """Gather exactly ``modules``' units, coalesced, when this unit's forward gathers it.
 
