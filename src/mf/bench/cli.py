@@ -460,6 +460,11 @@ def _fp8_against_bf16(bf16: Runs, fp8: Runs) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one table per preset and precision."""
     args = _parse(argv)
+    if args.moe is not None:
+        print(f"mf-bench --moe: torch {torch.__version__}, {args.device}, world {args.world}")
+        sizes = (args.moe_hidden, args.moe_ffn, args.moe_tokens, args.moe_top_k)
+        print(*moe_tables(args.world, args.moe, *sizes, args.steps, args.device), sep="\n")
+        return 0
     everything: list[dict[str, Any]] = []
     print(
         f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "
@@ -469,10 +474,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.precision.replace(',', '/')}",
         flush=True,
     )
-    if args.moe is not None:
-        sizes = (args.moe_hidden, args.moe_ffn, args.moe_tokens, args.moe_top_k)
-        print(*moe_tables(args.world, args.moe, *sizes, args.steps, args.device), sep="\n")
-        return 0
     for preset in args.presets.split(","):
         runs = {p: _run_preset(args, preset, p, everything) for p in args.precisions}
         if "bf16" in runs and "fp8" in runs:

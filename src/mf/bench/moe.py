@@ -5,8 +5,8 @@
   ``mf_tp.ExpertMLP`` per expert and a ``torch.cat`` (how ``MoELayer`` ran its
   experts before mf-tp 0.3), and ``grouped``, ``mf_tp.GroupedExperts`` on the
   path ``grouped_experts.grouped_mm_path`` picks (``torch._grouped_mm`` where
-  torch has it). Each way runs in a fresh process, so its peak memory is its
-  own: CUDA's ``max_memory_allocated``, else the resident high-water mark
+  torch has it), on one intra-op thread. Each way runs in a fresh process, so
+  its peak memory is its own: CUDA's ``max_memory_allocated``, else the resident high-water mark
   (``VmHWM``) above what the process held before its first step.
 - :func:`dispatch_rows`: ``mf_tp.MoELayer`` with its experts over an EP group
   of ``world`` ranks, one forward + backward: the bytes each rank's
@@ -86,6 +86,7 @@ def _experts_way(
 ) -> ExpertsRun:
     """Time one way in this (fresh) process; see the module docstring."""
     target = torch.device(device)
+    torch.set_num_threads(1)  # one intra-op thread: a shared machine's cores do not drift it
     torch.manual_seed(0)
     rows = _rows_per_expert(experts, tokens, top_k)
     x = torch.randn(sum(rows), hidden, device=target, requires_grad=True)
