@@ -7,8 +7,8 @@ be at zero or above 1.5x the mean. Before the stacked weights had buckets of
 their own, rank 0 held all of ``gate_up_proj`` and rank 1 three quarters of
 ``down_proj``. The same run trains 3 steps equal to one process (SGD and
 AdamW, 1e-5 fp32: only the order of the ranks' sums differs), and its
-checkpoint, saved at world 2, loads at world 1 and whole into the plain model
-(``strict=True``).
+checkpoint (mf's DCP save), saved at world 2, loads at world 1 and whole into
+the plain model (``strict=True``), as does torch DSD's full state dict.
 
 Fewer experts than the ranks sharding them (torchtitan's ``efsdp x ep > E``): 2
 experts at ep 2 x edp 2 (world 4), one expert per EP rank shared by 2 edp ranks,
@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
@@ -139,6 +140,14 @@ def _rank_balanced_and_exact(rank: int, world: int, root: str) -> None:
             losses, full_params(model), ref_losses, ref_params, f"qwen3_moe {opt_name}", RTOL, ATOL
         )
     mf_fsdp.save_checkpoint(f"{root}/ckpt", model, opt, step=STEPS)
+    # torch's DSD: a full state dict parameter-shaped, every expert, the plain model loads it.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)
+    if rank == 0:
+        plain = _make()
+        plain.load_state_dict(full, strict=True)
+        for name, value in plain.named_parameters():
+            torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
 
 
 def _rank_loads_at_world_one(rank: int, world: int, root: str) -> None:
