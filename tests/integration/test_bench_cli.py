@@ -128,3 +128,35 @@ def test_bad_cp_sizes_are_refused(capsys) -> None:
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_moe_rows_report_grouped_against_the_loop_and_dispatch_bytes(capsys) -> None:
+    argv = ["--moe=4", "--world=2", "--moe-hidden=16", "--moe-ffn=32", "--moe-tokens=64"]
+    assert main([*argv, "--steps=1", "--device=cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()]
+    # experts, way, path words..., ms, tokens/s, x loop, peak MiB, x loop
+    ways = {row[1]: row for row in rows if len(row) >= 8 and row[0] == "4"}
+    assert set(ways) == {"loop", "grouped"}
+    assert ways["loop"][-3] == "1.00"
+    assert float(ways["grouped"][-4]) > 0  # tokens/s filled (no timing asserted)
+    # rank, sent KiB, least KiB, x least, per-choice KiB, x per-choice
+    ranks = [row for row in rows if len(row) == 6 and row[0] in ("0", "1")]
+    assert len(ranks) == 2
+    for _, sent, least, over_least, per_choice, over_choice in ranks:
+        # mf-tp sends one row per (token, expert) choice, plus the split sizes' exchange.
+        assert float(sent) >= float(per_choice) >= float(least) > 0
+        assert over_choice == "1.00"
+        assert float(over_least) >= 1.0
+    assert "5 all_to_all_single" in out
+
+
+def test_bad_moe_sizes_are_refused(capsys) -> None:
+    for argv, message in (
+        (["--moe=3", "--world=2"], "must be a multiple of it"),
+        (["--moe=1"], "expert counts of at least --moe-top-k (2)"),
+        (["--moe=4", "--moe-ffn=0"], "--moe-ffn must be a positive int, got 0"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err

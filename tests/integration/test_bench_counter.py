@@ -30,6 +30,13 @@ def _rank_counts(rank: int, world_size: int) -> None:
         dist.all_to_all_single(
             received, torch.ones(sum(splits)), [r + 1 for r in range(world_size)], splits
         )
+        # Splits count dim-0 rows: rows of 3 elements send 3 times the bytes (MoE dispatch).
+        dist.all_to_all_single(
+            received.repeat(3).view(-1, 3),
+            torch.ones(sum(splits), 3),
+            [r + 1 for r in range(world_size)],
+            splits,
+        )
         # mf's gloo reduce-scatter: point-to-point sends, counted exactly (24 bytes per peer);
         # a bucket this small would take the native call, so the threshold is lowered.
         default, transfers.POINT_TO_POINT_MIN_BYTES = transfers.POINT_TO_POINT_MIN_BYTES, 0
@@ -40,13 +47,13 @@ def _rank_counts(rank: int, world_size: int) -> None:
         "all_gather_single": 1,
         "reduce_scatter_single": 1,
         "all_reduce": 2,
-        "all_to_all_single": 1,
+        "all_to_all_single": 2,
         "batch_isend_irecv": 1,
     }
     scale = (world_size - 1) / world_size
     element = 4
     expected = (6 * world_size * element) * scale * 2 + 2 * (6 * element) * scale * 2
-    expected += (rank + 1) * (world_size - 1) * element
+    expected += (rank + 1) * (world_size - 1) * element * (1 + 3)
     expected += 6 * element * (world_size - 1)
     assert counter.bytes_sent == pytest.approx(expected)
     assert counter.bytes_by_group == {"0": pytest.approx(expected)}  # all on the default group

@@ -38,6 +38,12 @@ table compares each cp size with cp 1 per rank: step time, tokens/s, the
 activation bytes the forward saves for the backward, and the bytes sent over
 the cp group against a ring's least and the causal least (the ``long``
 preset is made for it: 8192 positions).
+
+``--moe 16,64`` prints the mixture-of-experts tables instead (``mf.bench.moe``):
+mf-tp's grouped experts against the per-expert loop it replaced (tokens/s and
+peak memory, each way in a fresh process), and the all-to-all bytes of
+``MoELayer``'s EP dispatch at ep ``--world`` against the least the routed tokens
+need.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import torch
 
 from mf.bench.context_parallel import cp_traffic
 from mf.bench.engines import ENGINES, OPTIMIZERS
+from mf.bench.moe import moe_tables
 from mf.bench.worker import COMPILED, RunSpec, run
 from mf.launch import local_launch_config, new_run_id
 from mf.mfu import flops_per_token, peak_flops
@@ -128,9 +135,21 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated context-parallel sizes, each run with every engine (e.g. 1,2): "
         "each data-parallel rank's --micro-batch sequences split over cp ranks",
     )
+    parser.add_argument(
+        "--moe",
+        default=None,
+        help="comma-separated expert counts (e.g. 16,64): print the mixture-of-experts tables "
+        "instead of the engines' (grouped experts against the per-expert loop, each count; EP "
+        "dispatch bytes at ep --world with the last count; see mf.bench.moe)",
+    )
+    parser.add_argument("--moe-hidden", type=int, default=256, help="--moe: hidden size H")
+    parser.add_argument("--moe-ffn", type=int, default=512, help="--moe: expert FFN size F")
+    parser.add_argument("--moe-tokens", type=int, default=4096, help="--moe: tokens per rank")
+    parser.add_argument("--moe-top-k", type=int, default=2, help="--moe: experts per token")
     parser.add_argument("--json", default=None, help="also write every run's results here")
     args = parser.parse_args(argv)
     args.cp = _cp_sizes(parser, args)
+    args.moe = _moe_counts(parser, args)
     for preset in args.presets.split(","):
         if preset not in PRESETS:
             parser.error(f"--presets: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -161,6 +180,31 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if problem is not None:
             parser.error(f"--precision fp8: {problem}")
     return args
+
+
+def _moe_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int] | None:
+    """``--moe``'s expert counts, checked against the other ``--moe-*`` sizes and ``--world``."""
+    if args.moe is None:
+        return None
+    for name in ("moe_hidden", "moe_ffn", "moe_tokens", "moe_top_k"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be a positive int, got {getattr(args, name)}")
+    try:
+        counts = [int(count) for count in args.moe.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(count < args.moe_top_k for count in counts):
+        parser.error(
+            f"--moe: expected comma-separated expert counts of at least --moe-top-k "
+            f"({args.moe_top_k}), got {args.moe!r}"
+        )
+    if counts[-1] % args.world:
+        parser.error(
+            f"--moe: the last expert count ({counts[-1]}) is spread over --world {args.world} "
+            "EP ranks, so it must be a multiple of it"
+        )
+    return counts
 
 
 def _cp_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
@@ -416,6 +460,11 @@ def _fp8_against_bf16(bf16: Runs, fp8: Runs) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one table per preset and precision."""
     args = _parse(argv)
+    if args.moe is not None:
+        print(f"mf-bench --moe: torch {torch.__version__}, {args.device}, world {args.world}")
+        sizes = (args.moe_hidden, args.moe_ffn, args.moe_tokens, args.moe_top_k)
+        print(*moe_tables(args.world, args.moe, *sizes, args.steps, args.device), sep="\n")
+        return 0
     everything: list[dict[str, Any]] = []
     print(
         f"mf-bench: torch {torch.__version__}, device {args.device}, world {args.world}, "

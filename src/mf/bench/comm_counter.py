@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,9 +153,10 @@ class CommCounter:
                 if world <= 1:
                     pass
                 elif splits:  # an uneven all-to-all: exactly what goes to the other ranks
-                    element = bound.arguments["input"].element_size()
+                    source = bound.arguments["input"]  # splits count its dim-0 rows
+                    row = math.prod(source.shape[1:]) * source.element_size()
                     me = dist.get_rank(group)
-                    sent = sum(n for r, n in enumerate(splits) if r != me) * element
+                    sent = sum(n for r, n in enumerate(splits) if r != me) * row
                     self.record(name, sent, group)
                 else:
                     total = byte_model(list(bound.arguments.values()))

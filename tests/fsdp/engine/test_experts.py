@@ -192,7 +192,11 @@ def _rank_collective_groups(rank: int, world: int, ep: int) -> None:
             setattr(mf_fsdp.buckets.collectives, name, original)
     expert_buckets = sum(1 for g in model.groups if g.dist_index is model.dist_index.expert_index)
     dense_buckets = len(model.groups) - expert_buckets
-    assert expert_buckets == CONFIG.n_layers, expert_buckets
+    # Per layer, one bucket per grouped expert weight ([Note: stacked weights are
+    # spread]) and one of the experts' biases.
+    stacked = sum(1 for p in model.module.parameters() if p.dim() == 3)
+    assert stacked > 0
+    assert expert_buckets == stacked + CONFIG.n_layers, (expert_buckets, stacked)
     reduces = [ranks for name, ranks in calls if name == "reduce_scatter_into"]
     assert reduces.count(tuple(edp)) == expert_buckets, (edp, calls)
     assert reduces.count(tuple(everyone)) == dense_buckets, calls

@@ -31,6 +31,7 @@ handed to the optimizer (see [Note: optimizer state on the host] in
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from dataclasses import dataclass
 from typing import cast
@@ -167,7 +168,8 @@ class Bucket(BucketReduction, UnusedGrads):
                 source.tp,
                 self.main_layout.local_rows(index, self.main_rank)
                 if not self.replicated
-                else (0, local_shape(param)[0] if param.dim() else 1),
+                else (0, math.prod(layout.shapes[index][:1]) if param.dim() else 1),
+                len(local_shape(param)) - len(layout.shapes[index]),
             )
             for index, (param, source) in enumerate(zip(params, sources, strict=True))
         ]

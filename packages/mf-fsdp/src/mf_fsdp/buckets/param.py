@@ -67,6 +67,7 @@ class ParamPieces:
         tp_stride: interleaved blocks per tp rank along dim 0.
         local_shape: the tp-local shape (the shape in the bucket).
         trailing: ``(mesh dim, tensor dim)`` of each further tp split (a dim other than 0).
+        row_dim: the dim the layout's rows run along (``FSDPParam.row_dim``).
     """
 
     layout: BucketLayout
@@ -79,6 +80,7 @@ class ParamPieces:
     tp_stride: int
     local_shape: tuple[int, ...]
     trailing: tuple[tuple[int, int], ...] = ()
+    row_dim: int = 0
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParamPieces:
         return self  # immutable
@@ -100,7 +102,7 @@ class ParamPieces:
                 member = member * self.mesh_shape[dim] + coordinate[dim]
             begin, end = self.rows_of(member)
         else:
-            begin, end = 0, self.local_shape[0]
+            begin, end = 0, self.local_shape[self.row_dim]
         tp_rank = 0 if self.tp_mesh_dim is None else coordinate[self.tp_mesh_dim]
         boxes = self._global_boxes(begin, end, tp_rank)
         if not self.trailing:
@@ -114,6 +116,12 @@ class ParamPieces:
         return tuple(shifted)
 
     def _global_boxes(self, begin: int, end: int, tp_rank: int) -> tuple[ChunkStorageMetadata, ...]:
+        if self.row_dim:  # rows along a later dim; tp (if any) unstrided, one box
+            offsets, sizes = [0] * len(self.local_shape), list(self.local_shape)
+            offsets[self.row_dim], sizes[self.row_dim] = begin, end - begin
+            if self.tp_dim is not None:
+                offsets[self.tp_dim] += tp_rank * self.local_shape[self.tp_dim]
+            return (_box(offsets, sizes),)
         rest = list(self.local_shape[1:])
         if self.tp_dim is None or self.tp_dim > 0:
             offsets = [begin] + [0] * len(rest)
@@ -146,6 +154,8 @@ class FSDPParam:
         shape: the shape in the bucket (the tp-local shape).
         tp: the tensor-parallel facts, or None.
         main_rows: the rows ``[begin, end)`` this rank's optimizer owns.
+        row_dim: the dim its bucket's rows run along: 0, or 1 for a stacked weight of
+            one matrix (see [Note: stacked weights are spread] in ``buckets/units.py``).
         sharded: the optimizer's parameter (see [Note: parameter forms]); set by
             ``optimizer_params.build_sharded_params``.
         grad: ``sharded``'s gradient (a view of the reduced grad store), or None when
@@ -158,6 +168,7 @@ class FSDPParam:
         "grad",
         "index",
         "main_rows",
+        "row_dim",
         "shape",
         "sharded",
         "slots",
@@ -175,6 +186,7 @@ class FSDPParam:
         shape: torch.Size,
         tp: TPInfo | None,
         main_rows: tuple[int, int],
+        row_dim: int = 0,
     ) -> None:
         self.compute = compute
         self.fqns = fqns
@@ -184,6 +196,7 @@ class FSDPParam:
         self.shape = shape
         self.tp = tp
         self.main_rows = main_rows
+        self.row_dim = row_dim
         self.sharded: nn.Parameter = compute
         self.grad: torch.Tensor | None = None
 
@@ -199,8 +212,12 @@ class FSDPParam:
 
     @property
     def row_numel(self) -> int:
-        """Elements per dim-0 row."""
-        return row_numel(self.shape)
+        """Elements per row (along ``row_dim``)."""
+        return row_numel(self.shape[self.row_dim :])
+
+    def rows_shape(self, rows: int) -> tuple[int, ...]:
+        """The shape of ``rows`` of its rows (along ``row_dim``)."""
+        return (*self.shape[: self.row_dim], rows, *self.shape[self.row_dim + 1 :])
 
     @property
     def global_shape(self) -> torch.Size:

@@ -11,7 +11,8 @@ are split by (dtype, requires_grad, expert or not) into buckets, keeping
 model order (expert parameters, marked with mf_utils'
 ``set_expert_parallel_attribute``, live on another process group); at a
 given world size ``lay_out`` may split a bucket further by row size (see
-``mf_fsdp.buckets.layout.partition_bucket``). A parameter that implements
+``mf_fsdp.buckets.layout.partition_bucket``) and gives each stacked weight a
+bucket of its own (see [Note: stacked weights are spread]). A parameter that implements
 FSDP2's all-gather extension is a bucket of its own, cut as FSDP2 cuts it
 (``chunk_layout``, see ``buckets/extension.py``).
 """
@@ -25,16 +26,24 @@ from dataclasses import dataclass
 from torch import nn
 
 from mf_fsdp.buckets.extension import has_extension
-from mf_fsdp.buckets.layout import DEFAULT_ALIGNMENT, BucketLayout, chunk_layout, partition_bucket
+from mf_fsdp.buckets.layout import (
+    DEFAULT_ALIGNMENT,
+    BucketLayout,
+    chunk_layout,
+    compute_bucket_layout,
+    partition_bucket,
+)
 from mf_fsdp.buckets.tp_params import local_shape
 from mf_utils import is_expert_parallel_parameter
 
 __all__ = [
     "BucketSpec",
+    "is_stacked",
     "lay_out",
     "plan_bucket_layouts",
     "plan_buckets",
     "resolve_unit_classes",
+    "row_shape",
 ]
 
 
@@ -241,17 +250,70 @@ def _split(
     ] + specs
 
 
+def is_stacked(shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` is a stack of matrices (3-D: grouped expert weights).
+
+    See [Note: stacked weights are spread].
+    """
+    return len(shape) == 3
+
+
+def row_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a stacked weight's own bucket is laid out with: its rows are the shards' unit.
+
+    A weight of one matrix (``[1, A, B]``) is laid out as ``[A, B]``, so it is cut
+    along dim 1; any other keeps its shape (whole dim-0 rows).
+    """
+    shape = tuple(shape)
+    return shape[1:] if is_stacked(shape) and shape[0] == 1 else shape
+
+
 def lay_out(
     spec: BucketSpec, world_size: int, alignment: int = DEFAULT_ALIGNMENT
 ) -> list[tuple[BucketSpec, BucketLayout]]:
     """The buckets ``spec`` becomes at ``world_size`` shards, each with its layout.
 
     Usually one; several when row sizes whose LCM would cost too much padding are
-    better apart (``partition_bucket``). Shapes are the tp-local ones.
+    better apart (``partition_bucket``), and one more per stacked weight when
+    ``world_size > 1``. Shapes are the tp-local ones; buckets are ordered by their
+    first parameter in model order.
+
+    [Note: stacked weights are spread]
+    A unit's bucket is cut into ``world_size`` consecutive shards, so a tensor
+    smaller than a shard can sit on one rank whole: transformers' Qwen3-MoE
+    layer at 2 ranks left ``gate_up_proj`` [E, 2F, H] all on rank 0 and most of
+    ``down_proj`` on rank 1. Dense weights are many and small next to a unit,
+    so the bucket evens them out; a layer's grouped expert weights are few and
+    each is a large share of it. So every stacked (3-D) weight gets a bucket of
+    its own: its layout is itself cut into ``world_size`` shards of whole dim-0
+    rows (experts), so each rank holds ``ceil(E / world)`` or ``floor`` of its
+    experts, and the rest of the unit's parameters keep their bucket. The extra
+    buckets are the unit's: the communication window gathers and reduces them
+    in the same coalesced collectives as the unit's other buckets, and values
+    stay plain views of each gathered bucket. A weight with fewer experts than
+    ranks is cut along dim 1 instead when it holds one expert (torchtitan's
+    experts at ``efsdp x ep > E``: a ``[1, F, D]`` piece per expert-parallel
+    rank): its bucket is laid out as ``[F, D]``, so each rank holds
+    ``[1, F / world, D]`` (``FSDPParam.row_dim`` is 1: its sharded form is
+    ``Shard(1)`` on the dp mesh, its boxes cut dim 1). Between one and
+    ``world`` experts the boxes of a rank would differ beyond their first dim,
+    which ``mf_dtensor.UnevenDTensor`` cannot hold: such a weight keeps whole
+    experts (some ranks hold none of it).
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
-    parts = partition_bucket([local_shape(p) for p in spec.params], world_size, alignment)
+    shapes = [local_shape(p) for p in spec.params]
+    stacked = [i for i, s in enumerate(shapes) if world_size > 1 and is_stacked(s)]
+    rest = [i for i in range(len(shapes)) if i not in set(stacked)]
+    parts = [
+        (tuple(rest[j] for j in indices), layout)
+        for indices, layout in partition_bucket([shapes[i] for i in rest], world_size, alignment)
+    ]
+    parts += [
+        ((i,), compute_bucket_layout([row_shape(shapes[i])], world_size, alignment))
+        for i in stacked
+    ]
+    parts.sort(key=lambda part: part[0][0])
     return [
         (
             BucketSpec(

@@ -89,7 +89,7 @@ class BucketGeometry:
         begin, end = fp.main_rows
         row = fp.row_numel
         first = fp.start + begin * row - self.sub_lo if begin < end else 0
-        return buffer[first : first + (end - begin) * row].view(end - begin, *fp.shape[1:])
+        return buffer[first : first + (end - begin) * row].view(fp.rows_shape(end - begin))
 
 
 class WeightStorage:

@@ -16,7 +16,8 @@ For each managed parameter (see [Note: parameter forms] in ``buckets/param.py``)
   ``buckets/extension.py``).
 
 Placements say which mesh dims split the parameter: ``Shard(0)`` on
-``dp_shard`` (and on ``dp_outer`` when hybrid-sharded), ``Replicate()`` on
+``dp_shard`` (and on ``dp_outer`` when hybrid-sharded; ``Shard(1)`` for a
+weight whose rows run along dim 1, ``FSDPParam.row_dim``), ``Replicate()`` on
 ``dp_outer`` under HSDP and on every dp dim under ZeRO-0, ``Shard(d)`` /
 ``Replicate()`` on tp. The pieces themselves are whole rows of the bucket
 layout, not ``torch.chunk`` pieces; ``UnevenDTensor`` keeps DTensor's
@@ -156,8 +157,11 @@ def _placements_and_pieces(
     dp_placements: list[Placement],
     member_dims: tuple[int, ...],
 ) -> tuple[list[Placement], ParamPieces]:
-    """The sharded form's placements (dp dims, then tp) and where every rank's rows lie."""
-    placements = list(dp_placements)
+    """The sharded form's placements (dp dims, then tp) and where every rank's rows lie.
+
+    The dp dims shard the dim the parameter's rows run along (``fp.row_dim``).
+    """
+    placements = [Shard(fp.row_dim) if isinstance(p, Shard) else p for p in dp_placements]
     tp_mesh_dim = None
     trailing: list[tuple[int, int]] = []
     if fp.tp is not None:
@@ -166,6 +170,15 @@ def _placements_and_pieces(
         for dim, _ in fp.tp.trailing:  # further tp dims (expert TP), one mesh dim each
             trailing.append((len(placements), dim))
             placements.append(Shard(dim))
+    if trailing and fp.row_dim:
+        # One expert per rank cut along dim 1 under expert TP: the dp split would sit
+        # inside the etp split of the same dim, which the placements cannot say.
+        raise NotImplementedError(
+            f"parameter {fp.fqns[0]!r} of local shape {tuple(fp.shape)}: one expert per "
+            "expert-parallel rank, sharded over expert-dp along dim 1, with expert tensor "
+            "parallelism is not served; use fewer expert-parallel ranks (two or more experts "
+            "each) or no expert-dp"
+        )
     pieces = ParamPieces(
         group.main_layout,
         fp.index,
@@ -177,5 +190,6 @@ def _placements_and_pieces(
         1 if fp.tp is None else fp.tp.stride,
         tuple(fp.shape),
         tuple(trailing),
+        fp.row_dim,
     )
     return placements, pieces
