@@ -17,6 +17,7 @@ would train silently wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_folder_weights", "tensor_files"]
+__all__ = ["load_folder_weights", "tensor_files", "write_rows"]
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -79,11 +80,39 @@ def _open_files() -> Iterator[Callable[[Path], Any]]:
         yield opened
 
 
-def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
+def write_rows(value: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> None:
+    """Write this rank's rows of the sharded (or plain) ``value``; ``read(cut)`` gives them.
+
+    ``cut`` is one box of the global tensor, a slice per dim (empty for a scalar).
+    """
+    local, boxes = _boxes(value)
+    row = 0
+    for offsets, sizes in boxes:
+        if sizes and sizes[0] == 0:
+            continue
+        cut = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+        target = local.narrow(0, row, sizes[0]) if sizes else local
+        target.copy_(read(cut))
+        row += sizes[0] if sizes else 0
+
+
+def _rows(piece: Any, whole: Callable[[], torch.Tensor], cut: tuple[slice, ...]) -> torch.Tensor:
+    """A file tensor's rows ``cut`` (a scalar has no cut: read whole)."""
+    return piece[cut] if cut else whole()
+
+
+def load_folder_weights(
+    model: Any,
+    folder: Path,
+    prefix: str,
+    file_name: Callable[[str], str | None] = lambda key: key,
+) -> None:
     """Fill the wrapped ``model``'s weights (this rank's rows) from ``folder``'s files.
 
     ``prefix``: what the wrapped module's keys add before the file's names. A tied
-    weight is read under whichever of its names the files hold.
+    weight is read under whichever of its names the files hold. ``file_name``: the
+    file's name of a key (prefix removed), None for a weight the files do not
+    hold (LoRA's adapters), left to the caller.
 
     Raises:
         ValueError: a weight the files lack or hold in another shape (one line).
@@ -97,7 +126,10 @@ def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
         names_of.setdefault(canonical, []).append(alias)
     with _open_files() as opened, torch.no_grad():
         for key, value in get_model_state_dict(model).items():
-            candidates = [n.removeprefix(prefix) for n in (key, *names_of.get(key, []))]
+            if file_name(key.removeprefix(prefix)) is None:
+                continue
+            keys = (key, *names_of.get(key, []))
+            candidates = [str(file_name(n.removeprefix(prefix))) for n in keys]
             name = next((n for n in candidates if n in files), None)
             if name is None:
                 raise ValueError(
@@ -112,13 +144,5 @@ def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
                     f"--model {str(folder)!r}: {files[name].name} holds {name!r} of shape "
                     f"{shape}, the model built from its config.json expects {tuple(value.shape)}"
                 )
-            local, boxes = _boxes(value)
-            row = 0
-            for offsets, sizes in boxes:
-                if sizes and sizes[0] == 0:
-                    continue
-                cut = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-                rows = piece[cut] if cut else opened(files[name]).get_tensor(name)
-                target = local.narrow(0, row, sizes[0]) if sizes else local
-                target.copy_(rows)
-                row += sizes[0] if sizes else 0
+            whole = functools.partial(opened(files[name]).get_tensor, name)
+            write_rows(value, functools.partial(_rows, piece, whole))
