@@ -94,7 +94,8 @@ def _check_checkpoint(llama: Path, checkpoint: Path) -> None:
 
 def _check_exports(llama: Path, out_dir: Path, logits_file: Path) -> None:
     """peft loads the adapter onto transformers' model; the merged folder loads; mf's logits."""
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     saved = torch.load(logits_file)
@@ -104,6 +105,8 @@ def _check_exports(llama: Path, out_dir: Path, logits_file: Path) -> None:
     }
     base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, adapter)
+    written = load_file(adapter / "adapter_model.safetensors")
+    assert set(written) == set(get_peft_model_state_dict(peft_model))  # peft's own keys
     merged = AutoModelForCausalLM.from_pretrained(out_dir / "model", local_files_only=True)
     with torch.no_grad():
         for model in (peft_model, merged):
@@ -116,10 +119,10 @@ def _check_exports(llama: Path, out_dir: Path, logits_file: Path) -> None:
 def test_lora_at_world_2_equals_one_process_and_exports(llama: Path, tmp_path: Path) -> None:
     """World 2 (ZeRO-3) equals one process to 1e-5; bases unchanged; peft loads the export.
 
-    Planted: ``base_file_name`` leaving ``.base_layer.`` in (bases not read) stops the
-    load; adapters drawn from each rank's own generator state (``init_adapters``
-    seeded by the rank) fail the losses at step 2; the adapter saved under mf's
-    keys (``.default.`` kept) makes peft load nothing and fails the logits.
+    Planted: adapters drawn from a generator seeded by the rank (``init_adapters``)
+    fail the losses from step 2 (rel 2e-3); the adapter saved under mf's keys
+    (``.default.`` kept, which peft still loads) fails the key check;
+    ``base_file_name`` leaving ``.base_layer.`` in stops the load in one line.
     """
     argv = [*_COMMON, "--model", str(llama), "--merge"]
     two = tmp_path / "two"
@@ -177,8 +180,9 @@ def _rank_frozen(rank: int, world: int, argv: list[str]) -> None:
 def test_frozen_bases_have_no_grad_buffer_and_no_optimizer_state(
     llama: Path, tmp_path: Path
 ) -> None:
-    """Planted: the optimizer built over every parameter (``build_optimizers``) gives the
-    bases their groups' grad buffers and fails the first assertion."""
+    """Planted: the bases left trainable (``add_adapters`` not freezing them) gives every
+    group a grad buffer and fails at ``assert frozen``. (An AdamW over every parameter
+    passes: the frozen bases get no gradient, so it keeps no state for them.)"""
     argv = [*_COMMON, "--model", str(llama), "--nproc", "2"]
     argv += ["--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")]
     run_on_ranks(_rank_frozen, 2, argv, timeout=100)
