@@ -18,6 +18,7 @@ would train silently wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["load_folder_weights", "tensor_files"]
+__all__ = ["load_folder_weights", "tensor_files", "write_rows"]
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -165,11 +166,37 @@ def _read_box(
     target.copy_(buffer)
 
 
-def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
+def write_rows(
+    value: torch.Tensor, fill: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None]
+) -> None:
+    """Write this rank's rows of the sharded (or plain) ``value``, a box at a time.
+
+    ``fill(offsets, sizes, target)`` writes the box of the global tensor at
+    ``offsets`` of ``sizes`` (both empty for a scalar) into ``target``, the view of
+    this rank's local piece that holds it.
+    """
+    local, boxes = _boxes(value)
+    row = 0
+    for offsets, sizes in boxes:
+        if sizes and sizes[0] == 0:
+            continue
+        target = local.narrow(0, row, sizes[0]) if sizes else local
+        fill(offsets, sizes, target)
+        row += sizes[0] if sizes else 0
+
+
+def load_folder_weights(
+    model: Any,
+    folder: Path,
+    prefix: str,
+    file_name: Callable[[str], str | None] = lambda key: key,
+) -> None:
     """Fill the wrapped ``model``'s weights (this rank's rows) from ``folder``'s files.
 
     ``prefix``: what the wrapped module's keys add before the file's names. A tied
-    weight is read under whichever of its names the files hold.
+    weight is read under whichever of its names the files hold. ``file_name``: the
+    file's name of a key (prefix removed), None for a weight the files do not
+    hold (LoRA's adapters), left to the caller.
 
     Raises:
         ValueError: a weight the files lack or hold in another shape (one line).
@@ -183,7 +210,10 @@ def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
         names_of.setdefault(canonical, []).append(alias)
     with _open_files() as opened, torch.no_grad():
         for key, value in get_model_state_dict(model).items():
-            candidates = [n.removeprefix(prefix) for n in (key, *names_of.get(key, []))]
+            if file_name(key.removeprefix(prefix)) is None:
+                continue
+            keys = (key, *names_of.get(key, []))
+            candidates = [str(file_name(n.removeprefix(prefix))) for n in keys]
             name = next((n for n in candidates if n in files), None)
             if name is None:
                 raise ValueError(
@@ -198,11 +228,4 @@ def load_folder_weights(model: Any, folder: Path, prefix: str) -> None:
                     f"--model {str(folder)!r}: {files[name].name} holds {name!r} of shape "
                     f"{shape}, the model built from its config.json expects {tuple(value.shape)}"
                 )
-            local, boxes = _boxes(value)
-            row = 0
-            for offsets, sizes in boxes:
-                if sizes and sizes[0] == 0:
-                    continue
-                target = local.narrow(0, row, sizes[0]) if sizes else local
-                _read_box(file, name, offsets, sizes, target)
-                row += sizes[0] if sizes else 0
+            write_rows(value, functools.partial(_read_box, file, name))

@@ -18,6 +18,7 @@ import torch
 from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
+from mf.train.lora_options import DEFAULT_LORA_TARGETS, check_lora_options
 from mf.train.model_folder import ModelFolder, folder_of
 from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
@@ -161,6 +162,30 @@ def _build_parser() -> argparse.ArgumentParser:
         default="text",
         help="the field of each --data .jsonl object that holds its document",
     )
+    add(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="--model PATH only: train rank-R LoRA adapters (peft's) on --lora-targets, the "
+        "base frozen; the run writes the adapter to <out-dir>/adapter",
+    )
+    add("--lora-alpha", type=int, default=None, help="LoRA's alpha (default: 2 x rank)")
+    add(
+        "--lora-targets",
+        default=",".join(DEFAULT_LORA_TARGETS),
+        help="the projections (module names, comma-separated) that get adapters",
+    )
+    add(
+        "--base-dtype",
+        choices=("fp32", "nf4"),
+        default="fp32",
+        help="with --lora-rank: the frozen bases of --lora-targets as torchao NF4 (QLoRA)",
+    )
+    add(
+        "--merge",
+        action="store_true",
+        help="with --lora-rank: also write the base with the adapter merged to <out-dir>/model",
+    )
     add("--ckpt-dir", default="runs/mf-train/checkpoints", help="checkpoint folder")
     add("--save-every", type=int, default=200, help="save every N steps (0: only at the end)")
     add(
@@ -298,6 +323,7 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError("--device cuda: torch sees no CUDA device on this machine")
     if folder is None:
         _check_preset_options(options)
+    check_lora_options(options, folder)
     if options.resume_from is not None:
         options = dataclasses.replace(options, resume=True)
     if options.resume:

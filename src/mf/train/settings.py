@@ -53,6 +53,11 @@ class TrainOptions:
     tensorboard: bool = False
     profile: str | None = None
     peak_tflops: float | None = None
+    lora_rank: int | None = None
+    lora_alpha: int | None = None
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    base_dtype: str = "fp32"
+    merge: bool = False
 
     @property
     def use_cuda(self) -> bool:

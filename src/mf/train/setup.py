@@ -196,8 +196,19 @@ def _build_from_folder(
     ``mf.train.folder_weights``.
     """
     module = meta_causal_lm(folder, device)
-    optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
+    if options.lora_rank is None:
+        optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
+    else:  # the adapters alone train: the optimizer never sees the frozen bases
+        from mf.train.lora import add_adapters, base_file_name, init_adapters
+
+        add_adapters(module.lm, options)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        optimizers = [torch.optim.AdamW(trainable, lr=options.lr, weight_decay=0.1)]
     model, optimizers = _shard(options, mesh, module, optimizers, unit_classes(module.lm))
     model.to_empty(device=device)
-    load_folder_weights(model, folder.path, PREFIX)
+    if options.lora_rank is None:
+        load_folder_weights(model, folder.path, PREFIX)
+    else:
+        load_folder_weights(model, folder.path, PREFIX, base_file_name)
+        init_adapters(model, options.seed)
     return model, optimizers

@@ -135,6 +135,10 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         folder = folder_of(options.model)
         if folder is None:
             exported = export_model(saved_path, Path(options.out_dir), options.model)
+        elif options.lora_rank is not None:
+            from mf.train.adapter_export import export_adapter
+
+            exported = export_adapter(saved_path, Path(options.out_dir), folder, options)
         else:
             exported = export_folder(saved_path, Path(options.out_dir), folder)
     return reporter.finish(sample, saved_path, exported)
