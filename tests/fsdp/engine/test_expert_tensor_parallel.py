@@ -193,3 +193,23 @@ def _rank_world4(rank: int, world: int, configs: list[tuple[int, int, int, int, 
     _rank_expert_rng(rank, world)
     _rank_tp_etp(rank, world)
     _rank_parity(rank, world, configs)
+
+
+def test_one_expert_cut_along_dim_1_under_expert_tp_is_refused_in_one_line() -> None:
+    """An expert weight of one expert per EP rank, cut along dim 1 over expert-dp
+    ([Note: stacked weights are spread]), with an ETP split of dim 1 too: the dp
+    split would sit inside the etp split, which the placements cannot say, so the
+    engine stops naming the parameter rather than risk a wrong ``full_tensor()``."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard
+
+    from mf_fsdp.engine.sharded_params import _placements_and_pieces
+
+    tp = SimpleNamespace(dim=0, size=2, stride=1, trailing=((1, 2),))
+    fp = SimpleNamespace(
+        row_dim=1, tp=tp, fqns=("layers.0.moe.experts.fc_weight",), shape=(1, 8, 4), index=0
+    )
+    group = SimpleNamespace(main_layout=None)
+    with pytest.raises(NotImplementedError, match=r"fc_weight.*expert tensor parallelism"):
+        _placements_and_pieces(group, fp, (2, 2, 2), [Shard(0)], (0,))
