@@ -222,3 +222,29 @@ def test_bad_lora_options_are_one_line_and_exit_code_2(llama: Path, tmp_path: Pa
         assert len(lines) == 1, (name, lines)
         assert expected in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_resume_refuses_other_adapters_and_changed_alpha(llama: Path, tmp_path: Path) -> None:
+    """A LoRA checkpoint holds adapters of one rank on one set of projections: a resume
+    with another ``--lora-rank`` or ``--lora-targets`` is refused, and another
+    ``--lora-alpha`` (it scales every update) needs ``--allow-changed-settings``."""
+    from mf.train.options import RESULT_SETTINGS
+    from mf_fsdp import RECORD_FILE
+
+    argv = ["--device", "cpu", "--seq-len", "16", "--model", str(llama), "--lora-rank", "4"]
+    argv += ["--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    options = parse_options(argv)
+    saved = tmp_path / "ckpt" / "step_0000002"
+    saved.mkdir(parents=True)
+    extra = {name: getattr(options, name) for name in RESULT_SETTINGS}
+    extra |= {"model": options.model, "lora_rank": 4, "lora_targets": options.lora_targets}
+    (saved / RECORD_FILE).write_text(json.dumps({"step": 2, "extra": extra}))
+    resume = [*argv, "--resume"]
+    assert parse_options(resume).resume  # the same adapters and alpha
+    with pytest.raises(ValueError, match="saved with --lora-rank 4, this run has --lora-rank 8"):
+        parse_options([*resume, "--lora-rank", "8"])
+    with pytest.raises(ValueError, match="expected the same --lora-targets"):
+        parse_options([*resume, "--lora-targets", "q_proj,v_proj"])
+    with pytest.raises(ValueError, match=r"--lora-alpha None \(now 16\)"):  # None: 2 x rank
+        parse_options([*resume, "--lora-alpha", "16"])
+    assert parse_options([*resume, "--lora-alpha", "16", "--allow-changed-settings"]).resume

@@ -49,11 +49,12 @@ RESULT_SETTINGS = (
     "lr",
     "precision",
     "layer_drop",
+    "lora_alpha",
 )
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
 
-_SAME_RUN_SETTINGS = ("model", "optimizer")
+_SAME_RUN_SETTINGS = ("model", "optimizer", "lora_rank", "lora_targets")
 """Saved options a resume can never change: they decide what the checkpoint holds."""
 
 _STEP_FOLDER = re.compile(r"step_(\d+)")
@@ -139,9 +140,10 @@ def check_resume_settings(options: TrainOptions) -> None:
     saved = record.get("extra", {})
     for name in _SAME_RUN_SETTINGS:
         if name in saved and saved[name] != getattr(options, name):
+            flag = name.replace("_", "-")
             raise ValueError(
-                f"--resume: {str(path)!r} was saved with --{name} {saved[name]}, this run has "
-                f"--{name} {getattr(options, name)}; expected the same --{name}"
+                f"--resume: {str(path)!r} was saved with --{flag} {saved[name]}, this run has "
+                f"--{flag} {getattr(options, name)}; expected the same --{flag}"
             )
     changed = _changed_settings(saved, options)
     if changed and not options.allow_changed_settings:

@@ -66,6 +66,8 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         "etp": options.etp,
         "zero": options.zero,
         "optimizer": options.optimizer,
+        "lora_rank": options.lora_rank,
+        "lora_targets": options.lora_targets,
         **{name: getattr(options, name) for name in RESULT_SETTINGS},
     }
     ckpt_dir = Path(options.ckpt_dir)
