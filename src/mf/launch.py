@@ -55,14 +55,23 @@ def leave_process_group() -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (it may be a zombie)."""
+    """Whether a process ``pid`` runs: it exists and (where /proc tells) is no zombie.
+
+    A launcher killed a moment ago stays a zombie until its own parent reaps it;
+    it is dead all the same, and a worker that took it for alive would arm the
+    parent-death signal against init and outlive it.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: it exists
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS), or it just went
         return True
-    return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _watch_parent(parent: int, sig: int, interval: float) -> None:

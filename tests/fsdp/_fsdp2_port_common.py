@@ -38,19 +38,33 @@ def full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return gather() if gather is not None else tensor.detach().clone()
 
 
-def on_both(case: TestCase, scenario: Callable[..., Any], *args: Any) -> None:
+def on_both(
+    case: TestCase,
+    scenario: Callable[..., Any],
+    *args: Any,
+    torch_needs: str | None = None,
+    torch_runs: bool = True,
+) -> None:
     """Run ``scenario(fully_shard, *args)`` once per engine; equal results where it returns any.
 
     A failure names the engine, so a scenario torch's FSDP2 itself fails is told
-    apart from one only mf fails.
+    apart from one only mf fails. ``torch_needs``: an ``FSDPModule`` method the
+    scenario calls that the installed torch's FSDP2 may lack (newer than torch
+    2.11); without it, mf runs alone against the scenario's own reference, as it
+    does when ``torch_runs`` is False (a scenario the installed torch's FSDP2 crashes in).
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    engines = ENGINES
+    if not torch_runs or (torch_needs is not None and not hasattr(FSDPModule, torch_needs)):
+        engines = tuple(engine for engine in ENGINES if engine[0] != "torch")
     results = {}
-    for name, shard in ENGINES:
+    for name, shard in engines:
         try:
             results[name] = scenario(shard, *args)
         except Exception as error:
             raise AssertionError(f"{name}'s FSDP2 failed {scenario.__name__}{args}") from error
-    if results["torch"] is not None:
+    if results.get("torch") is not None:
         case.assertEqual(results["mf"], results["torch"], msg=f"mf != torch in {scenario.__name__}")
 
 

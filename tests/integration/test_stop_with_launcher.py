@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,23 @@ def test_a_worker_ends_soon_after_its_launcher_dies(platform: str) -> None:
     else:
         os.kill(int(pid), signal.SIGKILL)
         raise AssertionError("the worker outlived its launcher")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_launcher_not_yet_reaped_counts_as_gone() -> None:
+    """A launcher SIGKILLed a moment ago is a zombie until its parent reaps it: the
+    guarded start must take it for dead, or it arms against init and outlives it
+    (seen once under load: a worker alive 10 s after its launcher was killed)."""
+    from mf.launch import _alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        assert not _alive(child.pid)  # exited, not reaped: gone
+        assert _alive(os.getpid())
+    finally:
+        child.wait()
+    assert not _alive(child.pid)

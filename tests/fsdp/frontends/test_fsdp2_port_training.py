@@ -205,11 +205,16 @@ def _grad_accum_chunked(shard, reshard: bool) -> dict:
     return {name: full(p.grad) for name, p in model.named_parameters()}
 
 
+# torch 2.11's FSDP2 dies by SIGSEGV on both gloo ranks in this scenario (2.15's runs it);
+# there mf runs alone against the scenario's own grouped-versus-ungrouped check.
+_TORCH_RUNS_CHUNKED = tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 15)
+
+
 def _rank_grad_accum_chunked(rank: int, world: int) -> None:
     case = torch_case()
     for reshard in (True, False):
         torch.manual_seed(0)
-        on_both(case, _grad_accum_chunked, reshard)
+        on_both(case, _grad_accum_chunked, reshard, torch_runs=_TORCH_RUNS_CHUNKED)
 
 
 @pytest.mark.multiprocess
@@ -403,8 +408,8 @@ def _reset_after_backward_exception(shard) -> dict:
 
 def _rank_reset(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    on_both(torch_case(), _reset_after_exception)
-    on_both(torch_case(), _reset_after_backward_exception)
+    on_both(torch_case(), _reset_after_exception, torch_needs="reset_iter_state")
+    on_both(torch_case(), _reset_after_backward_exception, torch_needs="reset_iter_state")
 
 
 @pytest.mark.multiprocess
@@ -729,7 +734,7 @@ def _max_input_buffers(shard) -> list:
 
 
 def _rank_max_input_buffers(rank: int, world: int) -> None:
-    on_both(torch_case(), _max_input_buffers)
+    on_both(torch_case(), _max_input_buffers, torch_needs="set_reduce_scatter_max_input_buffers")
 
 
 @pytest.mark.multiprocess
