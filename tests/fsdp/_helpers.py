@@ -83,6 +83,31 @@ def reference_run(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def global_batch_run(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    world: int,
+    loss_of: Callable[[torch.nn.Module, int, int], torch.Tensor],
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process over every rank's batch: ``loss_of(model, step, rank) / world`` summed.
+
+    The reference a data-parallel run must equal (gradients averaged over the ranks'
+    batches, then one optimizer step): its losses and final parameters.
+    """
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for rank in range(world):
+            loss = loss_of(model, step, rank) / world
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def optimizer_step(
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer,

@@ -55,6 +55,7 @@ from tests.fsdp._helpers import (
     assert_losses_close,
     assert_matches_reference,
     full_params,
+    global_batch_run,
     make_optimizer,
     optimizer_step,
 )
@@ -147,17 +148,9 @@ def reference_run(name: str, world: int) -> tuple[list[float], dict[str, torch.T
     """One process over every rank's batch, losses averaged: losses and final parameters."""
     module = make_model(name)
     opt = make_optimizer("sgd", module.parameters())
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for r in range(world):
-            loss = lm_loss(module, batch(step, r)) / world
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+    return global_batch_run(
+        module, opt, STEPS, world, lambda m, step, rank: lm_loss(m, batch(step, rank))
+    )
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
