@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -141,7 +142,10 @@ def ensure_built(module: nn.Module) -> MegatronFSDP:
     """The engine of ``module``'s model, built now if this is the model's first use."""
     record = record_of(module)
     if record.engine is None and not record.building:
-        _build(_outermost(record))
+        # The first use may come inside a torch.func transform (jvp, vmap): the build's
+        # own tensors (the ranks' agreement check, the buckets) are plain, outside it.
+        with temporarily_clear_interpreter_stack():
+            _build(_outermost(record))
     if record.engine is None:  # only inside a build, which never asks
         raise RuntimeError("mf_fsdp.fsdp2: the engine is being built")
     return record.engine
