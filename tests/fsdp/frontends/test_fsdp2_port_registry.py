@@ -5,9 +5,10 @@ torch's composable registry lists under ``fully_shard``: those parameters are
 the sharding engine's, and DDP's reducer must not take them (torch's FSDP2
 suite runs ``replicate`` over sharded children, as in ``test_fully_shard_training``
 and ``test_fully_shard_ignore_params``). The first call of a sharded model may
-come inside ``torch.func.jvp``; and a root with no parameters of its own is
-sharded as FSDP2 shards it. Each scenario runs with torch's ``fully_shard`` and
-with ``mf_fsdp.fsdp2.fully_shard`` in the same gloo ranks
+come inside ``torch.func.jvp``; a root with no parameters of its own is sharded
+as FSDP2 shards it, and a model with no parameter at all runs as a plain module.
+Each scenario runs with torch's ``fully_shard`` and with
+``mf_fsdp.fsdp2.fully_shard`` in the same gloo ranks
 (``tests.fsdp._fsdp2_port_common.on_both``), is checked against a single-process
 or ``replicate`` reference, and the two engines' results are compared too.
 """
@@ -124,6 +125,25 @@ def _root_without_params(shard, children: str) -> list:
     return train_pairs(case, [(ref_model, ref_optim), (model, optim)], lambda i: (inputs[i],), 3)
 
 
+def _no_params_at_all(shard) -> list:
+    """A model with nothing to shard (FSDP2 accepts it): it runs as the plain module."""
+    case = torch_case()
+    torch.manual_seed(1 + dist.get_rank())
+    out = []
+    for make in (lambda: nn.Sequential(nn.ReLU()), lambda: nn.BatchNorm1d(6, affine=False)):
+        model, ref_model = make(), make()
+        shard(model)
+        inp = torch.randn(4, 6, requires_grad=True)
+        ref_inp = inp.detach().clone().requires_grad_(True)
+        model(inp).pow(2).sum().backward()
+        ref_model(ref_inp).pow(2).sum().backward()
+        case.assertEqual(list(model.parameters()), [])
+        case.assertEqual(inp.grad, ref_inp.grad)
+        case.assertEqual(model.state_dict(), ref_model.state_dict())
+        out.append(inp.grad)
+    return out
+
+
 def _rank_registry(rank: int, world: int) -> None:
     case = torch_case()
     for adam in (False, True):
@@ -132,9 +152,10 @@ def _rank_registry(rank: int, world: int) -> None:
     on_both(case, _jvp_first_call)
     for children in ("inner", "both"):
         on_both(case, _root_without_params, children)
+    on_both(case, _no_params_at_all)
 
 
 @pytest.mark.multiprocess
 def test_registry_replicate_jvp_and_roots_match_torch() -> None:
-    """replicate over sharded children (SGD, Adam), the registry, jvp, parameterless roots."""
+    """replicate over sharded children (SGD, Adam), the registry, jvp, roots, no parameters."""
     run_on_ranks(_rank_registry, WORLD)
