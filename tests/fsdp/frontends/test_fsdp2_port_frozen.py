@@ -166,11 +166,6 @@ def _rank_mixed_across_groups(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="no root fully_shard: the plain Sequential's parameters() gives the optimizer the "
-    "original tensors before the first forward, and mf refuses that step (one clear line)",
-)
 def test_train_mixed_requires_grad_across_groups() -> None:
     """``...::TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups`` (6 subtests).
 

@@ -5,8 +5,10 @@ eagerly and mf can honour: it refuses an option mf cannot honour, naming it (see
 [Note: what is honoured]); leaves a ``CallRecord`` on each module it was given and
 links the pending records below it (``records.py``); registers the policy's input
 and output casts (``mixed_precision.py``); and makes each module's class an
-``FSDPModule`` subclass (``module.py``). The engine is built later, at the model's
-first use.
+``FSDPModule`` subclass (``module.py``); and lists each module under ``fully_shard``
+in torch's composable registry, as FSDP2's ``contract`` does, so torch's
+``replicate()`` leaves its parameters to mf. The engine is built later, at the
+model's first use.
 
 Invariants: a module is passed to ``fully_shard`` once; every check that needs no
 engine runs here, before anything is marked, so a refused call leaves the module
@@ -16,12 +18,14 @@ collective.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -35,6 +39,13 @@ if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
     from torch.distributed.fsdp import DataParallelMeshDims
 
 __all__ = ["fully_shard", "reshard_flag"]
+
+_COMPOSABLE_NAME = "fully_shard"
+"""The name under which torch's composable registry lists a module sharded by FSDP2.
+
+torch's ``replicate()`` leaves such a module's parameters to it (its DDP reducer
+never takes them), and tools that read the registry see the module as FSDP2's.
+"""
 
 
 def fully_shard(
@@ -112,7 +123,7 @@ def fully_shard(
             raise TypeError(
                 f"fully_shard: module must be an nn.Module or a list of them, got {item!r}"
             )
-        if RECORD_ATTR in item.__dict__:
+        if RECORD_ATTR in item.__dict__ or _COMPOSABLE_NAME in (_get_registry(item) or {}):
             # FSDP2's type (torch's composable ``contract`` asserts it), mf's line.
             raise AssertionError(
                 f"fully_shard: {type(item).__name__} was already passed to fully_shard; "
@@ -130,8 +141,10 @@ def fully_shard(
     record.ignored_params = ignored
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
     record.shard_placement_fn = shard_placement_fn
+    registry_item = RegistryItem()  # one per call, as torch's composable contract shares it
     for item in modules:
         item.__dict__[RECORD_ATTR] = record
+        item.__dict__.setdefault(REGISTRY_KEY, OrderedDict())[_COMPOSABLE_NAME] = registry_item
         # Only the casts the policy asks for: a hook that does nothing still costs a call.
         if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
             record.hooks.append(

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import UnshardHandle
 
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.unit import Unit
-from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, ensure_built
+from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, engine_or_none, ensure_built
 from mf_fsdp.fsdp2.torch_state import TorchStateView
 
 __all__ = ["UNSUPPORTED", "FSDPModule", "fsdp_class"]
@@ -92,8 +92,8 @@ class FSDPModule(_ModuleFSDPModule):
         parameters over to their compute forms (``GradSync.follow_requires_grad``).
         """
         record = self.__dict__[RECORD_ATTR]
-        engine = record.engine if record.engine is not None else ensure_built(self)
-        if record.is_root:
+        engine = record.engine if record.engine is not None else engine_or_none(self)
+        if engine is not None and record.is_root:
             engine._grads.follow_requires_grad()
         return super().__call__(*args, **kwargs)
 
@@ -102,12 +102,14 @@ class FSDPModule(_ModuleFSDPModule):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters, sharded (parameter-shaped DTensors) between passes."""
         if not self.__dict__[RECORD_ATTR].building:  # the engine's own walks while it is built
-            ensure_built(self)
+            engine_or_none(self)
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state dict: its own keys, sharded DTensor values."""
-        engine = ensure_built(self)
+        engine = engine_or_none(self)
+        if engine is None:  # no parameter to shard: a plain module's state dict
+            return super().state_dict(*args, **kwargs)
         with engine._forms.sharded():
             return super().state_dict(*args, **kwargs)
 
@@ -127,7 +129,9 @@ class FSDPModule(_ModuleFSDPModule):
             TypeError: with ``assign=True``, for an entry whose dtype is not its tensor's.
             KeyError: with ``assign=True`` on a meta-device model, for a missing tensor.
         """
-        engine = ensure_built(self)
+        engine = engine_or_none(self)
+        if engine is None:  # no parameter to shard: a plain module's load
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             _check_assignable(self, state_dict, meta=engine._awaiting_to_empty)
             if engine._awaiting_to_empty:

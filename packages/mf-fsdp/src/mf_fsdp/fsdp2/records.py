@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -56,7 +57,14 @@ from mf_utils import get_group_device
 if TYPE_CHECKING:
     from mf_fsdp.fsdp2.torch_state import TorchStateView
 
-__all__ = ["RECORD_ATTR", "CallRecord", "ensure_built", "link_pending", "record_of"]
+__all__ = [
+    "RECORD_ATTR",
+    "CallRecord",
+    "engine_or_none",
+    "ensure_built",
+    "link_pending",
+    "record_of",
+]
 
 RECORD_ATTR = "_mf_fsdp2_record"
 """The key of a marked module's ``__dict__`` that holds its call's ``CallRecord``."""
@@ -82,6 +90,7 @@ class CallRecord:
     hook_ids: AbstractSet[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
     state_view: TorchStateView | None = None  # what torch's free functions read (torch_state)
     building: bool = False  # its model's engine is being built now
+    inert: bool = False  # its model has no parameter to shard: no engine, a plain module
     family: list[CallRecord] = field(default_factory=list, repr=False)  # see link_pending
 
     def __post_init__(self) -> None:
@@ -137,14 +146,39 @@ def link_pending(record: CallRecord) -> None:
                 member.family = joined
 
 
-def ensure_built(module: nn.Module) -> MegatronFSDP:
-    """The engine of ``module``'s model, built now if this is the model's first use."""
+def engine_or_none(module: nn.Module) -> MegatronFSDP | None:
+    """The engine of ``module``'s model, built now on its first use; None if it has none.
+
+    A model with no parameter to shard (FSDP2 accepts one: it runs as a plain
+    module) gets no engine: its records are ``inert``.
+    """
     record = record_of(module)
-    if record.engine is None and not record.building:
-        _build(_outermost(record))
+    if record.engine is None and not record.building and not record.inert:
+        # The first use may come inside a torch.func transform (jvp, vmap): the build's
+        # own tensors (the ranks' agreement check, the buckets) are plain, outside it.
+        with temporarily_clear_interpreter_stack():
+            _build(_outermost(record))
+    if record.inert:
+        return None
     if record.engine is None:  # only inside a build, which never asks
         raise RuntimeError("mf_fsdp.fsdp2: the engine is being built")
     return record.engine
+
+
+def ensure_built(module: nn.Module) -> MegatronFSDP:
+    """The engine of ``module``'s model, built now if this is the model's first use.
+
+    Raises:
+        NotImplementedError: for a model with no parameter to shard (no engine to act).
+    """
+    engine = engine_or_none(module)
+    if engine is None:
+        raise NotImplementedError(
+            f"mf_fsdp.fsdp2: {type(module).__name__}'s model has no parameter to shard, so it "
+            "runs as a plain module without an engine; this FSDPModule method has nothing "
+            "to act on"
+        )
+    return engine
 
 
 def _build(root: CallRecord) -> None:
@@ -170,6 +204,10 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     for unit in units:
         _check_same(root, unit)
     ignored = {id(p): p for r in (root, *units) for p in r.ignored_params}
+    if all(id(param) in ignored for param in nn.Module.parameters(module)):
+        for record in (root, *units):  # nothing to shard: FSDP2 runs it as a plain module
+            record.inert = True
+        return
     root_policy, unit_policies = resolve_policies(
         module, root.mp_policy, [(u.modules, u.mp_policy) for u in units], ignored.keys()
     )

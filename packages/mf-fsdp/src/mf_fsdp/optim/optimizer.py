@@ -131,6 +131,7 @@ def _engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
 def _find_engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
     engines: dict[int, MegatronFSDP] = {}
     for group in optimizer.param_groups:
+        _take_sharded_forms(optimizer, group["params"])
         for param in group["params"]:
             if getattr(param, MANAGED_ATTR, False):
                 raise RuntimeError(
@@ -144,6 +145,25 @@ def _find_engines(optimizer: torch.optim.Optimizer) -> list[MegatronFSDP]:
             if engine is not None:
                 engines.setdefault(id(engine), engine)
     return list(engines.values())
+
+
+def _take_sharded_forms(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Put the sharded form in place of each original parameter of an FSDP2-front-end engine.
+
+    FSDP2's ``fully_shard`` swaps a module's parameters at the call, so an optimizer
+    built on a plain parent's ``parameters()`` before the first forward (no root
+    ``fully_shard``) holds its sharded parameters. mf builds its engine at the
+    model's first use, so such an optimizer holds the originals: here, at its first
+    step, each one is replaced in place in its group by the parameter FSDP2 would
+    have given (only for the engines of ``mf_fsdp.fsdp2``, and only while the
+    optimizer has no state for it; the others keep the refusal below).
+    """
+    for i, param in enumerate(params):
+        if not getattr(param, MANAGED_ATTR, False) or param in optimizer.state:
+            continue
+        engine = owner_of(param)
+        if engine is not None and engine in _BIND_AT_STEP:
+            params[i] = engine.optimizer_param(cast(nn.Parameter, param))
 
 
 def _delegates(optimizer: torch.optim.Optimizer) -> bool:
