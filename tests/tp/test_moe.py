@@ -358,3 +358,31 @@ def test_readme_moe_example_runs() -> None:
     section = re.search(r"## Mixture of experts.*?```python\n(.*?)```", text, re.S)
     assert section is not None, "README lost its mixture-of-experts example"
     exec(compile(section.group(1), "README-moe-example", "exec"), {})
+
+
+def _rank_dispatch_sends_a_token_once_per_rank(rank: int, ep_size: int) -> None:
+    num_experts, local = 4, 2  # rank r owns experts 2r and 2r + 1
+    x = torch.arange(12.0).view(4, 3) + 100 * rank
+    # Token 0: both experts on rank 1; 1: both on rank 0; 2: one on each; 3: 3 then 1.
+    indices = torch.tensor([[2, 3], [1, 0], [0, 3], [3, 1]])
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.2, 0.8], [0.5, 0.5]], requires_grad=True)
+    expert_input, state = mf_tp.dispatch_tokens(x, indices, num_experts, dist.group.WORLD)
+    # One row per (token, destination rank): rank 0 gets tokens 1, 2, 3; rank 1 gets 0, 2, 3.
+    assert state.send_split_sizes == [3, 3], state.send_split_sizes
+    assert state.recv_split_sizes == [3, 3], state.recv_split_sizes
+    # Each local expert gets every choice of it, from both ranks (4 per expert here).
+    assert sum(state.tokens_per_local_expert) == 2 * 4
+    # Expert e multiplies by e + 1: out[t] = sum_j w[t, j] * (expert_j + 1) * x[t].
+    first = rank * local
+    counts = torch.tensor(state.tokens_per_local_expert)
+    scale = (torch.arange(local) + first + 1.0).repeat_interleave(counts)
+    out = mf_tp.combine_tokens(expert_input * scale[:, None], weights, state)
+    factor = (weights * (indices + 1.0)).sum(1, keepdim=True)
+    _close(out, factor * x, "weighted experts")
+    out.sum().backward()
+    _close(weights.grad, (indices + 1.0) * x.sum(1, keepdim=True), "weights.grad")
+
+
+@pytest.mark.multiprocess
+def test_dispatch_sends_a_token_once_per_destination_rank() -> None:
+    run_on_ranks(_rank_dispatch_sends_a_token_once_per_rank, 2, timeout=60)

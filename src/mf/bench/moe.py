@@ -16,8 +16,10 @@
   experts, there in the dispatch and back in the combine, and again both ways
   in the backward; a rank sends its own tokens' rows and the rows of the
   tokens others sent it (``2 x (pairs out + pairs in) x H x itemsize``). mf-tp
-  sends a row per (token, expert) choice, so a token whose two experts share a
-  rank goes twice: the per-choice column counts that.
+  sends one row per (token, receiving rank) and, beside it, the row's local
+  experts and router weights (``k`` each); the per-choice column counts what one
+  row per (token, expert) choice sent (mf-tp before 0.5: a token whose two
+  experts share a rank went twice).
 
 It must not: change what MoELayer or GroupedExperts compute (it only calls them).
 """

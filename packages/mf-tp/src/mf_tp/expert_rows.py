@@ -60,6 +60,89 @@ def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RowRoutes:
+    """Where one token row per (token, destination EP rank) goes, and which choices it carries.
+
+    Attributes:
+        choices: ``[R]`` long, in send order (by destination rank, then token): the flat
+            (token, choice) index ``t * k + j`` of the first choice of token ``t`` whose
+            expert lives on the row's destination.
+        local_experts: ``[R, k]`` long, the destination's local expert of each carried
+            choice, -1 for the others (what the destination needs to fan the row out).
+        send_counts: ``[p]`` long, rows for each EP rank.
+    """
+
+    choices: torch.Tensor
+    local_experts: torch.Tensor
+    send_counts: torch.Tensor
+
+
+def route_unique_rows(
+    expert_indices: torch.Tensor, experts_per_rank: int, ep_size: int
+) -> RowRoutes:
+    """Plan one row per (token, destination rank), not one per choice.
+
+    A token whose ``k`` experts share a rank travels to it once; the destination
+    fans it out to its experts (:func:`fan_out_order`).
+
+    Args:
+        expert_indices: ``[T, k]`` long, the global expert of each choice.
+        experts_per_rank: ``L``; rank ``r`` owns experts ``[r * L, (r + 1) * L)``.
+        ep_size: ``p``.
+    """
+    top_k = expert_indices.shape[1]
+    dest_Tk = torch.div(expert_indices, experts_per_rank, rounding_mode="floor")
+    same_Tkk = dest_Tk.unsqueeze(2) == dest_Tk.unsqueeze(1)
+    before_kk = torch.ones(top_k, top_k, dtype=torch.bool, device=dest_Tk.device).tril(-1)
+    first_Tk = ~(same_Tkk & before_kk).any(dim=2)  # no earlier choice to the same rank
+    firsts = first_Tk.reshape(-1).nonzero().squeeze(1)
+    row_dest = dest_Tk.reshape(-1).index_select(0, firsts)
+    order = torch.argsort(row_dest, stable=True)  # by destination, tokens in order
+    choices, row_dest = firsts.index_select(0, order), row_dest.index_select(0, order)
+    tokens = torch.div(choices, top_k, rounding_mode="floor")
+    carried = dest_Tk.index_select(0, tokens) == row_dest.unsqueeze(1)
+    local = expert_indices.index_select(0, tokens) - (row_dest * experts_per_rank).unsqueeze(1)
+    local_experts = torch.where(carried, local, torch.full_like(local, -1))
+    send_counts = torch.bincount(row_dest, minlength=ep_size)
+    return RowRoutes(choices, local_experts, send_counts)
+
+
+def fan_out_order(
+    local_experts: torch.Tensor, experts_per_rank: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The expert input's rows as (received row, choice) indices, each local expert's contiguous.
+
+    Args:
+        local_experts: ``[R, k]`` long, the received rows' local experts (-1: not here).
+        experts_per_rank: ``L``.
+
+    Returns:
+        ``(choices [N], rows per local expert)``: row ``i`` of the expert input is received
+        row ``choices[i] // k``, for its choice ``choices[i] % k``; within an expert the rows
+        keep the received order (by source rank, then token).
+    """
+    flat = local_experts.reshape(-1)
+    valid = (flat >= 0).nonzero().squeeze(1)
+    experts = flat.index_select(0, valid)
+    order = torch.argsort(experts, stable=True)
+    return valid.index_select(0, order), torch.bincount(
+        experts, minlength=experts_per_rank
+    ).tolist()
+
+
+def sum_choices(
+    rows: torch.Tensor, choices: torch.Tensor, num_rows: int, top_k: int
+) -> torch.Tensor:
+    """``[num_rows, H]``: for each row, the sum of ``rows`` placed at its (row, choice) slots.
+
+    ``choices`` are distinct flat ``row * k + choice`` indices (a deterministic copy into
+    zeros, then a sum over the ``k`` slots: no atomics).
+    """
+    slots = rows.new_zeros(num_rows * top_k, rows.shape[1]).index_copy(0, choices, rows)
+    return slots.view(num_rows, top_k, rows.shape[1]).sum(dim=1)
+
+
+@dataclass(frozen=True)
 class ExpertRowsState:
     """What :func:`reduce_scatter_expert_rows` needs to undo :func:`gather_expert_rows`.
 

@@ -18,12 +18,16 @@ dependent), and a host sync to read them.
 
 Dispatch, per rank::
 
-    x [T, H] --replicate per choice, stable sort by global expert--> [T*k, H]
-       --all-to-all (rows for rank j go to rank j)--> [N, H], by (source, local expert)
-       --regroup--> [N, H], by (local expert, source): each expert's rows contiguous
+    x [T, H] --one row per (token, destination rank), by destination--> [R, H]
+       --all-to-all (rows for rank j go to rank j, with their local experts)--> [R', H]
+       --fan out to the choices made here, by (local expert, source)--> [N, H]
 
-:func:`combine_tokens` runs these steps backwards and sums each token's ``k``
-rows weighted by the router's probabilities.
+A token whose chosen experts share a rank travels to it once (issue 58: per choice it
+went twice at top-2 over 2 ranks, 32% over the least). :func:`combine_tokens` sends
+the router weights of each row's choices along, sums each row's expert outputs
+weighted on the experts' rank, sends that one row back and sums a token's rows
+from its destinations. Without expert parallelism the rows are simply sorted by
+expert.
 
 Initialisation is the same model at any EP size: :meth:`MoELayer.reset_parameters`
 draws every expert's weights, in global order, from the default CPU generator
@@ -45,11 +49,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mf_tp.expert_rows import (
+    RowRoutes,
     ensure_joins_backward,
+    fan_out_order,
     gather_expert_rows,
     inverse_permutation,
     reduce_scatter_expert_rows,
-    regroup_by_local_expert,
+    route_unique_rows,
+    sum_choices,
 )
 from mf_tp.grouped_experts import GroupedExperts
 from mf_tp.mappings import all_to_all
@@ -200,11 +207,14 @@ class TokenDispatchState:
     """What :func:`combine_tokens` needs to undo :func:`dispatch_tokens`.
 
     Attributes:
-        sort_order: ``[T*k]`` long; position ``i`` of the sorted rows holds flat
-            (token, choice) row ``sort_order[i]`` (row ``t*k + j`` is choice ``j``
-            of token ``t``).
-        regroup_order: ``[N]`` long; row ``i`` of the expert input is received
-            row ``regroup_order[i]``. None without expert parallelism.
+        sort_order: without expert parallelism, ``[T*k]`` long: row ``i`` of the
+            expert input is flat (token, choice) row ``sort_order[i]`` (row
+            ``t*k + j`` is choice ``j`` of token ``t``); None with it.
+        routes: with expert parallelism, the rows sent (one per token and
+            destination rank, :func:`mf_tp.expert_rows.route_unique_rows`); else None.
+        recv_choices: with expert parallelism, ``[N]`` long: row ``i`` of the expert
+            input is received row ``recv_choices[i] // k`` for its choice
+            ``recv_choices[i] % k``; else None.
         send_split_sizes: rows this rank sent to each EP rank.
         recv_split_sizes: rows this rank received from each EP rank.
         tokens_per_local_expert: rows of each local expert, in local order; the
@@ -214,31 +224,15 @@ class TokenDispatchState:
         ep_group: the EP group, or None when nothing is communicated.
     """
 
-    sort_order: torch.Tensor
-    regroup_order: torch.Tensor | None
+    sort_order: torch.Tensor | None
+    routes: RowRoutes | None
+    recv_choices: torch.Tensor | None
     send_split_sizes: list[int]
     recv_split_sizes: list[int]
     tokens_per_local_expert: list[int]
     num_tokens: int
     top_k: int
     ep_group: _Group | None
-
-
-def _exchange_counts(
-    send_counts: torch.Tensor, ep_group: _Group, ep_size: int
-) -> tuple[list[int], list[int], torch.Tensor]:
-    """Tell every rank how many rows of each of its local experts this rank sends.
-
-    ``send_counts[j*L + l]`` (``[E]``) counts rows for rank ``j``'s local
-    expert ``l``. Returns ``(send_split_sizes, recv_split_sizes, recv_counts)``
-    where ``recv_counts[s, l]`` counts rows from source ``s`` for local expert ``l``.
-    """
-    recv_counts_E = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts_E, send_counts, group=ep_group)  # no autograd
-    send_pL = send_counts.view(ep_size, -1)
-    recv_pL = recv_counts_E.view(ep_size, -1)
-    send_sizes, recv_sizes = torch.stack([send_pL.sum(1), recv_pL.sum(1)]).tolist()
-    return send_sizes, recv_sizes, recv_pL
 
 
 def dispatch_tokens(
@@ -269,7 +263,7 @@ def dispatch_tokens(
     where = "dispatch_tokens"
     _check_positive_int(num_experts, "num_experts", where)
     ep_size, _ = _ep_size_and_rank(ep_group)
-    _experts_per_rank(num_experts, ep_size, where)
+    per_rank = _experts_per_rank(num_experts, ep_size, where)
     if hidden_states.dim() != 2 or expert_indices.dim() != 2:
         raise ValueError(
             f"{where}: expected hidden_states [T, H] and expert_indices [T, k], got "
@@ -281,21 +275,21 @@ def dispatch_tokens(
             f"{where}: hidden_states has {hidden_states.shape[0]} tokens but "
             f"expert_indices has {num_tokens}"
         )
-    flat_experts = expert_indices.reshape(-1)
-    # Stable: rows of one expert keep token order, so the result is deterministic.
-    sort_order = torch.argsort(flat_experts, stable=True)
-    sorted_rows = hidden_states.index_select(0, sort_order // top_k)  # [T*k, H]
-    send_counts_E = torch.bincount(flat_experts, minlength=num_experts)
-    if send_counts_E.numel() != num_experts:
+    if bool(((expert_indices < 0) | (expert_indices >= num_experts)).any()):
         raise ValueError(f"{where}: expert_indices must lie in [0, {num_experts})")
 
     if ep_size == 1:
+        flat_experts = expert_indices.reshape(-1)
+        # Stable: rows of one expert keep token order, so the result is deterministic.
+        sort_order = torch.argsort(flat_experts, stable=True)
+        sorted_rows = hidden_states.index_select(0, sort_order // top_k)  # [T*k, H]
         state = TokenDispatchState(
             sort_order=sort_order,
-            regroup_order=None,
+            routes=None,
+            recv_choices=None,
             send_split_sizes=[num_tokens * top_k],
             recv_split_sizes=[num_tokens * top_k],
-            tokens_per_local_expert=send_counts_E.tolist(),
+            tokens_per_local_expert=torch.bincount(flat_experts, minlength=num_experts).tolist(),
             num_tokens=num_tokens,
             top_k=top_k,
             ep_group=None,
@@ -303,20 +297,29 @@ def dispatch_tokens(
         return sorted_rows, state
 
     assert ep_group is not None  # no group has size 1
-    send_sizes, recv_sizes, recv_counts_pL = _exchange_counts(send_counts_E, ep_group, ep_size)
-    received = all_to_all(ep_group, ensure_joins_backward(sorted_rows), recv_sizes, send_sizes)
-    regroup_order = regroup_by_local_expert(recv_counts_pL)
+    routes = route_unique_rows(expert_indices, per_rank, ep_size)
+    recv_counts = torch.empty_like(routes.send_counts)
+    dist.all_to_all_single(recv_counts, routes.send_counts, group=ep_group)  # no autograd
+    send_sizes, recv_sizes = routes.send_counts.tolist(), recv_counts.tolist()
+    recv_experts = routes.local_experts.new_empty(sum(recv_sizes), top_k)
+    dist.all_to_all_single(
+        recv_experts, routes.local_experts, recv_sizes, send_sizes, group=ep_group
+    )
+    rows = hidden_states.index_select(0, torch.div(routes.choices, top_k, rounding_mode="floor"))
+    received = all_to_all(ep_group, ensure_joins_backward(rows), recv_sizes, send_sizes)
+    recv_choices, per_expert = fan_out_order(recv_experts, per_rank)
     state = TokenDispatchState(
-        sort_order=sort_order,
-        regroup_order=regroup_order,
+        sort_order=None,
+        routes=routes,
+        recv_choices=recv_choices,
         send_split_sizes=send_sizes,
         recv_split_sizes=recv_sizes,
-        tokens_per_local_expert=recv_counts_pL.sum(0).tolist(),
+        tokens_per_local_expert=per_expert,
         num_tokens=num_tokens,
         top_k=top_k,
         ep_group=ep_group,
     )
-    return received.index_select(0, regroup_order), state
+    return received.index_select(0, torch.div(recv_choices, top_k, rounding_mode="floor")), state
 
 
 def combine_tokens(
@@ -342,18 +345,33 @@ def combine_tokens(
             f"combine_tokens: expert_output must be [{sum(state.tokens_per_local_expert)}, H], "
             f"got {tuple(expert_output.shape)}"
         )
-    rows = expert_output
-    if state.ep_group is not None and state.regroup_order is not None:
-        received = rows.index_select(0, inverse_permutation(state.regroup_order))
-        rows = all_to_all(
-            state.ep_group,
-            ensure_joins_backward(received),
-            state.send_split_sizes,
-            state.recv_split_sizes,
-        )
-    flat_rows = rows.index_select(0, inverse_permutation(state.sort_order))  # [T*k, H]
-    per_choice_TkH = flat_rows.view(num_tokens, top_k, expert_output.shape[1])
-    return (per_choice_TkH * weights.unsqueeze(-1)).sum(dim=1)
+    if state.sort_order is not None:  # no expert parallelism
+        flat_rows = expert_output.index_select(0, inverse_permutation(state.sort_order))
+        per_choice_TkH = flat_rows.view(num_tokens, top_k, expert_output.shape[1])
+        return (per_choice_TkH * weights.unsqueeze(-1)).sum(dim=1)
+    routes, recv_choices = state.routes, state.recv_choices
+    assert routes is not None
+    assert recv_choices is not None
+    assert state.ep_group is not None
+    # Each sent row's router weights travel to its experts' rank, which uses those of the
+    # choices it serves (``recv_choices``).
+    sent_weights = weights.index_select(0, torch.div(routes.choices, top_k, rounding_mode="floor"))
+    recv_weights = all_to_all(
+        state.ep_group,
+        ensure_joins_backward(sent_weights),
+        state.recv_split_sizes,
+        state.send_split_sizes,
+    )
+    weighted = expert_output * recv_weights.reshape(-1).index_select(0, recv_choices).unsqueeze(1)
+    received_rows = sum(state.recv_split_sizes)
+    per_row = sum_choices(weighted, recv_choices, received_rows, top_k)  # [R', H]
+    returned = all_to_all(
+        state.ep_group,
+        ensure_joins_backward(per_row),
+        state.send_split_sizes,
+        state.recv_split_sizes,
+    )
+    return sum_choices(returned, routes.choices, num_tokens, top_k)
 
 
 def _draw_expert_weights(hidden_size: int, ffn_hidden_size: int) -> dict[str, torch.Tensor]:
