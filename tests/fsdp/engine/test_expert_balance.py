@@ -34,6 +34,7 @@ from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
     assert_matches_reference,
     full_params,
+    global_batch_run,
     make_optimizer,
     optimizer_step,
 )
@@ -78,17 +79,9 @@ def _reference(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _make(experts)
     opt = make_optimizer(opt_name, model.parameters())
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for rank in range(world):
-            loss = _loss(model, _tokens(step, rank)) / world
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return global_batch_run(
+        model, opt, STEPS, world, lambda m, step, rank: _loss(m, _tokens(step, rank))
+    )
 
 
 def _sharded(opt_name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
