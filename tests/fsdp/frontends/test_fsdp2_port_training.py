@@ -299,11 +299,6 @@ def _rank_partial_standalone(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a unit called by itself gets .grad only at the root's backward on mf "
-    "(FSDP2: after each chunk's backward); head.weight.grad is None between chunks",
-)
 def test_partial_group_forward_then_standalone() -> None:
     """``...::TestFullyShard1DTrainingCompose::test_partial_group_forward_then_standalone``.
 

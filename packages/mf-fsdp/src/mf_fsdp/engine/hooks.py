@@ -2,21 +2,18 @@
 
 Hooks (per unit, registered once):
 
-- forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next
-  units in last iteration's forward order, and (ZeRO-0/1, and the walk's first
-  unit) thread the unit's inputs through ``RegisterFSDPBackwardFunction`` so its
-  backward end is observable;
-- forward post-hook: release the bucket (ZeRO-3; not the units the backward starts with,
-  which it would gather again at once: the last unit, and those before it that fit in
-  the communication window with it) and hook the outputs' grads (pre-backward: gather
-  again, prefetch the previous units, get the grad buffer);
-- post-backward (the identity function's backward, or under ZeRO-2/3 the
-  pre-backward of the unit before it, see [Note: where a unit's backward ends]):
-  reduce the unit's grads (overlapped with the rest of backward) and release
-  its bucket;
-- a callback queued on the autograd engine at the first pre-backward finishes
-  the root and any unit whose post-backward did not fire, then hands over to
-  the engine's end-of-backward step (micro-batch count, auto-sync).
+- forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next units
+  in last iteration's forward order, and (ZeRO-0/1, the walk's first unit) thread
+  its inputs through ``RegisterFSDPBackwardFunction`` (its backward end observed);
+- forward post-hook: release the bucket (ZeRO-3; not the units the backward starts
+  with: the last unit, and those before it in its communication window) and hook
+  the outputs' grads (pre-backward: gather, prefetch the previous units, grad buffer);
+- post-backward (the identity's backward, or under ZeRO-2/3 the pre-backward of the
+  unit before it, [Note: where a unit's backward ends]): reduce the unit's grads
+  (overlapped with the rest of backward) and release its bucket;
+- a callback queued on the autograd engine at the first pre-backward finishes the
+  root and any unit whose post-backward did not fire, then hands over to the
+  engine's end-of-backward step (micro-batch count, auto-sync).
 
 Ranks may skip units (see [Note: ranks that skip units]): every rank walks the units in
 one order and issues a skipped unit's collectives in its place, in the forward
@@ -36,21 +33,19 @@ inputs through one): about 45 of the 230 us a unit cost the host at world 1
 (``benchmarks/host_cost.py --layers 16``). The walk's first unit keeps its
 identity (no pre-backward comes after its backward), and so do ZeRO-0/1 units.
 
-A forward seen while a unit is already in backward is activation recomputation: the
-gathered weights are reused, nothing is released, so recompute and backward share one
-gather.
+A forward while a unit is in backward is activation recomputation: the gathered
+weights are reused, so recompute and backward share one gather.
 
 [Note: a unit called by itself] A unit called outside the root's forward and
-outside any backward (torchtitan's chunked loss calls the LM head once per
-chunk, each with its own backward, between the root's forward and backward)
-is a solo call: it gathers the unit, runs it, and releases it per its
-``reshard_after_forward``; the backward of its output gathers it again,
-accumulates its grads, reduces them (per the policy and the unit's
-``requires_gradient_sync``) and releases it per ``reshard_after_backward``.
-None of it touches the pass: a root forward waiting for its backward keeps
-its order and states, the unit's included. Units left gathered by
-``reshard_after_backward=False`` or an explicit ``unshard`` are released
-before the optimizer step (``release_held``): the step changes their shards.
+any backward (torchtitan's chunked loss runs the LM head per chunk, each with
+its own backward, between the root's forward and backward) is a solo call: it
+gathers the unit, runs it, releases it per ``reshard_after_forward``; its
+output's backward gathers it again, accumulates, reduces (per the policy and
+``requires_gradient_sync``), hands the grads out (``on_solo_end``, as FSDP2
+after each backward) and releases per ``reshard_after_backward``. A root
+forward waiting for its backward keeps its order and states. Units left
+gathered (``reshard_after_backward=False``, ``unshard``) are released before
+the optimizer step (``release_held``): the step changes their shards.
 
 This module owns only the per-iteration order and states; it does not build buckets,
 decide *whether* to reduce (the engine's ``SyncPolicy`` does), or touch the optimizer.
@@ -105,8 +100,8 @@ class UnitHooks:
         peers: the data-parallel group's global ranks, which agree on a new order.
         on_compute: run before a unit called by itself (modules hold compute params).
         on_reduced: run with the units whose reductions just finished (their grads
-            are final for this backward), or None (the engine's
-            ``optimizer_step_in_backward``).
+            are final for this backward), or None (``optimizer_step_in_backward``).
+        on_solo_end: run with the units reduced in a backward of solo calls only.
     """
 
     def __init__(
@@ -124,6 +119,7 @@ class UnitHooks:
         peers: Sequence[int] | None = None,
         on_compute: Callable[[], None] = lambda: None,
         on_reduced: Callable[[list[Unit]], None] | None = None,
+        on_solo_end: Callable[[list[Unit]], None] = lambda units: None,
     ) -> None:
         self._root = root
         self._units = units
@@ -137,6 +133,7 @@ class UnitHooks:
         self._on_backward_end = on_backward_end
         self._on_idle = on_idle
         self._on_compute = on_compute
+        self._on_solo_end = on_solo_end
         self._step = step
         self.store = default_store()  # see [Note: stopping every rank]
         if peers is None:
@@ -145,6 +142,7 @@ class UnitHooks:
         self._callback_queued = False
         self._pass_backward = False  # the root's pass takes part in the running backward
         self._solo: list[Unit] = []  # units called by themselves, in the running backward
+        self._solo_reduced: list[Unit] = []  # of those, the ones reduced
         self._again: list[Unit] = []  # served again after the walk passed them (see _serve_again)
         self.held = HeldUnits()  # left gathered after a pass or by FSDP2's unshard
         self.unshard, self.reshard = self.held.unshard, self.held.reshard  # FSDP2's methods
@@ -193,12 +191,9 @@ class UnitHooks:
     @translated(_store)
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
-        # A forward whose backward never ran left the root (and the units kept for the
-        # backward) gathered; the weights may have changed since: gather them afresh.
-        self._forget_pass()
+        self._forget_pass()  # a forward whose backward never ran (or has not yet)
         self._in_forward = True
-        # The units the backward starts with (its first window) stay gathered from
-        # their forward on: the backward would gather them again at once.
+        # The units the backward starts with (its first window) stay gathered.
         self._kept = self._comm.kept_for_backward(self._prev_order)
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
@@ -425,14 +420,18 @@ class UnitHooks:
             group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
             self._comm.queue_reduction(unit)
+            self._solo_reduced.append(unit)
         self.held.release_after_backward(unit)
 
     def _solo_backward_end(self) -> None:
         """The end of a backward only solo calls took part in: the pass stays as it was."""
         self._comm.finish_reductions()
         self._callback_queued = False
+        reduced, self._solo_reduced = self._solo_reduced, []
         if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
             self._on_backward_end()
+        else:  # FSDP2 hands out .grad after each backward
+            self._on_solo_end(reduced)
         self._on_idle()
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
@@ -577,7 +576,7 @@ class UnitHooks:
         if not self._pass_backward:
             self._solo_backward_end()
             return
-        self._pass_backward = False
+        self._pass_backward, self._solo_reduced = False, []
         self._finish_before(len(self._units))  # in the reversed order, as if they ran
         while self._again:
             self._finish(self._again[0])
