@@ -218,10 +218,6 @@ def _rank_multi_forward_mixed(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a unit run again after another in one forward raises UnitOrderError on mf",
-)
 def test_multi_forward_mixed_requires_grad() -> None:
     """``...::TestFullyShardFrozen::test_multi_forward_mixed_requires_grad`` (3 subtests)."""
     run_on_ranks(_rank_multi_forward_mixed, WORLD)

@@ -125,11 +125,7 @@ def _rank_ac(rank: int, world: int, cases) -> None:
     "cases",
     [
         pytest.param([(True, "wrapper", "block")], id="block"),
-        pytest.param(
-            [(True, "composable", "mem_eff_weight_tied")],
-            id="weight-tied-ends",
-            marks=pytest.mark.xfail(strict=True, reason="a unit at both ends: UnitOrderError"),
-        ),
+        pytest.param([(True, "composable", "mem_eff_weight_tied")], id="weight-tied-ends"),
     ],
 )
 def test_train_parity_with_activation_checkpointing(cases) -> None:
@@ -138,8 +134,8 @@ def test_train_parity_with_activation_checkpointing(cases) -> None:
     Kept for time, 1 of its 18 subtests: the ``block`` grouping with the wrapper
     (``reshard_after_forward`` True); the composable checkpoint over blocks runs in
     ``test_fsdp2_conformance``'s shared-params test.
-    ``mem_eff_weight_tied`` (one unit over the embedding and the tied output) is a
-    strict xfail; ``mem_eff`` needs ``set_unshard_in_backward``, not run.
+    ``mem_eff_weight_tied`` (one unit over the embedding and the tied output) runs;
+    ``mem_eff`` needs ``set_unshard_in_backward``, not run.
     """
     run_on_ranks(_rank_ac, WORLD, cases)
 
@@ -303,11 +299,6 @@ def _rank_partial_standalone(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="a unit called by itself gets .grad only at the root's backward on mf "
-    "(FSDP2: after each chunk's backward); head.weight.grad is None between chunks",
-)
 def test_partial_group_forward_then_standalone() -> None:
     """``...::TestFullyShard1DTrainingCompose::test_partial_group_forward_then_standalone``.
 
@@ -343,9 +334,6 @@ def _rank_double_partial(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True, reason="two root forwards before one backward: UnitOrderError on mf"
-)
 def test_double_partial_forward_then_backward() -> None:
     """``...::TestFullyShard1DTrainingCompose::test_double_partial_forward_then_backward``."""
     run_on_ranks(_rank_double_partial, WORLD)

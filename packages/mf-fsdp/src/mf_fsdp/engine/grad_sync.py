@@ -131,6 +131,20 @@ class GradSync:
             self.attach()
             self.grads_final = outer or all(group.outer is None for group in self.groups)
 
+    def on_solo_backward_end(self, groups: list[Bucket]) -> None:
+        """A backward of units called by themselves only, reduced into ``groups``, ended.
+
+        A root forward still waits for its backward (torchtitan's chunked loss), so
+        this is no micro-batch; with auto-sync the reduced grads are handed out now,
+        as FSDP2 gives ``.grad`` after every backward, not only after the root's.
+        """
+        policy = self._policy
+        if not groups or self.backward_step is not None or not policy.wait_at_backward_end():
+            return
+        if policy.outer_at_backward_end():
+            self.synchronize(groups)
+        self.hand_out(groups)
+
     # ------------------------------------------------------------------ reductions
     def start(self) -> None:
         """Launch the reduction of every group holding unreduced local grads."""
@@ -141,14 +155,14 @@ class GradSync:
             for group in self.groups:
                 group.finish_reduce()
 
-    def synchronize(self) -> None:
-        """Wait for every launched reduction and fold results into the grad stores.
+    def synchronize(self, groups: list[Bucket] | None = None) -> None:
+        """Wait for every launched reduction (of ``groups``, default all) and fold them in.
 
         Also runs the deferred dp_outer stage of the reduction (HSDP; once per step):
         the replicated buckets' all-reduces go out coalesced (one collective for the
         small ones, as the dp_shard stage's).
         """
-        groups = self.groups
+        groups = self.groups if groups is None else groups
         for group in groups:
             group.finish_reduce()
         due = [group for group in groups if group.outer_due]

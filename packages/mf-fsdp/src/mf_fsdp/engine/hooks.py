@@ -2,21 +2,18 @@
 
 Hooks (per unit, registered once):
 
-- forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next
-  units in last iteration's forward order, and (ZeRO-0/1, and the walk's first
-  unit) thread the unit's inputs through ``RegisterFSDPBackwardFunction`` so its
-  backward end is observable;
-- forward post-hook: release the bucket (ZeRO-3; not the units the backward starts with,
-  which it would gather again at once: the last unit, and those before it that fit in
-  the communication window with it) and hook the outputs' grads (pre-backward: gather
-  again, prefetch the previous units, get the grad buffer);
-- post-backward (the identity function's backward, or under ZeRO-2/3 the
-  pre-backward of the unit before it, see [Note: where a unit's backward ends]):
-  reduce the unit's grads (overlapped with the rest of backward) and release
-  its bucket;
-- a callback queued on the autograd engine at the first pre-backward finishes
-  the root and any unit whose post-backward did not fire, then hands over to
-  the engine's end-of-backward step (micro-batch count, auto-sync).
+- forward pre-hook: gather the unit's bucket(s) (ZeRO-3), prefetch the next units
+  in last iteration's forward order, and (ZeRO-0/1, the walk's first unit) thread
+  its inputs through ``RegisterFSDPBackwardFunction`` (its backward end observed);
+- forward post-hook: release the bucket (ZeRO-3; not the units the backward starts
+  with: the last unit, and those before it in its communication window) and hook
+  the outputs' grads (pre-backward: gather, prefetch the previous units, grad buffer);
+- post-backward (the identity's backward, or under ZeRO-2/3 the pre-backward of the
+  unit before it, [Note: where a unit's backward ends]): reduce the unit's grads
+  (overlapped with the rest of backward) and release its bucket;
+- a callback queued on the autograd engine at the first pre-backward finishes the
+  root and any unit whose post-backward did not fire, then hands over to the
+  engine's end-of-backward step (micro-batch count, auto-sync).
 
 Ranks may skip units (see [Note: ranks that skip units]): every rank walks the units in
 one order and issues a skipped unit's collectives in its place, in the forward
@@ -27,35 +24,28 @@ on stops every rank (``engine/rank_paths.py``).
 
 [Note: where a unit's backward ends] Under ZeRO-2/3 a unit's backward ends
 where the backward reaches the unit before it in the walk (that unit's
-pre-backward finishes it, ``_finish_before``), or at the backward's end. On one
-device autograd runs the nodes of a graph in the reverse order of their
-creation (its ready queue takes the latest-created node first, and the leaves'
-grad accumulation as soon as it is ready), so every node of a unit, its weight
-grads included, has run before the first node of a unit that ran before it in
-the forward. That spares each unit an identity node in the graph and a Python
-call in the backward (FSDP2 threads every unit's inputs through one): about
-45 of the 230 us a unit cost the host at world 1 (``benchmarks/host_cost.py
---layers 16``, this project's CPU). The walk's first unit keeps its identity:
-no unit's pre-backward comes after its backward, and its reduction should
-overlap the rest (the embedding's, say). ZeRO-0/1 units have no pre-backward
-hook and may run again after other units (``_may_run_again``): they keep
-theirs too.
+pre-backward finishes it, ``_finish_before``), or at the backward's end: on one
+device autograd runs a graph's nodes latest-created first (leaves' grad
+accumulation as soon as ready), so a unit's nodes, weight grads included, all
+run before those of a unit that ran before it. That spares each unit an
+identity node and a Python call in the backward (FSDP2 threads every unit's
+inputs through one): about 45 of the 230 us a unit cost the host at world 1
+(``benchmarks/host_cost.py --layers 16``). The walk's first unit keeps its
+identity (no pre-backward comes after its backward), and so do ZeRO-0/1 units.
 
-A forward seen while a unit is already in backward is activation recomputation: the
-gathered weights are reused, nothing is released, so recompute and backward share one
-gather.
+A forward while a unit is in backward is activation recomputation: the gathered
+weights are reused, so recompute and backward share one gather.
 
 [Note: a unit called by itself] A unit called outside the root's forward and
-outside any backward (torchtitan's chunked loss calls the LM head once per
-chunk, each with its own backward, between the root's forward and backward)
-is a solo call: it gathers the unit, runs it, and releases it per its
-``reshard_after_forward``; the backward of its output gathers it again,
-accumulates its grads, reduces them (per the policy and the unit's
-``requires_gradient_sync``) and releases it per ``reshard_after_backward``.
-None of it touches the pass: a root forward waiting for its backward keeps
-its order and states, the unit's included. Units left gathered by
-``reshard_after_backward=False`` or an explicit ``unshard`` are released
-before the optimizer step (``release_held``): the step changes their shards.
+any backward (torchtitan's chunked loss runs the LM head per chunk, each with
+its own backward, between the root's forward and backward) is a solo call: it
+gathers the unit, runs it, releases it per ``reshard_after_forward``; its
+output's backward gathers it again, accumulates, reduces (per the policy and
+``requires_gradient_sync``), hands the grads out (``on_solo_end``, as FSDP2
+after each backward) and releases per ``reshard_after_backward``. A root
+forward waiting for its backward keeps its order and states. Units left
+gathered (``reshard_after_backward=False``, ``unshard``) are released before
+the optimizer step (``release_held``): the step changes their shards.
 
 This module owns only the per-iteration order and states; it does not build buckets,
 decide *whether* to reduce (the engine's ``SyncPolicy`` does), or touch the optimizer.
@@ -79,7 +69,7 @@ from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.held_units import HeldUnits
 from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
 from mf_fsdp.engine.unit import Unit, eager, grad_tensors, on_first_grad, thread_inputs
-from mf_fsdp.engine.unit_order import OrderAgreement, merge_chains
+from mf_fsdp.engine.unit_order import OrderAgreement
 
 __all__ = ["UnitHooks"]
 
@@ -110,8 +100,8 @@ class UnitHooks:
         peers: the data-parallel group's global ranks, which agree on a new order.
         on_compute: run before a unit called by itself (modules hold compute params).
         on_reduced: run with the units whose reductions just finished (their grads
-            are final for this backward), or None (the engine's
-            ``optimizer_step_in_backward``).
+            are final for this backward), or None (``optimizer_step_in_backward``).
+        on_solo_end: run with the units reduced in a backward of solo calls only.
     """
 
     def __init__(
@@ -129,6 +119,7 @@ class UnitHooks:
         peers: Sequence[int] | None = None,
         on_compute: Callable[[], None] = lambda: None,
         on_reduced: Callable[[list[Unit]], None] | None = None,
+        on_solo_end: Callable[[list[Unit]], None] = lambda units: None,
     ) -> None:
         self._root = root
         self._units = units
@@ -142,6 +133,7 @@ class UnitHooks:
         self._on_backward_end = on_backward_end
         self._on_idle = on_idle
         self._on_compute = on_compute
+        self._on_solo_end = on_solo_end
         self._step = step
         self.store = default_store()  # see [Note: stopping every rank]
         if peers is None:
@@ -150,6 +142,8 @@ class UnitHooks:
         self._callback_queued = False
         self._pass_backward = False  # the root's pass takes part in the running backward
         self._solo: list[Unit] = []  # units called by themselves, in the running backward
+        self._solo_reduced: list[Unit] = []  # of those, the ones reduced
+        self._again: list[Unit] = []  # served again after the walk passed them (see _serve_again)
         self.held = HeldUnits()  # left gathered after a pass or by FSDP2's unshard
         self.unshard, self.reshard = self.held.unshard, self.held.reshard  # FSDP2's methods
         self.release_held = self.held.release_held
@@ -188,8 +182,8 @@ class UnitHooks:
             self.store,
             f"mf_fsdp: rank {rank}, step {self._step()}: unit {unit.name!r} {what}. Every rank "
             f"walks the units in one order (here {order}{more}; first the registration order, "
-            "changed where every rank meets the change), each once per forward (again only "
-            "right after itself), and may skip any of them; the ranks stopped here "
+            "changed where every rank meets the change), may skip any of them, and runs "
+            "a unit again after others only where every rank does; the ranks stopped here "
             "instead of exchanging mismatched collectives",
         )
 
@@ -197,12 +191,9 @@ class UnitHooks:
     @translated(_store)
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
-        # A forward whose backward never ran left the root (and the units kept for the
-        # backward) gathered; the weights may have changed since: gather them afresh.
-        self._forget_pass()
+        self._forget_pass()  # a forward whose backward never ran (or has not yet)
         self._in_forward = True
-        # The units the backward starts with (its first window) stay gathered from
-        # their forward on: the backward would gather them again at once.
+        # The units the backward starts with (its first window) stay gathered.
         self._kept = self._comm.kept_for_backward(self._prev_order)
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
@@ -265,19 +256,17 @@ class UnitHooks:
             self._gather(unit, async_op=False)  # waits for a prefetch still in flight
         else:
             self._release_last()
-            if unit.index != self._next and self._in_forward:  # a skip (or a new order)
-                if unit.index < self._next:
-                    if unit.forwarded and unit.ran:
-                        self._out_of_order(
-                            unit,
-                            "ran again after another unit had run (ZeRO-3 had released it; "
-                            "under ZeRO-2/3 its backward would come before that unit's)",
-                        )
-                    self._reorder(unit)
-                self._stand_in_forward(unit.index)
-            self._next = unit.index + 1
-            unit.ran = True
-            self._forward_collectives(unit)
+            if self._in_forward and unit.index < self._next and unit.ran:
+                self._agree(unit, "ran again after other units")  # see _serve_again
+                self._gather(unit, async_op=False)
+            else:
+                if unit.index != self._next and self._in_forward:  # a skip (or a new order)
+                    if unit.index < self._next:
+                        self._reorder(unit)
+                    self._stand_in_forward(unit.index)
+                self._next = unit.index + 1
+                unit.ran = True
+                self._forward_collectives(unit)
         if not unit.members:
             self._last = unit
         if not torch.is_grad_enabled() or (self._strategy.shards_grads and unit.index > 0):
@@ -288,21 +277,15 @@ class UnitHooks:
     def _may_run_again(self, unit: Unit) -> bool:
         """Whether ``unit``, run already in this forward, may run again with no collective.
 
-        Its buckets must still be gathered. Under ZeRO-2/3 its backward must also
-        stay in its place of the reversed order: a group's member, or a run right
-        after its previous one (another unit in between would start the backward
-        with this unit before that one's).
+        Its buckets must be gathered and, under ZeRO-2/3, its backward stay in its
+        place: a group's member, or a run right after its previous one.
         """
         if not (self._all_whole or not any(group.released for group in unit.groups)):
             return False
         return not self._strategy.shards_grads or bool(unit.members) or unit is self._last
 
     def _release_last(self) -> None:
-        """Release the last unit that ran (if not kept): another unit runs, or the forward ends.
-
-        A unit stays gathered from its forward until then, so running it again at
-        once costs no collective.
-        """
+        """Release the last unit that ran (if not kept): another unit runs, or the forward ends."""
         last, self._last = self._last, None
         if last is not None and last.state is TrainingState.FORWARD:
             self._release_after_forward(last)
@@ -335,16 +318,13 @@ class UnitHooks:
         """Issue the forward collectives of the units this rank skipped before index ``upto``.
 
         [Note: ranks that skip units] Every rank walks the units in one order (first
-        their registration order, then as agreed, see ``_reorder``) and issues each
-        unit's collectives in it: a unit it
-        skips gets the gathers and releases (forward) and the gathers, zero-grad
-        reductions and releases (backward) a rank running it issues, in the same
-        place, without running the module. So every rank issues the same sequence of
-        collectives, prefetch windows and coalesced batches included, whichever
-        units it ran; when every rank runs every unit in that order nothing of this
-        runs. A unit
-        run again while still gathered (``_may_run_again``) issues nothing, so
-        ranks may run it unequally often.
+        the registration order, then as agreed, ``_reorder``) and issues each unit's
+        collectives in it: a unit it skips gets, in the same place, the gathers and
+        releases (forward) and the gathers, zero-grad reductions and releases
+        (backward) a rank running it issues. So every rank issues the same
+        collectives, windows and coalesced batches included, whichever units it ran.
+        A unit run again while gathered (``_may_run_again``) issues nothing, so ranks
+        may run it unequally often; run again after release, all ranks must.
         """
         while self._next < upto:
             unit = self._order[self._next]
@@ -355,26 +335,15 @@ class UnitHooks:
     def _reorder(self, unit: Unit) -> None:
         """``unit`` is called after the walk passed it: agree on a new order, or stop every rank.
 
-        Every rank that meets such a unit posts its chain (the units it ran in
-        this forward, then ``unit``) and takes the order all chains merge into
-        (see [Note: agreeing on an order]); the walk goes on in it from the end
-        of the units any rank ran, so a unit the walk passes again is gathered
-        again, by every rank alike. Costs nothing until a unit comes early.
+        Every rank that meets such a unit posts its chain (the units it ran in this
+        forward, then ``unit``) and takes the order all chains merge into ([Note:
+        agreeing on an order]); the walk goes on from the end of the units any rank ran.
         """
         passed = self._order[self._next - 1].name
         chain = (*(u.name for u in self._fwd_order if u.ran), unit.name)
-        posts = self._agreement.exchange((self._next, chain))
-        chains = {rank: post for rank, post in posts.items() if post is not None}
-        missing = sorted(set(posts) - set(chains))
-        if missing:
-            self._out_of_order(
-                unit,
-                f"ran after unit {passed!r}, which comes after it, and rank(s) {missing} kept "
-                "that order (ran those units in it, or skipped the ones that changed)",
-            )
-        merged = merge_chains([u.name for u in self._order], chains)
+        merged = self._agreement.new_order([u.name for u in self._order], (self._next, chain))
         if isinstance(merged, str):
-            self._out_of_order(unit, f"ran after unit {passed!r}, which comes after it: {merged}")
+            self._out_of_order(unit, f"ran after unit {passed!r}, which comes after it{merged}")
         names, done = merged
         by_name = {u.name: u for u in self._units}
         self._order = [by_name[name] for name in names]
@@ -451,14 +420,18 @@ class UnitHooks:
             group.mark_used()
         if unit.requires_gradient_sync and self._reduce_now():
             self._comm.queue_reduction(unit)
+            self._solo_reduced.append(unit)
         self.held.release_after_backward(unit)
 
     def _solo_backward_end(self) -> None:
         """The end of a backward only solo calls took part in: the pass stays as it was."""
         self._comm.finish_reductions()
         self._callback_queued = False
+        reduced, self._solo_reduced = self._solo_reduced, []
         if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
             self._on_backward_end()
+        else:  # FSDP2 hands out .grad after each backward
+            self._on_solo_end(reduced)
         self._on_idle()
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
@@ -475,6 +448,8 @@ class UnitHooks:
 
     @translated(_store)
     def _root_pre_backward(self, grad: torch.Tensor | None) -> None:
+        if self._root.state is TrainingState.PRE_BACKWARD:
+            return  # the output of another forward before this backward (_serve_again)
         self._on_backward_start()
         self._ensure_callback()
         self._pass_backward = True
@@ -494,16 +469,39 @@ class UnitHooks:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another call of the unit (or member of the group) started its backward
         place = len(self._units) - 1 - unit.index
+        if unit.state is TrainingState.POST_BACKWARD or place < self._back:
+            self._serve_again(unit)
+            return
         if place != self._back:
-            if unit.state is TrainingState.POST_BACKWARD or place < self._back:
-                self._out_of_order(
-                    unit,
-                    "started its backward after the backward had passed it (its reduction "
-                    "was already issued)",
-                )
             self._finish_before(place)
         self._back = place
         self._backward_collectives(unit)
+
+    def _agree(self, unit: Unit, what: str) -> None:
+        """Check that every rank serves ``unit`` again here; else stop every rank (no gather)."""
+        odd = self._agreement.odd((self._next, (what, unit.name, f"backward at {self._back}")))
+        if odd:
+            self._out_of_order(unit, f"{what} on this rank, not at this place on rank(s) {odd}")
+
+    def _serve_again(self, unit: Unit) -> None:
+        """Gather ``unit`` on demand for a backward that comes after the walk passed it.
+
+        [Note: a unit served again] FSDP2 gathers at every call and reduces at every
+        backward, so its programs may run a unit again after others in one forward
+        (gathered again, ``_unit_pre_forward``), run two forwards before one backward,
+        or put a unit at both ends of the model. The backward then meets a unit whose
+        reduction was issued (or that the walk finished early): it is gathered and
+        accumulates again; those grads are reduced at the end of its threaded call or
+        of the backward, added to the ones reduced before, as FSDP2 adds them. The
+        ranks check on the store that all of them do it here (``_agree``).
+        """
+        self._agree(unit, "started its backward again after the backward had passed it")
+        unit.state = TrainingState.PRE_BACKWARD
+        unit.forwarded = unit.ran = True
+        self._gather(unit, async_op=False)
+        for group in unit.groups:
+            group.begin_accumulate()
+        self._again.append(unit)
 
     def _backward_collectives(self, unit: Unit) -> None:
         """What a unit's backward starts with: the same whether it runs or is stood in for."""
@@ -548,14 +546,11 @@ class UnitHooks:
 
     @translated(_store)
     def _unit_post_backward(self, unit: Unit) -> None:
-        if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
-            if unit.ran and unit.forwarded:
-                self._out_of_order(
-                    unit,
-                    "ended its backward after the backward had passed it (its reduction was "
-                    "already issued)",
-                )
+        if any(u is unit for u in self._again):
+            self._finish(unit)
             return
+        if unit.state is TrainingState.POST_BACKWARD or not unit.forwarded:
+            return  # no grad reached it since its reduction (see _serve_again)
         place = len(self._units) - 1 - unit.index
         if place != self._back:
             self._finish_before(place)
@@ -565,6 +560,8 @@ class UnitHooks:
     def _finish(self, unit: Unit) -> None:
         """The end of a unit's backward: queue its reduction (per policy), release it."""
         unit.state = TrainingState.POST_BACKWARD
+        if self._again:
+            self._again = [u for u in self._again if u is not unit]
         if unit.ran:
             for group in unit.groups:
                 group.mark_used()
@@ -579,8 +576,10 @@ class UnitHooks:
         if not self._pass_backward:
             self._solo_backward_end()
             return
-        self._pass_backward = False
+        self._pass_backward, self._solo_reduced = False, []
         self._finish_before(len(self._units))  # in the reversed order, as if they ran
+        while self._again:
+            self._finish(self._again[0])
         self._root.forwarded = True
         if self._root.state is not TrainingState.POST_BACKWARD:
             self._finish(self._root)

@@ -251,6 +251,9 @@ class MegatronFSDP(WrappedModule):
             else None,
             on_compute=self._forms.register_compute,
             on_reduced=None if grads.backward_step is None else grads.backward_step.step_units,
+            on_solo_end=lambda units: grads.on_solo_backward_end(
+                [g for u in units for g in u.groups]
+            ),
         )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).

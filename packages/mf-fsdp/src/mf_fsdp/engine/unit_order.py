@@ -110,6 +110,27 @@ class OrderAgreement:
             0.0 if timeout is None else min(timeout.total_seconds() / _WAIT_SHARE, _WAIT_MAX)
         )
 
+    def new_order(self, old: Sequence[str], post: Chain) -> tuple[list[str], int] | str:
+        """Exchange ``post`` and merge every rank's chain into the new order (see the Note).
+
+        Returns the order and the length of its part already run, or why the ranks
+        cannot agree (to follow "unit X ran after unit Y, which comes after it").
+        """
+        posts = self.exchange(post)
+        chains = {rank: chain for rank, chain in posts.items() if chain is not None}
+        missing = sorted(set(posts) - set(chains))
+        if missing:
+            return (
+                f", and rank(s) {missing} kept that order (ran those units in it, or skipped "
+                "the ones that changed)"
+            )
+        merged = merge_chains(old, chains)
+        return f": {merged}" if isinstance(merged, str) else merged
+
+    def odd(self, post: Chain) -> list[int]:
+        """Exchange ``post``; the ranks that posted another one, or none in time."""
+        return sorted(rank for rank, got in self.exchange(post).items() if got != post)
+
     def exchange(self, post: Chain) -> dict[int, Chain | None]:
         """Every peer's post, by rank; None for a peer that posted nothing in time."""
         if len(self._peers) == 1:
