@@ -25,6 +25,7 @@ engine's unit hooks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -33,7 +34,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
 
+from mf_fsdp.engine.assemble import reduce_spec_for
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
+from mf_fsdp.engine.options import check_gradient_factor
 from mf_fsdp.engine.unit import Unit
 from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, engine_or_none, ensure_built
 from mf_fsdp.fsdp2.torch_state import TorchStateView
@@ -341,18 +344,22 @@ class FSDPModule(_ModuleFSDPModule):
         self._engine_and_record()[0].sync_policy.auto_sync = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduce gradients as their sum over the data-parallel ranks divided by ``factor``.
+        """Reduce this call's gradients as their sum over the data-parallel ranks over ``factor``.
 
-        On the root: every unit; on another module it must match the model's factor.
+        As FSDP2's: the factor of this module's own unit only (on the root, the
+        parameters outside every other unit); the other units keep theirs, the
+        mean by default (torchtitan sets it on every module). From the next
+        reduction on.
+
+        Raises:
+            TypeError / ValueError: if ``factor`` is not a finite positive number.
         """
-        engine, record = self._engine_and_record()
-        if record.is_root:
-            engine.set_gradient_divide_factor(factor)
-        elif engine._bucket_options.divide_factor != factor:
-            raise NotImplementedError(
-                "set_gradient_divide_factor on a module other than the root: mf uses one "
-                "factor per model; call it on the root"
-            )
+        factor = check_gradient_factor("factor", factor)
+        engine, _ = self._engine_and_record()
+        options = dataclasses.replace(engine._bucket_options, divide_factor=factor)
+        for unit in self._units(recurse=False):
+            for group in unit.groups:
+                group.reduce_spec = reduce_spec_for(group.dist_index, options)
 
 
 def _check_assignable(module: nn.Module, state_dict: Mapping[str, Any], meta: bool) -> None:
