@@ -57,12 +57,6 @@ def _rank_cpu_offload(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="mf asks shard_placement_fn when the engine is built (the first use) and "
-    "answers a dim the parameter lacks with ValueError; FSDP2 asks inside fully_shard "
-    "and raises AssertionError",
-)
 def test_invalid_shard_dim() -> None:
     """``TestFullyShardShardPlacementFn::test_invalid_shard_dim``."""
     run_on_ranks(_rank_invalid_shard_dim, WORLD)

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from mf_fsdp.engine.megatron_fsdp import check_module_to_wrap
 from mf_fsdp.fsdp2.mixed_precision import cast_inputs, cast_output
 from mf_fsdp.fsdp2.module import fsdp_class
-from mf_fsdp.fsdp2.placement import check_placement_fn
+from mf_fsdp.fsdp2.placement import check_answer, check_placement_fn
 from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, link_pending
 
 if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
@@ -136,7 +136,7 @@ def fully_shard(
     reshard = reshard_flag(reshard_after_forward, mesh)
     ignored = _ignored_tuple(ignored_params)
     for item in modules:
-        _check_param_shapes(item, ignored)
+        _check_param_shapes(item, ignored, shard_placement_fn)
     record = CallRecord(modules, mesh, reshard, mp_policy)
     record.ignored_params = ignored
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -176,17 +176,28 @@ def _check_container(module: nn.Module) -> None:
         )
 
 
-def _check_param_shapes(module: nn.Module, ignored: tuple[nn.Parameter, ...]) -> None:
-    """Refuse a scalar or non-contiguous parameter ``module`` would shard, as FSDP2 does.
+def _check_param_shapes(
+    module: nn.Module,
+    ignored: tuple[nn.Parameter, ...],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+) -> None:
+    """Refuse a parameter ``module``'s call would shard as FSDP2 does, at the call.
 
     mf's buckets hold whole dim-0 rows of contiguous tensors: a 0-d parameter has no
-    row and a strided one no row-major layout to cut (FSDP2 refuses both too).
+    row and a strided one no row-major layout to cut (FSDP2 refuses both too). FSDP2
+    also asks ``shard_placement_fn`` here, for the parameters the call manages (not
+    those of a module already passed to ``fully_shard``), and refuses an answer it
+    cannot shard by; mf asks again when it builds the engine, where the mesh is used.
 
     Raises:
         ValueError: for a scalar parameter (FSDP2's type).
         NotImplementedError: for a non-contiguous one (FSDP2's type).
+        AssertionError: for a ``shard_placement_fn`` answer FSDP2 refuses (its type).
     """
     skip = {id(param) for param in ignored}
+    for sub in module.modules():
+        if sub is not module and RECORD_ATTR in sub.__dict__:
+            skip.update(id(param) for _, param in nn.Module.named_parameters(sub))
     for name, param in nn.Module.named_parameters(module):
         if id(param) in skip:
             continue
@@ -201,6 +212,8 @@ def _check_param_shapes(module: nn.Module, ignored: tuple[nn.Parameter, ...]) ->
                 f"shape {tuple(param.shape)} and stride {param.stride()}; expected a "
                 "contiguous tensor (call .contiguous() on it before fully_shard)"
             )
+        if shard_placement_fn is not None:
+            check_answer(name, param, shard_placement_fn(param))
 
 
 def _ignored_tuple(ignored_params: object) -> tuple[nn.Parameter, ...]:

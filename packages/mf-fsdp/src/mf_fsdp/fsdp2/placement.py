@@ -44,7 +44,7 @@ try:  # torch 2.15; torch 2.11 has Shard answers only
 except ImportError:  # pragma: no cover - the floor of mf's torch range
     HSDPMeshInfo = ShardPlacementResult = None  # type: ignore[assignment,misc]
 
-__all__ = ["ExpertMesh", "check_placement_fn", "place_params"]
+__all__ = ["ExpertMesh", "check_answer", "check_placement_fn", "place_params"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ def place_params(
         The expert mesh, or None when every parameter stays on ``dense_mesh``.
 
     Raises:
-        ValueError: for an answer that is not None, a ``Shard`` or a
+        AssertionError: for an answer that is not None, a ``Shard`` or a
             ``ShardPlacementResult``, or a ``Shard`` dim out of range.
         NotImplementedError: naming the parameter, for another mesh mf cannot
             serve (see the module docstring).
@@ -105,24 +105,39 @@ def place_params(
     return found
 
 
-def _answer_mesh(
-    name: str, param: nn.Parameter, answer: object, dense_mesh: DeviceMesh
-) -> DeviceMesh | None:
-    """The mesh ``answer`` names for ``param`` (None: the call's); check its placement."""
+def check_answer(name: str, param: nn.Parameter, answer: object) -> Any:
+    """Check ``shard_placement_fn``'s ``answer`` for ``param`` as FSDP2 does; its mesh info.
+
+    Returns:
+        The ``ShardPlacementResult``'s mesh info, or None (the call's mesh).
+
+    Raises:
+        AssertionError: (FSDP2's type) for an answer that is not None, a ``Shard`` or a
+            ``ShardPlacementResult`` of one, or a ``Shard`` dim the parameter lacks.
+    """
     mesh_info = None
     placement = answer
     if ShardPlacementResult is not None and isinstance(answer, ShardPlacementResult):
         placement, mesh_info = answer.placement, answer.mesh_info
     if placement is not None and not isinstance(placement, Shard):
-        raise ValueError(
+        raise AssertionError(
             f"fully_shard: shard_placement_fn returned {answer!r} for parameter {name!r}; "
             "expected None, a Shard(dim) or a ShardPlacementResult"
         )
     if placement is not None and not -param.dim() <= placement.dim < param.dim():
-        raise ValueError(
+        raise AssertionError(
             f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for parameter "
-            f"{name!r} of shape {tuple(param.shape)}; expected a dim of the parameter"
+            f"{name!r} of shape {tuple(param.shape)}: Shard dim {placement.dim} is invalid "
+            f"for {param.dim()}D tensor; expected a dim of the parameter"
         )
+    return mesh_info
+
+
+def _answer_mesh(
+    name: str, param: nn.Parameter, answer: object, dense_mesh: DeviceMesh
+) -> DeviceMesh | None:
+    """The mesh ``answer`` names for ``param`` (None: the call's); check its placement."""
+    mesh_info = check_answer(name, param, answer)
     if mesh_info is None or mesh_info.mesh is dense_mesh:
         return None
     if dense_mesh.ndim != 1 or (HSDPMeshInfo is not None and isinstance(mesh_info, HSDPMeshInfo)):
