@@ -202,6 +202,10 @@ def _build_from_folder(
         from mf.train.lora import add_adapters, base_file_name, init_adapters
 
         add_adapters(module.lm, options)
+        if options.base_dtype == "nf4":
+            from mf.train.nf4_bases import make_bases_nf4
+
+            make_bases_nf4(module.lm, device)
         trainable = [p for p in module.parameters() if p.requires_grad]
         optimizers = [torch.optim.AdamW(trainable, lr=options.lr, weight_decay=0.1)]
     model, optimizers = _shard(options, mesh, module, optimizers, unit_classes(module.lm))
@@ -209,6 +213,11 @@ def _build_from_folder(
     if options.lora_rank is None:
         load_folder_weights(model, folder.path, PREFIX)
     else:
+        if options.base_dtype == "nf4":
+            from mf.train.nf4_bases import leave_out_of_state_dict, load_nf4_bases
+
+            leave_out_of_state_dict(model)
+            load_nf4_bases(model, folder.path, lambda k: base_file_name(k.removeprefix(PREFIX)))
         load_folder_weights(model, folder.path, PREFIX, base_file_name)
         init_adapters(model, options.seed)
     return model, optimizers
