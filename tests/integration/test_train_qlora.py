@@ -250,3 +250,23 @@ def test_bad_nf4_options_are_one_line_and_exit_code_2(tmp_path: Path) -> None:
         assert len(lines) == 1, (name, lines)
         assert expected in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_another_base_dtype(llama: Path, tmp_path: Path) -> None:
+    """An NF4 run's checkpoints hold no bases, a LoRA run's hold them: a resume keeps
+    ``--base-dtype`` (planted: ``base_dtype`` out of ``_SAME_RUN_SETTINGS``, it resumes)."""
+    from mf.train.options import RESULT_SETTINGS
+    from mf_fsdp import RECORD_FILE
+
+    argv = ["--device", "cpu", "--seq-len", "16", "--model", str(llama), "--lora-rank", "4"]
+    argv += ["--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    options = parse_options(argv)
+    saved = tmp_path / "ckpt" / "step_0000002"
+    saved.mkdir(parents=True)
+    extra = {name: getattr(options, name) for name in RESULT_SETTINGS}
+    extra |= {"model": options.model, "lora_rank": 4, "lora_targets": options.lora_targets}
+    extra |= {"base_dtype": "nf4"}
+    (saved / RECORD_FILE).write_text(json.dumps({"step": 2, "extra": extra}))
+    assert parse_options([*argv, "--base-dtype", "nf4", "--resume"]).resume
+    with pytest.raises(ValueError, match="saved with --base-dtype nf4, this run has --base-dtype"):
+        parse_options([*argv, "--resume"])
