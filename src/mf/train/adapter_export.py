@@ -8,7 +8,8 @@ run's ``LoraConfig``, its base the folder), so
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)``
 loads it. With ``--merge`` it also writes ``<out-dir>/model/``: the base with the
 adapter merged by peft's ``merge_and_unload``, a plain transformers folder with
-the tokenizer.
+the tokenizer. A QLoRA run (``--base-dtype nf4``) merges into its NF4 bases,
+dequantized: the weights it was trained against.
 """
 
 from __future__ import annotations
@@ -66,14 +67,17 @@ def export_adapter(
     config.base_model_name_or_path = str(folder.path.resolve())
     config.save_pretrained(target)
     if options.merge:
-        merge_adapter(folder, target, out_dir / EXPORT_FOLDER)
+        merge_adapter(folder, target, out_dir / EXPORT_FOLDER, nf4=options.base_dtype == "nf4")
     return target
 
 
-def merge_adapter(folder: ModelFolder, adapter: Path, target: Path) -> Path:
+def merge_adapter(folder: ModelFolder, adapter: Path, target: Path, nf4: bool = False) -> Path:
     """The folder's model with ``adapter`` merged (peft's ``merge_and_unload``), at ``target``.
 
-    Saved with the folder's tokenizer. Returns ``target``.
+    ``nf4`` (a QLoRA run): merged into the bases the adapter was trained on, the
+    folder's weights of its targets quantized to NF4 and dequantized
+    (``mf.train.nf4_bases.dequantize_targets``). Saved with the folder's
+    tokenizer. Returns ``target``.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,6 +85,12 @@ def merge_adapter(folder: ModelFolder, adapter: Path, target: Path) -> Path:
     base = AutoModelForCausalLM.from_pretrained(
         folder.path, local_files_only=True, dtype=torch.float32
     )
+    if nf4:
+        from peft import LoraConfig
+
+        from mf.train.nf4_bases import dequantize_targets
+
+        dequantize_targets(base, list(LoraConfig.from_pretrained(str(adapter)).target_modules))
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
     merged.save_pretrained(target)
     AutoTokenizer.from_pretrained(folder.path, local_files_only=True).save_pretrained(target)

@@ -34,7 +34,8 @@ def check_lora_options(options: TrainOptions, folder: Any) -> None:
     Raises:
         ValueError: a rank below 1, a non-positive alpha, no targets, NF4 bases or
             ``--merge`` without ``--lora-rank``, LoRA on a preset, a target the
-            folder's model does not have, or NF4 bases (not served yet).
+            folder's model does not have, or NF4 bases whose weights do not split
+            into whole NF4 blocks over the ranks (``nf4_shape_problem``).
     """
     if options.lora_rank is None:
         for flag, used in (
@@ -51,16 +52,14 @@ def check_lora_options(options: TrainOptions, folder: Any) -> None:
     if options.lora_alpha is not None and not options.lora_alpha > 0:
         raise ValueError(f"--lora-alpha must be a positive number, got {options.lora_alpha}")
     if folder is None:
+        if options.base_dtype == "nf4":
+            raise ValueError(
+                f"--base-dtype nf4 does not apply to the preset {options.model!r}: NF4 bases "
+                "are QLoRA's, for a transformers model folder (--model PATH)"
+            )
         raise ValueError(
             f"--lora-rank {options.lora_rank} does not apply to the preset {options.model!r}: "
             "LoRA is for a transformers model folder (--model PATH)"
-        )
-    if options.base_dtype == "nf4":
-        raise ValueError(
-            f"--base-dtype nf4 is not served yet for the {folder.name}: its bases are built on "
-            "the meta device and read row by row, and NF4's blocks are not quantized per rank "
-            "yet; use --base-dtype fp32 (mf-fsdp shards NF4 weights built in memory: "
-            "docs/low-precision.md)"
         )
     targets = lora_targets(options)
     if not targets:
@@ -74,3 +73,28 @@ def check_lora_options(options: TrainOptions, folder: Any) -> None:
             f"--lora-targets {options.lora_targets!r}: the {folder.name} has no module named "
             f"{missing[0]!r}; expected names of its linear projections"
         )
+    if options.base_dtype == "nf4":
+        _check_nf4(options, folder)
+
+
+def _check_nf4(options: TrainOptions, folder: Any) -> None:
+    """Refuse NF4 bases that cannot be served: each target's pieces must be whole NF4 blocks."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("--base-dtype nf4 needs torchao's NF4 tensors: install mf[float8]")
+    if options.zero < 2:
+        raise ValueError(
+            f"--base-dtype nf4 with --zero {options.zero}: the NF4 bases are sharded and "
+            "gathered as FSDP2 does; expected --zero 2 or 3"
+        )
+    from mf.train.model_folder import meta_causal_lm
+    from mf.train.nf4_bases import nf4_shape_problem
+
+    shards = options.nproc // options.dp_outer
+    targets = set(lora_targets(options))
+    for name, module in meta_causal_lm(folder).lm.named_modules():
+        if name.rsplit(".", 1)[-1] in targets and hasattr(module, "weight"):
+            problem = nf4_shape_problem(f"{name}.weight", tuple(module.weight.shape), shards)
+            if problem is not None:
+                raise ValueError(f"--base-dtype nf4 for the {folder.name}: {problem}")

@@ -27,6 +27,8 @@ from pathlib import Path
 from shlex import quote
 from typing import TYPE_CHECKING
 
+import torch
+
 from mf.models import build_optimizers
 from mf.train.model_folder import meta_module
 
@@ -54,7 +56,7 @@ RESULT_SETTINGS = (
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
 
-_SAME_RUN_SETTINGS = ("model", "optimizer", "lora_rank", "lora_targets")
+_SAME_RUN_SETTINGS = ("model", "optimizer", "lora_rank", "lora_targets", "base_dtype")
 """Saved options a resume can never change: they decide what the checkpoint holds."""
 
 _STEP_FOLDER = re.compile(r"step_(\d+)")
@@ -156,10 +158,18 @@ def check_resume_settings(options: TrainOptions) -> None:
 
 def _verify(path: Path, options: TrainOptions) -> None:
     """``mf_fsdp.verify_checkpoint`` against this run's model and optimizers (meta device)."""
+    from mf.train.model_folder import folder_of
     from mf_fsdp import checkpoint as fsdp_checkpoint
 
-    module = meta_module(options.model)
-    optimizers = build_optimizers(options.optimizer, module, options.lr)
+    folder = folder_of(options.model)
+    module: torch.nn.Module
+    if folder is not None:  # as the run builds it: LoRA's adapters, NF4 bases left out
+        from mf.train.run_module import folder_module
+
+        module, optimizers = folder_module(options, folder, torch.device("cpu"))
+    else:
+        module = meta_module(options.model)
+        optimizers = build_optimizers(options.optimizer, module, options.lr)
     fsdp_checkpoint.verify_checkpoint(path, module, optimizers)
 
 

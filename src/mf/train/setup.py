@@ -32,8 +32,9 @@ from mf.models.float8 import (
     convert_gpt_to_float8,
 )
 from mf.train.folder_weights import load_folder_weights
-from mf.train.model_folder import PREFIX, ModelFolder, folder_of, meta_causal_lm, unit_classes
+from mf.train.model_folder import PREFIX, ModelFolder, folder_of, unit_classes
 from mf.train.options import TrainOptions, local_cpu_cores
+from mf.train.run_module import folder_module
 from mf.train.stopping import RunStoppedError, join
 
 __all__ = ["build", "dp_coordinates", "setup"]
@@ -195,20 +196,18 @@ def _build_from_folder(
     Its decoder layers are the units; see ``mf.train.model_folder`` and
     ``mf.train.folder_weights``.
     """
-    module = meta_causal_lm(folder, device)
-    if options.lora_rank is None:
-        optimizers = build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
-    else:  # the adapters alone train: the optimizer never sees the frozen bases
-        from mf.train.lora import add_adapters, base_file_name, init_adapters
-
-        add_adapters(module.lm, options)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizers = [torch.optim.AdamW(trainable, lr=options.lr, weight_decay=0.1)]
+    module, optimizers = folder_module(options, folder, device)
     model, optimizers = _shard(options, mesh, module, optimizers, unit_classes(module.lm))
     model.to_empty(device=device)
     if options.lora_rank is None:
         load_folder_weights(model, folder.path, PREFIX)
     else:
+        from mf.train.lora import base_file_name, init_adapters
+
+        if options.base_dtype == "nf4":
+            from mf.train.nf4_bases import load_nf4_bases
+
+            load_nf4_bases(model, folder.path, lambda k: base_file_name(k.removeprefix(PREFIX)))
         load_folder_weights(model, folder.path, PREFIX, base_file_name)
         init_adapters(model, options.seed)
     return model, optimizers

@@ -68,6 +68,7 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
         "optimizer": options.optimizer,
         "lora_rank": options.lora_rank,
         "lora_targets": options.lora_targets,
+        "base_dtype": options.base_dtype,  # NF4 checkpoints hold no bases
         **{name: getattr(options, name) for name in RESULT_SETTINGS},
     }
     ckpt_dir = Path(options.ckpt_dir)
