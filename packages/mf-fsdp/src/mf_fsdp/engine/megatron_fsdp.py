@@ -179,6 +179,7 @@ class MegatronFSDP(WrappedModule):
         self.device = device or get_group_device(dist_index.fsdp_group)
         self._pool = BufferPool()
         self._install_pending = False
+        self._unassigned: frozenset[str] = frozenset()  # see _refuse_unready
         if init_model_with_meta_device and any(p.is_meta for p in module.parameters()):
             warnings.warn(describe_meta_init(module), stacklevel=3)
         found = discover(
@@ -316,12 +317,8 @@ class MegatronFSDP(WrappedModule):
         The pool's large idle buffers (last backward's gradients) are freed first,
         so they do not add to this forward's activation peak.
         """
-        if self._awaiting_to_empty:
-            raise RuntimeError(
-                f"{type(self.module).__name__} was wrapped on the meta device: call "
-                "model.to_empty(device=...) and then the model's own init method before the "
-                "first forward (or wrap with init_model_with_meta_device=True)"
-            )
+        if self._awaiting_to_empty or self._unassigned:
+            self._refuse_unready()
         if self._install_pending:  # the model's init wrote the sharded forms
             self._install_pending = False
             self._gather_new_extensions()
@@ -329,6 +326,22 @@ class MegatronFSDP(WrappedModule):
         self._pool.release_large()
         self._forms.register_compute()
         self._unit_hooks.root_pre_forward()
+
+    def _refuse_unready(self) -> None:
+        """Stop a forward of a meta-device model whose values are not all given yet."""
+        if self._awaiting_to_empty:
+            raise RuntimeError(
+                f"{type(self.module).__name__} was wrapped on the meta device: call "
+                "model.to_empty(device=...) and then the model's own init method before the "
+                "first forward (or wrap with init_model_with_meta_device=True)"
+            )
+        first = min(self._unassigned)
+        raise RuntimeError(
+            f"{type(self.module).__name__} was built on the meta device and "
+            f"load_state_dict(assign=True, strict=False) has not given {first!r} a value yet "
+            f"({len(self._unassigned)} tensors without one); expected every parameter and "
+            "buffer loaded before the first forward"
+        )
 
     def _root_post_forward(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
         """After it: hook the backward, or release the root when no backward follows."""

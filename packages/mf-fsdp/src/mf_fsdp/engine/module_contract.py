@@ -41,6 +41,7 @@ class WrappedModule(nn.Module):
     _forms: ParamForms
     _awaiting_to_empty: bool
     _install_pending: bool
+    _unassigned: frozenset[str]
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
         """Give the wrapped module's meta buffers storage; FSDP2's meta-device flow.

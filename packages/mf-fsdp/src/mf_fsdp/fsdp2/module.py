@@ -125,20 +125,28 @@ class FSDPModule(_ModuleFSDPModule):
         ``to_empty``) loads the same values: mf keeps every parameter in its flat
         buffers, so they are copied there (the parameter objects stay). A model
         built on the meta device gets storage first (``to_empty`` on the engine's
-        device) and must then find every tensor in ``state_dict``. What assigning
+        device) and must then find every tensor in ``state_dict``, or, with
+        ``strict=False``, in this and later calls before its first forward (FSDP2
+        leaves the rest on the meta device; mf's storage holds no values there, so
+        a forward before they are all given stops in one line). What assigning
         would change beyond the values, a tensor's dtype, is refused.
 
         Raises:
             TypeError: with ``assign=True``, for an entry whose dtype is not its tensor's.
-            KeyError: with ``assign=True`` on a meta-device model, for a missing tensor.
+            KeyError: with ``assign=True`` and ``strict=True`` on a meta-device model, for
+                a missing tensor.
         """
         engine = engine_or_none(self)
         if engine is None:  # no parameter to shard: a plain module's load
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
-            _check_assignable(self, state_dict, meta=engine._awaiting_to_empty)
+            meta = engine._awaiting_to_empty or bool(engine._unassigned)
+            missing = _check_assignable(self, state_dict, meta=meta and strict)
             if engine._awaiting_to_empty:
                 engine.to_empty(device=engine.device)
+                engine._unassigned = frozenset(missing)
+            else:
+                engine._unassigned &= missing
         with engine._forms.sharded():
             return super().load_state_dict(state_dict, strict=strict)
 
@@ -362,11 +370,14 @@ class FSDPModule(_ModuleFSDPModule):
                 group.reduce_spec = reduce_spec_for(group.dist_index, options)
 
 
-def _check_assignable(module: nn.Module, state_dict: Mapping[str, Any], meta: bool) -> None:
+def _check_assignable(
+    module: nn.Module, state_dict: Mapping[str, Any], meta: bool
+) -> frozenset[str]:
     """Refuse a ``load_state_dict(assign=True)`` that copying its values would not honour.
 
-    An entry whose dtype differs from its tensor's; on a model built on the meta
-    device (``meta``), a tensor the state dict leaves without a value.
+    An entry whose dtype differs from its tensor's; with ``meta`` (a model built on
+    the meta device, loaded strictly), a tensor the state dict leaves without a value.
+    Returns the names of the model's tensors ``state_dict`` leaves out.
     """
     engine = ensure_built(module)
     with engine._forms.sharded():
@@ -387,6 +398,7 @@ def _check_assignable(module: nn.Module, state_dict: Mapping[str, Any], meta: bo
                 "buffers and cannot take the state dict's dtype: cast the state dict, or load "
                 "with assign=False"
             )
+    return frozenset(missing)
 
 
 def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[Unit]:

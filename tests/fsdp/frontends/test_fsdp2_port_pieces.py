@@ -1,7 +1,8 @@
-"""torch's FSDP2 tests that torch's FSDP2 passes on gloo and mf does not yet (strict xfails).
+"""torch's FSDP2 tests of answers checked at the call and state dicts loaded piece by piece.
 
 Each scenario runs through torch's ``fully_shard`` and then mf's (``on_both``) in
-two gloo ranks; the xfail is strict, so each turns into a failure when mf serves it.
+two gloo ranks. mf alone: a meta-device model loaded only in part stops at its
+first forward in one line (FSDP2 would compute with meta tensors and fail deeper).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.common_utils import TestCase
 
+from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import RANK_MODULES, WORLD, torch_case
 from tests.fsdp._fsdp2_port_common import on_both
@@ -46,6 +48,21 @@ def _dp_state_dict_cpu_offload(fully_shard, case: TestCase) -> None:
         case.assertEqual(value.device.type, "cpu")
 
 
+def _partly_loaded_stops_at_the_forward() -> None:
+    """mf: a piece of the state dict given, the rest not: the forward names a missing one."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    fsdp2.fully_shard(model[0])
+    fsdp2.fully_shard(model)
+    name, param = next(iter(model.named_parameters()))
+    piece = {name: distribute_tensor(torch.ones(param.size()), param.device_mesh, param.placements)}
+    model.load_state_dict(piece, assign=True, strict=False)
+    with pytest.raises(RuntimeError, match=r"has not given '1.weight' a value yet \(1 tensors"):
+        model(torch.rand((4, 4)))
+    with pytest.raises(KeyError, match="'1.weight'"):  # strict: every tensor at once
+        model.load_state_dict(piece, assign=True)
+
+
 def _rank_invalid_shard_dim(rank: int, world: int) -> None:
     case = torch_case()
     on_both(case, _invalid_shard_dim, case)
@@ -54,6 +71,7 @@ def _rank_invalid_shard_dim(rank: int, world: int) -> None:
 def _rank_cpu_offload(rank: int, world: int) -> None:
     case = torch_case()
     on_both(case, _dp_state_dict_cpu_offload, case)
+    _partly_loaded_stops_at_the_forward()
 
 
 @pytest.mark.multiprocess
@@ -63,12 +81,6 @@ def test_invalid_shard_dim() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-    strict=True,
-    reason="mf's load_state_dict(assign=True) on a meta-device model needs every "
-    "tensor in one call (KeyError naming the first missing); FSDP2 takes the pieces "
-    "one call each with strict=False",
-)
 def test_dp_state_dict_cpu_offload() -> None:
     """``TestFullyShardStateDictMultiProcess::test_dp_state_dict_cpu_offload`` (host half)."""
     run_on_ranks(_rank_cpu_offload, WORLD)
