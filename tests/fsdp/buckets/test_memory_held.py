@@ -212,3 +212,36 @@ def test_grads_are_reduced_where_autograd_put_them(world: int) -> None:
     no temporary. At world 2 (fp32) no temporary either: ZeRO-1's store, a view of
     the local buffer, takes an in-place reduce-scatter."""
     run_on_ranks(_rank_one_grad_buffer, world)
+
+
+def _rank_no_grad_bytes_before_the_first_backward(rank: int, world: int) -> None:
+    # [Note: grads held from the first backward] A wrapped model holds its weights and
+    # the optimizer's state, no gradient buffer, until a backward needs one: what a
+    # rank loading a model folder after wrapping it must not hold beside the weights.
+    for strategy in (0, 1, 2, 3):
+        what = f"ZeRO-{strategy}, world {world}"
+        before = live_cpu_bytes()
+        module = make_model()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            torch.optim.Adam(module.parameters(), lr=1e-3),
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+        )
+        report = model.memory_footprint(opt)
+        assert report["grads"] == 0, (what, report)
+        held = settled_live_cpu_bytes() - before - sum(report.values())
+        numel = sum(p.numel() for p in make_model().parameters())
+        assert held / numel <= SLACK, (what, held / numel, report)  # nothing unreported
+        model(*batch(0, rank)).backward()
+        assert model.memory_footprint(opt)["grads"] > 0, what  # held by the backward
+        opt.step()
+        del model, opt, module  # the next strategy's ``before`` counts none of them
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_wrapped_model_holds_no_gradient_bytes_before_the_first_backward(world: int) -> None:
+    """World 1 keeps grads in one persistent buffer per bucket, world 2 (ZeRO-2/3)
+    a store beside a per-backward local buffer: neither is held before a backward."""
+    run_on_ranks(_rank_no_grad_bytes_before_the_first_backward, world)
