@@ -212,3 +212,78 @@ def test_grads_are_reduced_where_autograd_put_them(world: int) -> None:
     no temporary. At world 2 (fp32) no temporary either: ZeRO-1's store, a view of
     the local buffer, takes an in-place reduce-scatter."""
     run_on_ranks(_rank_one_grad_buffer, world)
+
+
+def _rank_no_grad_bytes_before_the_first_backward(rank: int, world: int) -> None:
+    # [Note: grads held from the first backward] A wrapped model holds its weights and
+    # the optimizer's state, no gradient buffer, until a backward needs one: what a
+    # rank loading a model folder after wrapping it must not hold beside the weights.
+    for strategy in (0, 1, 2, 3):
+        what = f"ZeRO-{strategy}, world {world}"
+        before = live_cpu_bytes()
+        module = make_model()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            torch.optim.Adam(module.parameters(), lr=1e-3),
+            fsdp_unit_modules=unit_classes(),
+            zero_dp_strategy=strategy,
+        )
+        report = model.memory_footprint(opt)
+        assert report["grads"] == 0, (what, report)
+        held = settled_live_cpu_bytes() - before - sum(report.values())
+        numel = sum(p.numel() for p in make_model().parameters())
+        assert held / numel <= SLACK, (what, held / numel, report)  # nothing unreported
+        model(*batch(0, rank)).backward()
+        assert model.memory_footprint(opt)["grads"] > 0, what  # held by the backward
+        opt.step()
+        del model, opt, module  # the next strategy's ``before`` counts none of them
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_wrapped_model_holds_no_gradient_bytes_before_the_first_backward(world: int) -> None:
+    """World 1 keeps grads in one persistent buffer per bucket, world 2 (ZeRO-2/3)
+    a store beside a per-backward local buffer: neither is held before a backward."""
+    run_on_ranks(_rank_no_grad_bytes_before_the_first_backward, world)
+
+
+def _resident_mib(key: str) -> float:
+    """``VmRSS`` or ``VmHWM`` (peak) of this process, in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def _wrap_meta_model(width: int, world: int) -> torch.nn.Module:
+    """Eight ``width``-square layers built on the meta device, wrapped and given storage."""
+    with torch.device("meta"):
+        module = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(8)))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)  # SGD keeps no state to count
+    model, _ = mf_fsdp.fully_shard(
+        module, opt, fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy=3 if world > 1 else 0
+    )
+    return model.to_empty(device="cpu")
+
+
+def _rank_wrap_peak_is_the_shard(rank: int, world: int) -> None:
+    # A model built on the meta device (mf-train --model's way): wrapping it must
+    # make the process's peak resident memory grow by this rank's shard of the
+    # weights, not also by a gradient store held (even for a moment) during the wrap.
+    _wrap_meta_model(64, world)  # one-time costs (the process group's first use) first
+    with open("/proc/self/clear_refs", "w") as refs:  # the peak starts from now
+        refs.write("5")
+    before = _resident_mib("VmRSS")
+    model = _wrap_meta_model(1024, world)
+    grown = _resident_mib("VmHWM") - before
+    share_mib = 8 * 1024 * 1024 * 4 / world / 2**20
+    assert grown <= 1.3 * share_mib, (grown, share_mib)
+    del model
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_wrapping_a_meta_model_peaks_at_its_shard(world: int) -> None:
+    """World 1 (ZeRO-0: one persistent grad buffer), world 2 (ZeRO-3: a grad store)."""
+    run_on_ranks(_rank_wrap_peak_is_the_shard, world)

@@ -30,9 +30,11 @@ handed to the optimizer (see [Note: optimizer state on the host] in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -340,6 +342,18 @@ class Bucket(BucketReduction, UnusedGrads):
     def optimizer_grads(self) -> torch.Tensor | None:
         """What the sharded parameters' ``.grad`` view: ``host_grads``, or the store."""
         return self.host_grads if self.offload else self.grad_store
+
+    @contextlib.contextmanager
+    def optimizer_grads_for_views(self) -> Iterator[torch.Tensor | None]:
+        """``optimizer_grads`` only to make views of them: a released store stays released.
+
+        See [Note: grads held from the first backward] in ``grad_storage.py``.
+        """
+        if self.offload or self.buffers is None:
+            yield self.optimizer_grads
+            return
+        with self.buffers.store_for_views() as store:
+            yield store
 
     def offload_grads(self) -> None:
         """Copy the reduced grads into ``host_grads`` (asynchronous from a device; see host.py).

@@ -21,13 +21,22 @@ A buffer "released" keeps its tensor object (and every view of it) with its
 storage resized to zero: dropped grads (``zero_grad(set_to_none=True)``) hold no
 bytes until the next backward, under every strategy.
 
+[Note: grads held from the first backward]
+Every buffer starts released: wrapping a model allocates no gradient bytes (nor
+touches any page), and the first backward holds them as after any
+``zero_grad(set_to_none=True)``. So a rank that wraps a model and then loads its
+weights (``mf-train --model``) never holds a gradient beside them; the peak of a
+training step is unchanged, only reached at the first backward instead of at the
+wrap. The cost is the check a backward makes anyway (``released``), no more.
+
 The classes keep the buffers and their lifetimes; when to accumulate, reduce
 and zero is the ``Bucket``'s (and its ``GradState``'s) business.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -91,18 +100,50 @@ class GradBuffers:
         self._pool = pool
         self._params = params
         self._views = views
-        self._released = False
         self._store = self._allocate(grads, replicated, late)
         self._store_nbytes = self._store.untyped_storage().nbytes()
+        self._release_at_start()
+
+    def _release_at_start(self) -> None:
+        """Free the new buffers' bytes (see [Note: grads held from the first backward])."""
+        self._take_bytes()
+        self._released = True
+
+    def _take_bytes(self) -> None:
+        """Resize the released buffers' storage to zero (the values are dropped)."""
+        self._store.untyped_storage().resize_(0)
+
+    def _give_bytes(self) -> None:
+        """Give the released buffers their bytes back, uninitialised."""
+        self._store.untyped_storage().resize_(self._store_nbytes)
+
+    @contextlib.contextmanager
+    def store_for_views(self) -> Iterator[torch.Tensor]:
+        """The store, only to make views of it: a released store stays released.
+
+        A view cannot be cut from a tensor without bytes, so a released store gets
+        uninitialised ones while the views are made (untouched: no resident memory
+        on the CPU) and loses them after. The views see the store's bytes once a
+        later ``store()`` holds it again.
+        """
+        released = self._released
+        if released:
+            self._give_bytes()
+        try:
+            yield self._store
+        finally:
+            if released:
+                self._take_bytes()
 
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
-        """Create the buffers; return the store."""
+        """Create the buffers, their bytes released (untouched); return the store."""
         raise NotImplementedError
 
     def _separate_store(self, grads: torch.dtype, replicated: bool) -> torch.Tensor:
+        """The store as a buffer of its own (uninitialised: it starts released)."""
         g = self.geometry
         numel = g.layout.padded_numel if replicated else g.main_layout.shard_size
-        return self.clear(torch.empty(numel, dtype=grads, device=self._device))
+        return torch.empty(numel, dtype=grads, device=self._device)
 
     def clear(self, tensor: torch.Tensor) -> torch.Tensor:
         """Fill ``tensor`` with the empty grad value (``zero_()`` unless marking); return it."""
@@ -131,7 +172,7 @@ class GradBuffers:
         False (the caller overwrites all of it).
         """
         if self._released:
-            self._store.untyped_storage().resize_(self._store_nbytes)
+            self._give_bytes()
             self._released = False
             if zeroed:
                 self.clear(self._store)
@@ -186,15 +227,24 @@ class PersistentGrads(GradBuffers):
 
     def _allocate(self, grads: torch.dtype, replicated: bool, late: bool) -> torch.Tensor:
         g = self.geometry
-        self.local = self.clear(
-            torch.empty(g.layout.padded_numel, dtype=self._compute, device=self._device)
-        )
+        self.local = torch.empty(g.layout.padded_numel, dtype=self._compute, device=self._device)
         self._local_nbytes = self.local.untyped_storage().nbytes()
         self.aliases_local = grads == self._compute
         self._own = (0, g.layout.padded_numel) if replicated else (g.lo, g.hi)
         if self.aliases_local:
             return self.local[self._own[0] : self._own[1]]
         return self._separate_store(grads, replicated)
+
+    def _take_bytes(self) -> None:
+        """The local buffer's bytes, and a separate store's."""
+        self._local().untyped_storage().resize_(0)
+        if not self.aliases_local:
+            self._store.untyped_storage().resize_(0)
+
+    def _give_bytes(self) -> None:
+        self._local().untyped_storage().resize_(self._local_nbytes)
+        if not self.aliases_local:
+            self._store.untyped_storage().resize_(self._store_nbytes)
 
     def _local(self) -> torch.Tensor:
         return self.local_for_reduction()
@@ -214,18 +264,14 @@ class PersistentGrads(GradBuffers):
             return
         for p in self._params:
             p.grad = None
-        self._local().untyped_storage().resize_(0)
-        if not self.aliases_local:
-            self._store.untyped_storage().resize_(0)
+        self._take_bytes()
         self._released = True
 
     def _hold(self) -> None:
         """Give the released buffers their bytes back, zeroed, and attach the grads."""
-        local = self._local()
-        local.untyped_storage().resize_(self._local_nbytes)
-        self.clear(local)
+        self._give_bytes()
+        self.clear(self._local())
         if not self.aliases_local:
-            self._store.untyped_storage().resize_(self._store_nbytes)
             self.clear(self._store)
         self._released = False
         self.attach()
@@ -304,7 +350,7 @@ class TransientGrads(GradBuffers):
     def zero_store(self, release: bool) -> None:
         """Free the store's bytes on ``release`` (nothing reads it before the next reduction)."""
         if release:
-            self._store.untyped_storage().resize_(0)
+            self._take_bytes()
             self._released = True
         else:
             super().zero_store(release)

@@ -89,41 +89,40 @@ def build_sharded_params(owner: nn.Module, groups: list[Bucket], strategy: ZeroD
     for group in groups:
         index = group.dist_index
         dp_placements, member_dims = _dp_layout(index, strategy)
-        for fp in group.fsdp_params:
-            setattr(fp.compute, OWNER_ATTR, owner_ref)
-            if strategy.level == 0 and fp.tp is None and not group.main_is_separate:
-                fp.sharded = fp.compute  # the model's own parameter; its bucket attaches grads
-                continue
-            setattr(fp.compute, MANAGED_ATTR, True)
-            grad = None
-            if group.requires_grad:
-                grads = group.optimizer_grads
-                assert grads is not None  # a bucket with grads has their store from the start
-                grad = group.main_view(fp, grads)
-            values: torch.Tensor
-            if isinstance(group.weights, ExtensionWeights):
-                values, grad = _chunked(group.weights, fp, index.dp_mesh(), dp_placements, grad)
-            else:
-                values = group.main_view(fp, group.weights.main)
-                if strategy.level > 0 or fp.tp is not None:
-                    mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
-                    placements, pieces = _placements_and_pieces(
-                        group, fp, tuple(mesh.shape), dp_placements, member_dims
-                    )
-                    shape = fp.global_shape
-                    values = UnevenDTensor.from_local(
-                        values, mesh, placements, shape=shape, pieces=pieces
-                    )
-                    if grad is not None:
-                        grad = UnevenDTensor.from_local(
-                            grad, mesh, placements, shape=shape, pieces=pieces
+        with group.optimizer_grads_for_views() as grads:  # the store is not held
+            for fp in group.fsdp_params:
+                setattr(fp.compute, OWNER_ATTR, owner_ref)
+                if strategy.level == 0 and fp.tp is None and not group.main_is_separate:
+                    fp.sharded = fp.compute  # the model's own parameter; its bucket attaches grads
+                    continue
+                setattr(fp.compute, MANAGED_ATTR, True)
+                grad = None
+                if grads is not None:
+                    grad = group.main_view(fp, grads)
+                values: torch.Tensor
+                if isinstance(group.weights, ExtensionWeights):
+                    values, grad = _chunked(group.weights, fp, index.dp_mesh(), dp_placements, grad)
+                else:
+                    values = group.main_view(fp, group.weights.main)
+                    if strategy.level > 0 or fp.tp is not None:
+                        mesh = index.dp_mesh() if fp.tp is None else index.dp_tp_mesh()
+                        placements, pieces = _placements_and_pieces(
+                            group, fp, tuple(mesh.shape), dp_placements, member_dims
                         )
-            fp.sharded = nn.Parameter(values, requires_grad=fp.compute.requires_grad)
-            fp.grad = grad
-            setattr(fp.sharded, OWNER_ATTR, owner_ref)
-            if is_expert_parallel_parameter(fp.compute):
-                set_expert_parallel_attribute(fp.sharded)
-                setattr(fp.sharded, SPREAD_ATTR, index.expert_parallel_groups)
+                        shape = fp.global_shape
+                        values = UnevenDTensor.from_local(
+                            values, mesh, placements, shape=shape, pieces=pieces
+                        )
+                        if grad is not None:
+                            grad = UnevenDTensor.from_local(
+                                grad, mesh, placements, shape=shape, pieces=pieces
+                            )
+                fp.sharded = nn.Parameter(values, requires_grad=fp.compute.requires_grad)
+                fp.grad = grad
+                setattr(fp.sharded, OWNER_ATTR, owner_ref)
+                if is_expert_parallel_parameter(fp.compute):
+                    set_expert_parallel_attribute(fp.sharded)
+                    setattr(fp.sharded, SPREAD_ATTR, index.expert_parallel_groups)
 
 
 def _chunked(
