@@ -11,7 +11,10 @@ wrapped with ZeRO-3, each rank reading its rows) and reports per rank:
 - ``peak``: the process's peak RSS (``ru_maxrss``) once the weights are in;
 - ``overhead``: the same for a tiny folder (2 layers of width 64), the memory
   of Python, torch, transformers and the process group, loaded the same way;
-- ``share``: the bytes of the weights this rank holds (its main shards).
+- ``share``: the bytes of the weights this rank holds (its main shards);
+- ``with AdamW state``: the peak again after ``build()``'s last step binds the
+  optimizer and makes its state (two more shares in fp32: mf-fsdp's
+  [Note: eager optimizer state]), which mf-train does once the weights are in.
 
 ``(peak - overhead) / share`` is the ratio the bound caps at 1.3.
 
@@ -91,20 +94,24 @@ def _load(rank: int, world: int, folder: str, port: int, results: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        from mf.train.model_folder import folder_of
         from mf.train.options import parse_options
-        from mf.train.setup import build, setup
+        from mf.train.setup import bind_optimizers, load_folder_model, setup
 
         argv = ["--model", folder, "--device", "cpu", "--nproc", str(world)]
         argv += ["--zero", "3", "--precision", "fp32", "--seq-len", "64"]
         options = parse_options(argv)
         device, mesh = setup(options)
-        model, _ = build(options, mesh, device)
+        model, optimizers = load_folder_model(options, mesh, device, folder_of(options.model))
         peak = _peak_rss()
         share = sum(_local(p).nbytes for p in model.parameters())
+        bind_optimizers(model, optimizers)  # build()'s last step: AdamW's state, 2 shares
+        with_state = _peak_rss()
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    Path(results, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "share": share}))
+    record = {"peak": peak, "share": share, "with_state": with_state}
+    Path(results, f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def _peak_rss() -> int:
@@ -163,12 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"folder load memory: torch {torch.__version__}, Llama of {parameters / 1e6:.0f}M "
         f"fp32 parameters ({parameters * 4 / _MIB:,.0f} MiB), world {args.world}, ZeRO-3, CPU"
     )
-    print("rank   share MiB   peak MiB   overhead MiB   (peak - overhead) / share")
+    print(
+        "rank   share MiB   peak MiB   overhead MiB   (peak - overhead) / share"
+        "   with AdamW state MiB   (that - overhead) / share"
+    )
     for rank, (big_rank, tiny_rank) in enumerate(zip(loaded, overhead, strict=True)):
         share, peak, fixed = big_rank["share"], big_rank["peak"], tiny_rank["peak"]
+        state = big_rank["with_state"]
         print(
             f"{rank:4d}   {share / _MIB:9,.0f}   {peak / _MIB:8,.0f}   {fixed / _MIB:12,.0f}"
-            f"   {(peak - fixed) / share:25.2f}"
+            f"   {(peak - fixed) / share:25.2f}   {state / _MIB:20,.0f}"
+            f"   {(state - fixed) / share:25.2f}"
         )
     return 0
 

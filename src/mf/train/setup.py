@@ -37,7 +37,7 @@ from mf.train.options import TrainOptions, local_cpu_cores
 from mf.train.run_module import folder_module
 from mf.train.stopping import RunStoppedError, join
 
-__all__ = ["build", "dp_coordinates", "setup"]
+__all__ = ["bind_optimizers", "build", "dp_coordinates", "load_folder_model", "setup"]
 
 
 def setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
@@ -194,10 +194,20 @@ def _build_from_folder(
     """A transformers folder's model, wrapped on the meta device, each rank reading its rows.
 
     Its decoder layers are the units; see ``mf.train.model_folder`` and
-    ``mf.train.folder_weights``.
+    ``mf.train.folder_weights``. The optimizers are bound (and their state made,
+    mf-fsdp's [Note: eager optimizer state]) once the weights are in, so loading
+    never holds the state beside the weights it reads.
     """
+    model, optimizers = load_folder_model(options, mesh, device, folder)
+    return model, bind_optimizers(model, optimizers)
+
+
+def load_folder_model(
+    options: TrainOptions, mesh: DeviceMesh, device: torch.device, folder: ModelFolder
+):
+    """The folder's model sharded with its weights read, and its optimizers not yet bound."""
     module, optimizers = folder_module(options, folder, device)
-    model, optimizers = _shard(options, mesh, module, optimizers, unit_classes(module.lm))
+    model, _ = _shard(options, mesh, module, [], unit_classes(module.lm))
     model.to_empty(device=device)
     if options.lora_rank is None:
         load_folder_weights(model, folder.path, PREFIX)
@@ -211,3 +221,10 @@ def _build_from_folder(
         load_folder_weights(model, folder.path, PREFIX, base_file_name)
         init_adapters(model, options.seed)
     return model, optimizers
+
+
+def bind_optimizers(model, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """``optimizers``, built on the folder model's parameters, bound to its engine."""
+    from mf_fsdp import fully_shard_optimizer
+
+    return [fully_shard_optimizer(optimizer, model) for optimizer in optimizers]
