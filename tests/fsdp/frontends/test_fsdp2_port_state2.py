@@ -1,4 +1,4 @@
-"""More of torch's FSDP2 tests (training, autograd hooks, extensions, state, logging) on mf.
+"""More of torch's FSDP2 tests (training, comm, compose, autograd, extensions, state, logging).
 
 Each scenario is a function of the ``fully_shard`` it is given and runs once per
 engine in the same two gloo ranks (``on_both``): torch's FSDP2 first, then mf's,
@@ -6,7 +6,8 @@ each run making torch's assertions; where a scenario returns values (losses,
 whole weights) the two engines' values are compared too. torch runs the
 post-accumulate-grad hook tests on CUDA and the HSDP extension test at world 8
 with two replicas: here the CPU, and a ``(2, 1)`` mesh (two replicas of one
-shard each). The scenarios mf does not serve yet are strict xfails below.
+shard each). The passing scenarios share one launch; each one mf does not serve
+yet is a strict xfail with its own launch (``test_state2_not_yet``).
 """
 
 from __future__ import annotations
