@@ -388,16 +388,11 @@ PASSING = (
     _root_move_forward_input_to_device,
     _unshard_no_param_group,
     _unshard_async,
+    _replicate_below_fully_shard,
+    _post_acc_grad_hook_runs,
+    _post_acc_grad_hook_optim_parity,
 )
 NOT_YET = {
-    _replicate_below_fully_shard: "silent wrong result: with replicate() on a child of an mf "
-    "root, mf's losses leave DDP's and torch's FSDP2's from the second step (1r,1fm: -1446.5 "
-    "for -1434.8); FSDP2 leaves the replicated child's parameters to DDP",
-    _post_acc_grad_hook_runs: "mf fires no post-accumulate-grad hook registered on its sharded "
-    "parameters: it writes their .grad itself after its reduction, outside autograd's "
-    "accumulation, where FSDP2 accumulates into the sharded parameter",
-    _post_acc_grad_hook_optim_parity: "an optimizer stepped in a post-accumulate-grad hook never "
-    "runs on mf (no such hook fires, see _post_acc_grad_hook_runs), so the weights stay put",
     _all_gather_extension_hsdp_mesh: "mf refuses a TwoTensor parameter whose class has no "
     "all-gather extension (TypeError at the first use); FSDP2 reads the extension off the "
     "local tensor object, monkey-patched after fully_shard",

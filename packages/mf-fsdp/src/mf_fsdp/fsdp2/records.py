@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -204,6 +205,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     for unit in units:
         _check_same(root, unit)
     ignored = {id(p): p for r in (root, *units) for p in r.ignored_params}
+    ignored.update(_replicated_params(module))
     if all(id(param) in ignored for param in nn.Module.parameters(module)):
         for record in (root, *units):  # nothing to shard: FSDP2 runs it as a plain module
             record.inert = True
@@ -253,6 +255,20 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     # FSDP2's .grad is fully reduced when backward() returns, HSDP's replicate dim included.
     engine.sync_policy.outer_each_backward = True
     module.__dict__[_ENGINE_ATTR] = engine  # kept alive with the model
+
+
+def _replicated_params(module: nn.Module) -> dict[int, nn.Parameter]:
+    """The parameters under ``module``'s submodules that torch's ``replicate()`` manages.
+
+    FSDP2 leaves them to DDP (``replicate`` on a child of a ``fully_shard`` root): its
+    reducer averages their gradients, so sharding them too would step them with
+    gradients reduced twice.
+    """
+    found: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        if sub is not module and "replicate" in (_get_registry(sub) or {}):
+            found.update((id(p), p) for _, p in nn.Module.named_parameters(sub))
+    return found
 
 
 def _call_params(
