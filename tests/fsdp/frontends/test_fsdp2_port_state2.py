@@ -391,12 +391,12 @@ PASSING = (
     _replicate_below_fully_shard,
     _post_acc_grad_hook_runs,
     _post_acc_grad_hook_optim_parity,
+    _fully_shard_state,
 )
 NOT_YET = {
     _all_gather_extension_hsdp_mesh: "mf refuses a TwoTensor parameter whose class has no "
     "all-gather extension (TypeError at the first use); FSDP2 reads the extension off the "
     "local tensor object, monkey-patched after fully_shard",
-    _fully_shard_state: "mf's fully_shard is a plain function: no fully_shard.state(module)",
     _fsdp_logging: "mf logs nothing under TORCH_LOGS=fsdp (FSDP2's FSDP::<hook> (<unit>) lines)",
     _unshard_without_lazy_init: "by design: mf's modules register the sharded parameters "
     "(DTensors) between passes, also after unshard(); FSDP2 registers the unsharded ones "

@@ -176,6 +176,21 @@ def _check_container(module: nn.Module) -> None:
         )
 
 
+def _state(module: nn.Module) -> Any:
+    """``fully_shard.state(module)``, as torch's composable API gives FSDP2's state.
+
+    The state of the ``fully_shard`` call ``module`` was given to (one per call,
+    the view torch's free functions read through ``_get_fsdp_state``), or None for
+    a module no call was given. Building it builds the model's engine.
+    """
+    if RECORD_ATTR not in module.__dict__:
+        return None
+    return module._get_fsdp_state()  # type: ignore[operator]
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
 def _check_param_shapes(
     module: nn.Module,
     ignored: tuple[nn.Parameter, ...],
