@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import RANK_MODULES, WORLD, torch_case
 from tests.fsdp._fsdp2_port_common import full, on_both
@@ -175,6 +176,9 @@ def _rank_mixed_dtypes(rank: int, world: int) -> None:
         _train(torch_fully_shard, torch.bfloat16, torch.bfloat16, "sgd")
     for optim in ("sgd", "adamw"):
         on_both(case, _train, torch.bfloat16, torch.bfloat16, optim, torch_runs=False)
+    # A trainable fp8 parameter: its gradients would be reduced in fp8; one line naming it.
+    with case.assertRaisesRegex(NotImplementedError, "parameter 0.lora_b is torch.float8_e4m3fn"):
+        _train(fsdp2.fully_shard, torch.bfloat16, torch.float8_e4m3fn, "sgd")
 
 
 @pytest.mark.multiprocess

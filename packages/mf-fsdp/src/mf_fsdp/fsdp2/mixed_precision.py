@@ -178,7 +178,21 @@ class OwnDtypePolicy(EngineMixedPrecision):
 
 
 def engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:
-    """The engine's dtypes for torch's policy (each parameter's shard keeps its own dtype)."""
+    """The engine's dtypes for torch's policy (each parameter's shard keeps its own dtype).
+
+    Raises:
+        NotImplementedError: for a trainable one-byte float (fp8) parameter: its
+            gradients would be reduced in fp8, which the collectives do not serve
+            (frozen fp8 parameters are gathered as their bytes).
+    """
+    for name, param in nn.Module.named_parameters(module):
+        if param.requires_grad and param.is_floating_point() and param.element_size() == 1:
+            raise NotImplementedError(
+                f"fully_shard: parameter {name} is {param.dtype} and requires grad; "
+                "mf_fsdp.fsdp2 reduces gradients in the parameter's own dtype and cannot "
+                "reduce one-byte floats: freeze it (requires_grad=False) or keep it in "
+                "bf16/fp32"
+            )
     dtypes = {p.dtype for p in nn.Module.parameters(module) if p.is_floating_point()}
     return OwnDtypePolicy(
         param_dtype=policy.param_dtype,
