@@ -7,8 +7,8 @@ Two jobs, both reading one ``fully_shard`` call's policy:
   dataclass inputs and outputs are looked into, as FSDP2 does);
 - when the engine is built, torch 2.15's ``param_dtype_override_fn`` decided for
   each call's parameters (``resolve_policies``), and each resulting policy
-  translated into the engine's ``MixedPrecisionPolicy`` (``engine_policy``: the
-  sharded weights keep the model's dtype, the compute dtype is ``param_dtype``,
+  translated into the engine's ``MixedPrecisionPolicy`` (``engine_policy``: each
+  parameter's shard keeps its own dtype, the compute dtype is ``param_dtype``,
   gradients are reduced in ``reduce_dtype`` or else in the dtype the installed
   torch's FSDP2 picks, ``default_reduce_dtype``).
 
