@@ -113,25 +113,6 @@ def _old_import_training(case, fully_shard, world: int) -> None:
     model(torch.randn((8, 16))).sum().backward()
 
 
-def _mixed_dtypes_no_grad_param(case, fully_shard, world: int) -> None:
-    """A frozen fp8 parameter beside an fp32 one in one unit; a forward using neither."""
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w_fp8 = nn.Parameter(
-                torch.empty((256, 256), dtype=torch.float8_e4m3fn), requires_grad=False
-            )
-            self.w_fp32 = nn.Parameter(torch.empty((256, 256), dtype=torch.float32))
-
-        def forward(self, inp: object) -> None:
-            return None
-
-    model = Model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    model(0)
-
-
 # ----------------------------------------------------------------- test_fully_shard_state.py
 def _fully_shard_reapply(case, fully_shard, world: int) -> None:
     model = MLP(8)
@@ -203,14 +184,6 @@ def _rank_scenarios(rank: int, world: int) -> None:
                 scenario(case, fully_shard, world)
             except BaseException as error:
                 raise AssertionError(f"{scenario.__name__} on {label}: {error}") from error
-    _mixed_dtypes_refused_by_mf(case, world)
-
-
-def _mixed_dtypes_refused_by_mf(case, world: int) -> None:
-    """torch's FSDP2 takes two dtypes in one unit; mf stops with one line (not yet served)."""
-    _mixed_dtypes_no_grad_param(case, torch_fully_shard, world)
-    with case.assertRaisesRegex(NotImplementedError, "parameters have several dtypes"):
-        _mixed_dtypes_no_grad_param(case, mf_fully_shard, world)
 
 
 @pytest.mark.multiprocess

@@ -56,7 +56,11 @@ def all_gather_into(
     """Gather every rank's ``shard`` into ``output`` (rank order); like ``all_gather_into_tensor``.
 
     ``shard`` may be this rank's own region of ``output`` (an in-place gather).
+    A one-byte float (fp8) travels as its bytes: a gather copies bits, and gloo
+    has no fp8 type.
     """
+    if shard.element_size() == 1 and shard.is_floating_point():
+        output, shard = output.view(torch.uint8), shard.view(torch.uint8)
     if transfers.alone(group):
         return transfers.copy_alone(output, shard, async_op)
     recorded = record_or_flush("all_gather", output, shard, None, group, async_op)

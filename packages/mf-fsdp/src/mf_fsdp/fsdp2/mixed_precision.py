@@ -7,8 +7,8 @@ Two jobs, both reading one ``fully_shard`` call's policy:
   dataclass inputs and outputs are looked into, as FSDP2 does);
 - when the engine is built, torch 2.15's ``param_dtype_override_fn`` decided for
   each call's parameters (``resolve_policies``), and each resulting policy
-  translated into the engine's ``MixedPrecisionPolicy`` (``engine_policy``: the
-  sharded weights keep the model's dtype, the compute dtype is ``param_dtype``,
+  translated into the engine's ``MixedPrecisionPolicy`` (``engine_policy``: each
+  parameter's shard keeps its own dtype, the compute dtype is ``param_dtype``,
   gradients are reduced in ``reduce_dtype`` or else in the dtype the installed
   torch's FSDP2 picks, ``default_reduce_dtype``).
 
@@ -33,6 +33,7 @@ from mf_fsdp.config import MixedPrecisionPolicy as EngineMixedPrecision
 from mf_fsdp.engine._tensor_tree import flatten
 
 __all__ = [
+    "OwnDtypePolicy",
     "cast_inputs",
     "cast_output",
     "default_reduce_dtype",
@@ -156,19 +157,47 @@ def _resolve_override(
     return dataclasses.replace(policy, param_dtype=call_dtype, param_dtype_override_fn=None)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnDtypePolicy(EngineMixedPrecision):
+    """The engine's dtypes as FSDP2 picks them: each parameter keeps its own dtype.
+
+    FSDP2 shards, steps and reduces each parameter in its own dtype (a frozen bf16
+    base beside fp32 adapters, an fp8 weight beside fp32 ones); only the compute
+    dtype is the policy's ``param_dtype``. The engine resolves a bucket's dtypes
+    from its parameters' dtype (buckets are split by dtype, ``buckets/units.py``),
+    so ``resolve`` gives the main weights and gradients that dtype, and the
+    reduction ``grad_comm_dtype`` or else what FSDP2 reduces that dtype in.
+    ``main_params_dtype`` is the model's dtype where it has one, else None (read
+    by the all-gather extension's check, ``engine/assemble.py``).
+    """
+
+    def resolve(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """Return (compute, main params, main grads, comm) dtypes for a parameter dtype."""
+        comm = self.grad_comm_dtype or default_reduce_dtype(self.param_dtype, model_dtype)
+        return self.param_dtype or model_dtype, model_dtype, model_dtype, comm
+
+
 def engine_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> EngineMixedPrecision:
-    """The engine's dtypes for torch's policy (the sharded weights keep the model's dtype)."""
+    """The engine's dtypes for torch's policy (each parameter's shard keeps its own dtype).
+
+    Raises:
+        NotImplementedError: for a trainable one-byte float (fp8) parameter: its
+            gradients would be reduced in fp8, which the collectives do not serve
+            (frozen fp8 parameters are gathered as their bytes).
+    """
+    for name, param in nn.Module.named_parameters(module):
+        if param.requires_grad and param.is_floating_point() and param.element_size() == 1:
+            raise NotImplementedError(
+                f"fully_shard: parameter {name} is {param.dtype} and requires grad; "
+                "mf_fsdp.fsdp2 reduces gradients in the parameter's own dtype and cannot "
+                "reduce one-byte floats: freeze it (requires_grad=False) or keep it in "
+                "bf16/fp32"
+            )
     dtypes = {p.dtype for p in nn.Module.parameters(module) if p.is_floating_point()}
-    if len(dtypes) > 1:
-        raise NotImplementedError(
-            f"fully_shard: the model's parameters have several dtypes {sorted(map(str, dtypes))}; "
-            "mf_fsdp.fsdp2 needs one (the sharded weights keep it)"
-        )
-    main = dtypes.pop() if dtypes else torch.float32
-    return EngineMixedPrecision(
+    return OwnDtypePolicy(
         param_dtype=policy.param_dtype,
-        main_params_dtype=main,
-        grad_comm_dtype=policy.reduce_dtype or default_reduce_dtype(policy.param_dtype, main),
+        main_params_dtype=dtypes.pop() if len(dtypes) == 1 else None,
+        grad_comm_dtype=policy.reduce_dtype,
     )
 
 
