@@ -397,7 +397,8 @@ NOT_YET = {
     _all_gather_extension_hsdp_mesh: "mf refuses a TwoTensor parameter whose class has no "
     "all-gather extension (TypeError at the first use); FSDP2 reads the extension off the "
     "local tensor object, monkey-patched after fully_shard",
-    _fsdp_logging: "mf logs nothing under TORCH_LOGS=fsdp (FSDP2's FSDP::<hook> (<unit>) lines)",
+    _fsdp_logging: "by design: mf logs nothing under TORCH_LOGS=fsdp (FSDP2's FSDP::<hook> "
+    "(<unit>) lines): its hooks carry no logging call, and no value differs",
     _unshard_without_lazy_init: "by design: mf's modules register the sharded parameters "
     "(DTensors) between passes, also after unshard(); FSDP2 registers the unsharded ones "
     "(as test_param_registration_after_forward)",
