@@ -189,6 +189,9 @@ _VARIANTS = {
     "zero2": ["--zero", "2"],
     "hsdp": ["--zero", "3", "--dp-outer", "2"],
     "bf16": ["--zero", "3", "--precision", "bf16"],
+    # each sequence split over both ranks; one data-parallel rank of 4 sequences keeps the
+    # global batch (4) and its batches are the reference's own
+    "cp2": ["--zero", "3", "--cp", "2", "--micro-batch", "4"],
 }
 BF16_RTOL = 1e-2
 
@@ -196,8 +199,9 @@ BF16_RTOL = 1e-2
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_folder_fine_tune_zero_0_to_2_hsdp_and_bf16(llama: Path, tmp_path: Path) -> None:
-    """ZeRO 0, 1, 2 and HSDP (``--dp-outer 2``) follow transformers' model to 1e-5; bf16
-    compute (fp32 main weights) to 1e-2, its 8-bit mantissa's rounding over 8 steps.
+    """ZeRO 0, 1, 2, HSDP (``--dp-outer 2``) and ``--cp 2`` (mf's context parallelism
+    serving the model's SDPA calls) follow transformers' model to 1e-5; bf16 compute
+    (fp32 main weights) to 1e-2, its 8-bit mantissa's rounding over 8 steps.
 
     Planted: weights written into the main shards but never installed into the
     compute buffers (the engine's pending install cleared) fail ZeRO-1 at step 1.
@@ -273,6 +277,10 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
             "--precision fp8 does not apply to the llama model",
         ),
         "not_a_name": (["--model", "no-such-preset"], "is neither a preset"),
+        "cp_chunks": (
+            ["--model", str(llama), "--cp", "3"],
+            "--seq-len 16 does not split into 6 equal chunks",
+        ),
     }
     for name, (argv, expected) in cases.items():
         code, lines = _cli([*base, *argv])

@@ -35,6 +35,7 @@ __all__ = [
     "PREFIX",
     "CausalLM",
     "ModelFolder",
+    "attends_through_sdpa",
     "folder_of",
     "meta_causal_lm",
     "meta_module",
@@ -209,8 +210,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, V], or the mean next-token loss when ``targets`` are given."""
-        position_ids = None if positions is None else positions.expand_as(tokens)
-        logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+        extra: dict[str, torch.Tensor] = {}
+        if positions is not None:  # this rank's positions of each sequence (--cp)
+            extra["position_ids"] = positions.expand_as(tokens)
+            # No padding: said so that transformers does not read the head-tail positions
+            # as packed documents and build a mask (mf's CP attention serves causal SDPA).
+            extra["attention_mask"] = torch.ones_like(tokens)
+        logits = self.lm(input_ids=tokens, use_cache=False, **extra).logits
         if targets is None:
             return logits
         flat = logits.reshape(-1, logits.shape[-1]).float()
@@ -228,17 +234,37 @@ def meta_module(model: str) -> nn.Module:
         return plain_model(MODEL_PRESETS[model])
 
 
-def meta_causal_lm(folder: ModelFolder, device: torch.device | None = None) -> CausalLM:
-    """The folder's model in ``CausalLM``, parameters on the meta device, buffers on ``device``.
+def attends_through_sdpa(folder: ModelFolder) -> bool:
+    """Whether the folder's model class can run its attention through torch's SDPA.
 
-    fp32 parameters whatever the files hold: mf keeps fp32 main weights and
-    casts for compute as ``--precision`` says.
+    ``--cp`` needs it: ``mf_tp.context_parallel`` serves the model's
+    ``scaled_dot_product_attention`` calls, so a model attending any other way
+    would attend within each rank's chunk only.
     """
     import transformers
 
     _offline()
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(folder.config), None)
+    return bool(getattr(model_class, "_supports_sdpa", False))
+
+
+def meta_causal_lm(
+    folder: ModelFolder, device: torch.device | None = None, attention: str | None = None
+) -> CausalLM:
+    """The folder's model in ``CausalLM``, parameters on the meta device, buffers on ``device``.
+
+    fp32 parameters whatever the files hold: mf keeps fp32 main weights and
+    casts for compute as ``--precision`` says. ``attention`` names transformers'
+    attention implementation (``"sdpa"`` under ``--cp``); None: the config's own.
+    """
+    import transformers
+
+    _offline()
+    chosen = {} if attention is None else {"attn_implementation": attention}
     with _parameters_on_meta():
-        lm = transformers.AutoModelForCausalLM.from_config(folder.config, dtype=torch.float32)
+        lm = transformers.AutoModelForCausalLM.from_config(
+            folder.config, dtype=torch.float32, **chosen
+        )
     for module in lm.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None:

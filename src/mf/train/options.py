@@ -19,7 +19,7 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.lora_options import DEFAULT_LORA_TARGETS, check_lora_options
-from mf.train.model_folder import ModelFolder, folder_of
+from mf.train.model_folder import ModelFolder, attends_through_sdpa, folder_of
 from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
 from mf.train.settings import TrainOptions
@@ -335,7 +335,10 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
     """Refuse what does not apply to a transformers model folder, naming the model."""
     refused = {
         "--tp": (options.tp > 1, "its layers are transformers', not mf-tp's tensor-parallel ones"),
-        "--cp": (options.cp > 1, "mf-train splits sequences only for its own GPT presets"),
+        "--cp": (
+            options.cp > 1 and not attends_through_sdpa(folder),
+            "its attention has no SDPA path, the one mf's context parallelism serves",
+        ),
         "--ep": (options.ep > 1, "expert parallelism is for the moe-* presets"),
         "--layer-drop": (options.layer_drop > 0, "LayerDrop is in mf's GPT presets"),
         "--optimizer": (
@@ -351,6 +354,7 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
         if applies:
             value = getattr(options, flag[2:].replace("-", "_"))
             raise ValueError(f"{flag} {value} does not apply to the {folder.name}: {why}")
+    _check_context_parallel(options, None)
     if options.seq_len > folder.positions:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {folder.positions} positions of the "

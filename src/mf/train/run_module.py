@@ -23,9 +23,9 @@ def folder_module(
 
     With ``--lora-rank``: peft's adapters added, the rest frozen (``--base-dtype
     nf4``: the targets' bases NF4, left out of the state dict), and one AdamW over
-    the adapters. Buffers live on ``device``.
+    the adapters. Buffers live on ``device``; under ``--cp`` it attends through SDPA.
     """
-    module = meta_causal_lm(folder, device)
+    module = meta_causal_lm(folder, device, "sdpa" if options.cp > 1 else None)
     if options.lora_rank is None:
         return module, build_optimizers(options.optimizer, module, options.lr, weight_decay=0.1)
     from mf.train.lora import add_adapters
