@@ -69,11 +69,8 @@ def _grads_after_one_step(case: TestCase, model: nn.Module, ref_model: nn.Module
     return [full(param.grad) for param in model.parameters()]
 
 
-def _1d_process_group_init(fully_shard, case: TestCase) -> list:
-    """A mesh from ``DeviceMesh.from_group`` trains as the one from ``init_device_mesh``."""
-    ref_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
-    case.assertEqual(mesh.mesh, ref_mesh.mesh)
+def _one_step_on_both_meshes(fully_shard, case: TestCase, mesh, ref_mesh) -> tuple:
+    """One MLP sharded over ``mesh``, its copy over ``ref_mesh``; both after one step."""
     torch.manual_seed(42)
     ref_model = MLP(8)
     broadcast_params(ref_model)
@@ -83,7 +80,15 @@ def _1d_process_group_init(fully_shard, case: TestCase) -> list:
     for module in (model.in_proj, model.out_proj, model):
         fully_shard(module, mesh=mesh)
     torch.manual_seed(1 + dist.get_rank())
-    grads = _grads_after_one_step(case, model, ref_model)
+    return model, ref_model, _grads_after_one_step(case, model, ref_model)
+
+
+def _1d_process_group_init(fully_shard, case: TestCase) -> list:
+    """A mesh from ``DeviceMesh.from_group`` trains as the one from ``init_device_mesh``."""
+    ref_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
+    case.assertEqual(mesh.mesh, ref_mesh.mesh)
+    model, ref_model, grads = _one_step_on_both_meshes(fully_shard, case, mesh, ref_mesh)
     for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
         case.assertEqual(param.to_local(), ref_param.to_local())
         case.assertEqual(param.device_mesh.mesh, ref_param.device_mesh.mesh)
@@ -110,16 +115,7 @@ def _2d_process_group_init(fully_shard, case: TestCase) -> list:
             dist.get_process_group_ranks(mesh[name].get_group()),
             dist.get_process_group_ranks(ref_mesh[name].get_group()),
         )
-    torch.manual_seed(42)
-    ref_model = MLP(8)
-    broadcast_params(ref_model)
-    model = copy.deepcopy(ref_model)
-    for module in (ref_model.in_proj, ref_model.out_proj, ref_model):
-        fully_shard(module, mesh=ref_mesh)
-    for module in (model.in_proj, model.out_proj, model):
-        fully_shard(module, mesh=mesh)
-    torch.manual_seed(1 + dist.get_rank())
-    grads = _grads_after_one_step(case, model, ref_model)
+    model, ref_model, grads = _one_step_on_both_meshes(fully_shard, case, mesh, ref_mesh)
     for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
         case.assertEqual(param.full_tensor(), ref_param.full_tensor())
         case.assertEqual(param.grad.full_tensor(), ref_param.grad.full_tensor())
