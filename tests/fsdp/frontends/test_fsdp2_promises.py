@@ -241,7 +241,10 @@ def _rank_assign(rank: int, world: int) -> None:
     fsdp2.fully_shard(model)
     partial = {k: v for k, v in values.items() if k != "ln_f.bias"}
     with pytest.raises(KeyError, match="built on the meta device and the state dict has no 'ln_f"):
-        model.load_state_dict(partial, assign=True, strict=False)
+        model.load_state_dict(partial, assign=True)  # strict: every tensor at once
+    model.load_state_dict(partial, assign=True, strict=False)  # a piece: FSDP2 takes it
+    with pytest.raises(RuntimeError, match="has not given 'ln_f.bias' a value yet"):
+        model(*batch(0, rank))
     model = make_model()
     fsdp2.fully_shard(model)
     doubles = {k: v.double() for k, v in values.items()}
