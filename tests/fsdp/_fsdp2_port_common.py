@@ -38,6 +38,12 @@ def full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return gather() if gather is not None else tensor.detach().clone()
 
 
+NEWER_FSDP2 = tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 15)
+"""Whether the installed torch's FSDP2 is 2.15's or newer. torch 2.11's fails some ported
+scenarios itself (a mixed Tensor/DTensor matmul in a standalone unit, a dtype mismatch in a
+recomputed cast, ``jvp`` through its lazy init); there mf runs alone (``torch_runs``)."""
+
+
 def on_both(
     case: TestCase,
     scenario: Callable[..., Any],

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import RANK_MODULES, WORLD, torch_case
-from tests.fsdp._fsdp2_port_common import on_both
+from tests.fsdp._fsdp2_port_common import NEWER_FSDP2, on_both
 from tests.fsdp._issued import REDUCTIONS, spy_collectives
 
 preload_in_ranks(*RANK_MODULES)
@@ -161,13 +161,15 @@ def _norm_modules(fully_shard, case: TestCase, dtype: torch.dtype) -> None:
 def _reduction_dtypes(fully_shard) -> Iterator[list[torch.dtype]]:
     """The dtype of every gradient reduction the engine issues inside the block.
 
-    torch's FSDP2 reduces through ``dist.reduce_scatter_single`` (torch's own
-    ``patch_reduce_scatter``); mf packs small reductions into all-reduces on
-    gloo, so its collectives are read from ``spy_collectives``.
+    torch's FSDP2 reduces through ``dist.reduce_scatter_single`` (torch 2.11:
+    ``reduce_scatter_tensor``; torch's own ``patch_reduce_scatter``); mf packs small
+    reductions into all-reduces on gloo, so its collectives are read from
+    ``spy_collectives``.
     """
     dtypes: list[torch.dtype] = []
     if fully_shard is torch_fully_shard:
-        original = dist.reduce_scatter_single
+        # the collective torch's patch_reduce_scatter replaces (torch 2.11: reduce_scatter_tensor)
+        original = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
         def spy(output: torch.Tensor, *args, **kwargs):
             dtypes.append(output.dtype)
@@ -201,7 +203,7 @@ def _rank_scenarios(rank: int, world: int) -> None:
     for cast in (False, True):
         on_both(case, _submodules_with_external_inputs, case, cast)
     for recompute_cast in ("input", "output"):
-        on_both(case, _checkpoint_recompute_casts, case, recompute_cast)
+        on_both(case, _checkpoint_recompute_casts, case, recompute_cast, torch_runs=NEWER_FSDP2)
     for dtype in (torch.bfloat16, torch.float16):
         on_both(case, _norm_modules, case, dtype)
     on_both(case, _clamp_reduce_dtype, case)

@@ -43,7 +43,7 @@ from tests.fsdp._fsdp2_conformance import (
     replicated_reference,
     torch_case,
 )
-from tests.fsdp._fsdp2_port_common import full, on_both, train_pairs
+from tests.fsdp._fsdp2_port_common import NEWER_FSDP2, full, on_both, train_pairs
 
 preload_in_ranks(*RANK_MODULES, "tests.fsdp._fsdp2_port_common")
 
@@ -203,14 +203,13 @@ def _grad_accum_chunked(shard, reshard: bool) -> dict:
 
 # torch 2.11's FSDP2 dies by SIGSEGV on both gloo ranks in this scenario (2.15's runs it);
 # there mf runs alone against the scenario's own grouped-versus-ungrouped check.
-_TORCH_RUNS_CHUNKED = tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 15)
 
 
 def _rank_grad_accum_chunked(rank: int, world: int) -> None:
     case = torch_case()
     for reshard in (True, False):
         torch.manual_seed(0)
-        on_both(case, _grad_accum_chunked, reshard, torch_runs=_TORCH_RUNS_CHUNKED)
+        on_both(case, _grad_accum_chunked, reshard, torch_runs=NEWER_FSDP2)
 
 
 @pytest.mark.multiprocess
@@ -295,7 +294,7 @@ def _partial_then_standalone(shard, reshard: bool) -> list:
 def _rank_partial_standalone(rank: int, world: int) -> None:
     case = torch_case()
     for reshard in (True, False):
-        on_both(case, _partial_then_standalone, reshard)
+        on_both(case, _partial_then_standalone, reshard, torch_runs=NEWER_FSDP2)
 
 
 @pytest.mark.multiprocess
