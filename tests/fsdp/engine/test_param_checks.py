@@ -2,7 +2,9 @@
 
 Each case was a silent wrong result or a crash before the checks:
 - a tensor subclass without FSDP2's extension: its values were copied into flat
-  buffers and the module went on computing with the subclass's own, never updated;
+  buffers and the module went on computing with the subclass's own, never updated
+  (now sharded as an extension parameter under ZeRO-2/3, whose hooks may be set on
+  its sharded local tensor until the first forward, which refuses it without them);
 - two parameters that are overlapping views of one tensor: each got its own buffer,
   so after two SGD steps the model differed from the unwrapped one;
 - a parameter whose dtype differs across ranks: gloo aborted the process in C++.
@@ -54,14 +56,28 @@ def _sgd_steps(model: nn.Module, rank: int, world: int, steps: int = 2) -> list[
     return losses
 
 
+def _two_tensor_linear() -> nn.Linear:
+    """A linear map whose weight is a ``TwoTensor`` (a subclass without FSDP2's hooks)."""
+    plain = nn.Linear(4, 4)
+    plain.weight = nn.Parameter(TwoTensor(plain.weight.detach(), plain.weight.detach().clone()))
+    return plain
+
+
 def _rank_checks(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"parameters 'a' and 'b' share memory \(overlapping"):
         mf_fsdp.fully_shard_model(_views(overlap=True))
 
-    plain = nn.Linear(4, 4)
-    plain.weight = nn.Parameter(TwoTensor(plain.weight.detach(), plain.weight.detach().clone()))
     with pytest.raises(TypeError, match=r"parameter 'weight' is a .*TwoTensor, a tensor subclass"):
-        mf_fsdp.fully_shard_model(plain)
+        mf_fsdp.fully_shard_model(_two_tensor_linear(), zero_dp_strategy=1)
+    # ZeRO-2/3 shard it as FSDP2 does: its hooks may be set on the sharded local tensor
+    # until the first forward, which stops every rank when they are still missing.
+    model = mf_fsdp.fully_shard_model(_two_tensor_linear())
+    with pytest.raises(
+        TypeError,
+        match=r"parameter 'weight' is a .*TwoTensor without FSDP2's all-gather "
+        r"extension at the first forward \(ranks \[0, 1\]",
+    ):
+        model(torch.randn(2, 4))
 
     lazy = nn.Sequential(nn.LazyLinear(3))
     with pytest.raises(TypeError, match=r"parameter '0.weight' is an uninitialized parameter"):
@@ -74,6 +90,19 @@ def _rank_checks(rank: int, world: int) -> None:
         r"\(4, 4\) grad=True; rank 1 has weight: Parameter torch.bfloat16",
     ):
         mf_fsdp.fully_shard_model(skewed)
+
+    # Last: hooks that change what is gathered after the first forward stop every rank
+    # (their process groups are torn down).
+    model = mf_fsdp.fully_shard_model(_two_tensor_linear())
+    local = model.module.weight._local_tensor
+    local.fsdp_pre_all_gather = lambda mesh: ((local.a,), None)
+    local.fsdp_post_all_gather = lambda outputs, meta, dtype, out=None: (
+        None if out is not None else (outputs[0], outputs)
+    )
+    model(torch.randn(2, 4))
+    local.fsdp_pre_all_gather = lambda mesh: ((local.a.double(),), None)
+    with pytest.raises(RuntimeError, match=r"fsdp_pre_all_gather returned .*float64.*where its "):
+        model(torch.randn(2, 4))
 
 
 @pytest.mark.multiprocess

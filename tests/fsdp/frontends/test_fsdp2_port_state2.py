@@ -128,9 +128,36 @@ def _two_tensor_mlp() -> nn.Sequential:
     return model
 
 
-def _all_gather_extension_hsdp_mesh(fully_shard, case: TestCase) -> None:
-    """On an HSDP mesh the pre-all-gather extension is handed only the shard mesh."""
+def _all_gather_extension_hsdp_mesh(fully_shard, case: TestCase) -> list[torch.Tensor]:
+    """On an HSDP mesh the pre-all-gather extension is handed only the shard mesh.
+
+    The hooks are set on each weight's sharded local tensor after ``fully_shard``
+    (its class has none). Returns the output and the weights' whole gradients
+    after one backward, for the cross-engine comparison.
+    """
     meshes: list[DeviceMesh] = []
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(42)
+    model = _two_tensor_mlp()
+    for mlp in model:
+        fully_shard(mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    weights = [param for name, param in model.named_parameters() if "weight" in name]
+    case.assertGreater(len(weights), 0)
+    for param in weights:
+        _plain_gather_hooks(param._local_tensor, meshes)
+    torch.manual_seed(43 + dist.get_rank())
+    out = model(torch.randn((2, 8)))
+    case.assertGreater(len(meshes), 0)
+    for seen in meshes:
+        case.assertEqual(seen.ndim, 1)
+        case.assertEqual(seen.size(), 1)
+    out.sum().backward()
+    return [out.detach(), *(param.grad.full_tensor() for param in weights)]
+
+
+def _plain_gather_hooks(local: torch.Tensor, seen: list[DeviceMesh]) -> None:
+    """Give ``local`` (a sharded weight's local tensor) hooks that gather it as a plain tensor."""
 
     def pre_all_gather(
         self: torch.Tensor,
@@ -140,7 +167,7 @@ def _all_gather_extension_hsdp_mesh(fully_shard, case: TestCase) -> None:
         module: nn.Module,
         mp_policy: MixedPrecisionPolicy,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        meshes.append(mesh)
+        seen.append(mesh)
         return (self,), None
 
     @torch.no_grad()
@@ -152,26 +179,37 @@ def _all_gather_extension_hsdp_mesh(fully_shard, case: TestCase) -> None:
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        if out is not None:
+        if out is not None:  # the outputs are the parameter's own storage: refilled already
             return None
         return outputs[0], (outputs[0],)
 
-    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    local.fsdp_pre_all_gather = pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = post_all_gather.__get__(local)
+
+
+def _extension_set_after_wrap_trains(fully_shard, case: TestCase) -> list[torch.Tensor]:
+    """Not torch's: hooks set on the local tensors after the wrap, sharded over 2 ranks.
+
+    Three SGD steps; the losses and the whole weights go to the cross-engine comparison.
+    """
+    torch.manual_seed(42)
     model = _two_tensor_mlp()
     for mlp in model:
-        fully_shard(mlp, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(mlp)
+    fully_shard(model)
     weights = [param for name, param in model.named_parameters() if "weight" in name]
-    case.assertGreater(len(weights), 0)
     for param in weights:
-        local = param._local_tensor
-        local.fsdp_pre_all_gather = pre_all_gather.__get__(local)
-        local.fsdp_post_all_gather = post_all_gather.__get__(local)
-    model(torch.randn((2, 8)))
-    case.assertGreater(len(meshes), 0)
-    for seen in meshes:
-        case.assertEqual(seen.ndim, 1)
-        case.assertEqual(seen.size(), 1)
+        _plain_gather_hooks(param._local_tensor, [])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(43 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn((2, 8))).square().sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses + [param.full_tensor().a for param in weights]
 
 
 def _unshard_no_param_group(fully_shard, case: TestCase) -> None:
@@ -386,6 +424,8 @@ def _fsdp_logging(fully_shard, case: TestCase) -> None:
 
 PASSING = (
     _root_move_forward_input_to_device,
+    _all_gather_extension_hsdp_mesh,
+    _extension_set_after_wrap_trains,
     _unshard_no_param_group,
     _unshard_async,
     _replicate_below_fully_shard,
@@ -394,9 +434,6 @@ PASSING = (
     _fully_shard_state,
 )
 NOT_YET = {
-    _all_gather_extension_hsdp_mesh: "mf refuses a TwoTensor parameter whose class has no "
-    "all-gather extension (TypeError at the first use); FSDP2 reads the extension off the "
-    "local tensor object, monkey-patched after fully_shard",
     _fsdp_logging: "by design: mf logs nothing under TORCH_LOGS=fsdp (FSDP2's FSDP::<hook> "
     "(<unit>) lines): its hooks carry no logging call, and no value differs",
     _unshard_without_lazy_init: "by design: mf's modules register the sharded parameters "

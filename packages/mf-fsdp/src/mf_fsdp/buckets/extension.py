@@ -38,6 +38,20 @@ Under ZeRO-3 a unit's forward and backward gather it and release it after,
 as any bucket; under ZeRO-2 (weights whole between steps) it is gathered
 after every optimizer step and kept.
 
+[Note: hooks set after the wrap]
+FSDP2 reads ``fsdp_pre_all_gather`` off the sharded local tensor at each
+all-gather, so code may set the hooks on that tensor after ``fully_shard`` and
+before the first forward (torch's ``test_all_gather_extension_hsdp_mesh``
+patches them onto a ``TwoTensor``). Any tensor subclass other than a DTensor is
+therefore sharded here as an extension parameter whether or not it has the
+hooks yet; one without them at wrap time is first gathered at the first
+forward, not at the wrap, and the ranks agree there (one small collective,
+once) that every such tensor now has both hooks, or all stop with one
+``TypeError`` naming it (``gather_fresh_extensions`` in ``engine/assemble.py``):
+its values cannot go through flat buffers. Later gathers call whatever hooks
+the tensor has then, as FSDP2 does; hooks that change what is gathered (sizes
+or dtypes) after the first gather stop in one line (``ExtensionError``).
+
 The first gather of each parameter also checks, in one small collective,
 that every rank's ``pre`` returned tensors of the same sizes and dtypes (for
 an unevenly split parameter, the padded piece's size, as the protocol
@@ -68,6 +82,7 @@ from mf_fsdp.distributed_index import FSDPDistributedIndex
 __all__ = [
     "ExtensionError",
     "ExtensionWeights",
+    "gathered_by_extension",
     "has_extension",
     "in_layout_of",
     "plain_tensors",
@@ -90,6 +105,19 @@ def has_extension(tensor: torch.Tensor) -> bool:
     return callable(getattr(tensor, "fsdp_pre_all_gather", None)) and callable(
         getattr(tensor, "fsdp_post_all_gather", None)
     )
+
+
+def gathered_by_extension(param: torch.Tensor) -> bool:
+    """Whether the engine shards ``param`` as an extension parameter (a bucket of its own).
+
+    A parameter that defines both hooks, or any other tensor subclass that is not a
+    DTensor: FSDP2 reads the hooks off the sharded local tensor at each all-gather,
+    so they may be set on it after ``fully_shard``; such a parameter is checked for
+    them at its first gather (see [Note: hooks set after the wrap]).
+    """
+    if has_extension(param):
+        return True
+    return type(param) not in (torch.Tensor, nn.Parameter) and not isinstance(param, DTensor)
 
 
 def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -216,6 +244,7 @@ class ExtensionWeights(WeightStorage):
         self._gathering: collectives.Handle | None = None
         self._sizes: list[torch.Size] | None = None  # what ``pre`` returns, checked once
         self._outputs: list[torch.Tensor] = []  # the gathered tensors, (world * numel,) each
+        self._versions: tuple[int, ...] = ()  # their autograd versions before a gather
         self._received: torch.Tensor | None = None  # several tensors: their packed bytes
         self._metadata: Any = None
         self._compute: nn.Parameter | None = None
@@ -286,7 +315,7 @@ class ExtensionWeights(WeightStorage):
         return tensor_bytes(self.padded)
 
     # ------------------------------------------------------------------ gather
-    def _sharded_local(self) -> torch.Tensor:
+    def sharded_local(self) -> torch.Tensor:
         """The tensor the hooks are called on: the sharded form's local tensor, as FSDP2 does.
 
         ``precompute_float8_dynamic_scale_for_fsdp`` writes its scale on that object.
@@ -300,7 +329,7 @@ class ExtensionWeights(WeightStorage):
         """Call ``pre``, then start gathering its tensors' bytes; a no-op unless released."""
         if self.gather is not Gather.RELEASED:
             return
-        local = self._sharded_local()
+        local = self.sharded_local()
         try:
             with torch.no_grad():
                 inputs, self._metadata = _call_pre(
@@ -313,8 +342,10 @@ class ExtensionWeights(WeightStorage):
             ) from error
         if self._sizes is None:
             self._agree(local, inputs)
+        else:
+            self._check_same_form(local, inputs)
         self._hold_outputs(inputs)
-        flats = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+        flats = [_plain(t).contiguous().view(-1).view(torch.uint8) for t in inputs]
         world = self.geometry.layout.world_size
         if len(flats) == 1:
             send = flats[0]
@@ -324,6 +355,7 @@ class ExtensionWeights(WeightStorage):
             self._received = received = torch.empty(
                 world * send.numel(), dtype=torch.uint8, device=send.device
             )
+        self._versions = tuple(o._version for o in self._outputs)
         handle = collectives.all_gather_into(received, send, self._group, async_op=async_op)
         self._gathering = handle or _DONE
         self.gather = Gather.GATHERING
@@ -351,6 +383,21 @@ class ExtensionWeights(WeightStorage):
                 f"piece's size {tuple(padded)} where a rank's piece is shorter"
             )
         self._sizes = [torch.Size(shape) for shape, _ in mine[0]]
+
+    def _check_same_form(self, local: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Stop where ``pre`` no longer returns the sizes and dtypes of the first gather.
+
+        The gather buffers and every rank's expectations were made from those (hooks
+        set again after the first forward, see [Note: hooks set after the wrap]).
+        """
+        now = [(t.shape, t.dtype) for t in inputs]
+        first = [(s, o.dtype) for s, o in zip(cast(list, self._sizes), self._outputs, strict=True)]
+        if now != first:
+            raise ExtensionError(
+                f"{self.name}: {type(local).__qualname__}.fsdp_pre_all_gather returned {now}, "
+                f"where its first gather returned {first}; hooks set after the first forward "
+                "must gather the same sizes and dtypes"
+            )
 
     def _hold_outputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """The gathered tensors' buffers, with their bytes (made by the first gather)."""
@@ -380,13 +427,17 @@ class ExtensionWeights(WeightStorage):
                 )
                 offset += width
             self._received = None
+        # ``post`` may return a gathered tensor itself (or a view) as the parameter, which
+        # the forward saved for the backward: the backward's gather writes the same values
+        # into it again, unseen by autograd, as FSDP2's does.
+        torch._C._autograd._unsafe_set_version_counter(tuple(self._outputs), self._versions)
         sizes = cast(list[torch.Size], self._sizes)
         gathered = tuple(o.view(-1, *s[1:]) for o, s in zip(self._outputs, sizes, strict=True))
         self._post(gathered)
         self.gather = Gather.GATHERED
 
     def _post(self, gathered: tuple[torch.Tensor, ...]) -> None:
-        local = self._sharded_local()
+        local = self.sharded_local()
         try:
             with torch.no_grad():
                 if self._compute is not None:
@@ -453,6 +504,17 @@ class ExtensionWeights(WeightStorage):
         for tensor in plain_tensors(self.padded):
             collectives.broadcast_from_first(tensor, pg)
         self._release()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a plain copy of a subclass (a collective sends only plain tensors).
+
+    ``pre`` may return the subclass shard itself (a hook set on a ``TwoTensor``);
+    its values are what a copy into a plain tensor gives, as in FSDP2's copy-in.
+    """
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 def _hold(tensor: torch.Tensor, nbytes: int) -> None:

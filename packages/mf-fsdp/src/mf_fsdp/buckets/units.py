@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mf_fsdp.buckets.extension import has_extension
+from mf_fsdp.buckets.extension import gathered_by_extension
 from mf_fsdp.buckets.layout import (
     DEFAULT_ALIGNMENT,
     BucketLayout,
@@ -239,7 +239,7 @@ def _split(
     by_key: dict[tuple[object, bool, bool], list[nn.Parameter]] = {}
     specs = []
     for param in params:
-        if has_extension(param):
+        if gathered_by_extension(param):
             specs.append(BucketSpec(unit, qual, (param,), (names[param],), False, members, True))
             continue
         key = (param.dtype, param.requires_grad, is_expert_parallel_parameter(param))

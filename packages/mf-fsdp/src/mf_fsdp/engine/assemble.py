@@ -7,7 +7,9 @@ dtypes resolved and checked and its gradient reduction decided
 parameter's value copied into its bucket (see [Note: meta-device flows] in
 ``meta_init.py`` for models built on the meta device). An extension bucket is
 gathered once on the way: that builds its compute form (see [Note: the
-all-gather extension] in ``buckets/extension.py``).
+all-gather extension] in ``buckets/extension.py``), unless its hooks are
+still to come or its values are (``gather_fresh``, at the first
+forward).
 
 Functions of what they are given: no module state, nothing registered on the
 model (the wrapper does that).
@@ -15,15 +17,19 @@ model (the wrapper does that).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.bucket import Bucket, ParamSource
 from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.dtypes import BucketDtypes
+from mf_fsdp.buckets.extension import ExtensionWeights, has_extension
 from mf_fsdp.buckets.layout import BucketLayout
 from mf_fsdp.buckets.reduce_spec import ReduceSpec
 from mf_fsdp.buckets.units import BucketSpec, lay_out
@@ -31,9 +37,17 @@ from mf_fsdp.config import DistributedDataParallelConfig, MixedPrecisionPolicy, 
 from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.meta_init import allocate_meta_params, materialize_meta_params
 from mf_fsdp.engine.rank_paths import default_store, translated
+from mf_fsdp.engine.sharded_params import MANAGED_ATTR, OWNER_ATTR
 from mf_fsdp.engine.unit import Unit
 
-__all__ = ["Assembly", "BucketOptions", "assemble", "first_gather", "reduce_spec_for"]
+__all__ = [
+    "Assembly",
+    "BucketOptions",
+    "assemble",
+    "first_gather",
+    "gather_fresh",
+    "reduce_spec_for",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +234,8 @@ def _fill(module: nn.Module, unit: Unit, device: torch.device, meta_init: bool) 
             if id(param) not in awaiting or group.extension:  # a meta shard, materialised
                 group.copy_in(index, param)  # by to_empty()
         if group.extension:
-            if id(group.params[0]) not in awaiting:
-                first_gather(group)
+            if id(group.params[0]) not in awaiting and has_extension(group.params[0]):
+                first_gather(group)  # else at the first forward (gather_fresh)
         else:
             group.point_params_at_buffer()
         group.reshard()
@@ -236,3 +250,47 @@ def first_gather(group: Bucket) -> None:
     a collective the hooks started, or in the gather).
     """
     group.point_params_at_buffer()
+
+
+def gather_fresh(groups: list[Bucket], peers: dist.ProcessGroup | None, owner: object) -> bool:
+    """Gather once the extension buckets not gathered at the wrap; whether there were any.
+
+    At the first forward (every rank): buckets wrapped on the meta device, and
+    subclasses whose hooks were to be set on the sharded local tensor after the
+    wrap (see [Note: hooks set after the wrap] in ``buckets/extension.py``). The
+    ranks of ``peers`` first agree, in one small collective, that each such tensor
+    has both hooks now. Each compute form made is marked as ``owner``'s.
+
+    Raises:
+        TypeError: on every rank, naming the first parameter whose sharded local
+            tensor lacks a hook on some rank.
+    """
+    fresh = [g for g in groups if g.extension and g.replaced is None]
+    if not fresh:
+        return False
+    locals_ = [cast(ExtensionWeights, g.weights).sharded_local() for g in fresh]
+    mine = [i for i, local in enumerate(locals_) if not has_extension(local)]
+    every = [mine]
+    if peers is not None and dist.get_world_size(peers) > 1:
+        every = [mine] * dist.get_world_size(peers)
+        dist.all_gather_object(every, mine, group=peers)
+    lacking = sorted({i for found in every for i in found})
+    if lacking:
+        i = lacking[0]
+        kind = type(locals_[i])
+        ranks = [r for r, found in enumerate(every) if i in found]
+        raise TypeError(
+            f"module: parameter {fresh[i].fsdp_params[0].fqns[0]!r} is a {kind.__module__}."
+            f"{kind.__qualname__} without FSDP2's all-gather extension at the first forward "
+            f"(ranks {ranks} of its group); expected fsdp_pre_all_gather and "
+            "fsdp_post_all_gather on its class or on its sharded local tensor "
+            "(param._local_tensor) before the first forward: mf-fsdp does not carry a tensor "
+            "subclass's values in flat buffers"
+        )
+    for group in fresh:
+        first_gather(group)
+        group.reshard()
+        compute = group.fsdp_params[0].compute
+        setattr(compute, OWNER_ATTR, weakref.ref(owner))
+        setattr(compute, MANAGED_ATTR, True)
+    return True

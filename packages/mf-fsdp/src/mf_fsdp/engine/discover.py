@@ -11,9 +11,12 @@ being the weights the optimizer steps) is the worst outcome.
   local tensor for tensor parallelism) is either plain, or a subclass that
   implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` and
   ``fsdp_post_all_gather``, see ``buckets/extension.py``): torchao's float8
-  training weights and NF4 tensors. Any other subclass is refused: the engine
-  copies a parameter's values into flat buffers and back, which loses what a
-  subclass keeps beside them (a scale, a quantisation, the data itself). The
+  training weights and NF4 tensors. No other subclass goes into flat buffers:
+  the engine copies a parameter's values into them and back, which loses what
+  a subclass keeps beside them (a scale, a quantisation, the data itself); one
+  without the hooks is sharded as an extension parameter whose hooks must be
+  set on its sharded local tensor by the first forward (FSDP2 reads them
+  there), where a tensor-parallel DTensor's subclass is refused. The
   extension itself is refused where the engine does not gather through it
   (``check_extension_params``).
 - **Shared memory** (``check_disjoint_params``). Two parameter objects whose
@@ -73,7 +76,10 @@ def classify_params(named_params: Iterable[tuple[str, nn.Parameter]]) -> set[int
         TypeError: naming the first parameter whose tensor is a subclass the engine
             cannot carry (a lazy module's uninitialised parameter among them), or that
             defines only one of the two extension hooks, or a DTensor (tensor-parallel)
-            parameter whose local tensor implements the extension (not supported yet).
+            parameter whose local tensor is a subclass (not supported yet). Another
+            subclass without the hooks is an extension parameter whose hooks may be set
+            on its sharded local tensor until the first forward (see [Note: hooks set
+            after the wrap] in ``buckets/extension.py``).
     """
     extension: set[int] = set()
     for name, param in named_params:
@@ -103,12 +109,18 @@ def classify_params(named_params: Iterable[tuple[str, nn.Parameter]]) -> set[int
                 )
             extension.add(id(param))
         elif kind not in (torch.Tensor, nn.Parameter):
-            raise TypeError(
-                f"module: parameter {name!r} is a {kind.__module__}.{kind.__qualname__}, a "
-                f"tensor subclass without FSDP2's all-gather extension; mf-fsdp carries "
-                f"{SUPPORTED}"
-            )
+            if isinstance(param, DTensor):
+                raise TypeError(_no_hooks(name, local))
+            extension.add(id(param))  # its hooks may come before the first gather
     return extension
+
+
+def _no_hooks(name: str, local: torch.Tensor) -> str:
+    kind = type(local)
+    return (
+        f"module: parameter {name!r} is a {kind.__module__}.{kind.__qualname__}, a tensor "
+        f"subclass without FSDP2's all-gather extension; mf-fsdp carries {SUPPORTED}"
+    )
 
 
 def check_extension_params(
@@ -153,6 +165,8 @@ def check_extension_params(
             "init_model_with_meta_device=True on the meta device: expected real values, or "
             "FSDP2's flow (wrap without it, then model.to_empty(device=...) and the init)"
         )
+    if refusal is not None and not callable(getattr(param, "fsdp_pre_all_gather", None)):
+        raise TypeError(f"{_no_hooks(first, param)} (for this setting: {refusal})")
     if refusal is not None:
         raise ValueError(
             f"module: parameter {first!r} ({type(param).__qualname__}) implements FSDP2's "

@@ -47,7 +47,7 @@ from mf_fsdp.config import (
     ZeroDPStrategy,
 )
 from mf_fsdp.distributed_index import FSDPDistributedIndex
-from mf_fsdp.engine.assemble import BucketOptions, assemble, first_gather, reduce_spec_for
+from mf_fsdp.engine.assemble import BucketOptions, assemble, gather_fresh, reduce_spec_for
 from mf_fsdp.engine.backward_step import BackwardStep, StepSome
 from mf_fsdp.engine.discover import discover
 from mf_fsdp.engine.forms import ParamForms
@@ -58,7 +58,7 @@ from mf_fsdp.engine.meta_init import describe_meta_init
 from mf_fsdp.engine.module_contract import WrappedModule, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
-from mf_fsdp.engine.sharded_params import MANAGED_ATTR, OWNER_ATTR, build_sharded_params
+from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
@@ -220,6 +220,7 @@ class MegatronFSDP(WrappedModule):
         )
         self._root, self._units, self.groups = parts.root, parts.units, parts.groups
         self._awaiting_to_empty = parts.awaiting_to_empty  # see [Note: meta-device flows]
+        self._fresh_extensions = any(g.extension and g.replaced is None for g in self.groups)
         build_sharded_params(self, self.groups, self.strategy)
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._forms = ParamForms(self.fsdp_params, self.groups)
@@ -268,18 +269,13 @@ class MegatronFSDP(WrappedModule):
 
     # ------------------------------------------------------------------ construction
     def _gather_new_extensions(self) -> None:
-        """Gather the extension buckets wrapped on the meta device once: that makes their forms.
+        """Gather once the extension buckets the wrap did not: that makes their forms.
 
-        Runs at the first forward after ``to_empty`` and the model's init (every rank).
+        Runs at the first forward (after ``to_empty`` and the model's init for a
+        meta-device model), on every rank.
         """
-        fresh = [g for g in self.groups if g.extension and g.replaced is None]
-        for group in fresh:
-            first_gather(group)
-            group.reshard()
-            fp = group.fsdp_params[0]
-            setattr(fp.compute, OWNER_ATTR, weakref.ref(self))
-            setattr(fp.compute, MANAGED_ATTR, True)
-        if fresh:
+        peers = self.dist_index.get_dp_group() if dist.is_initialized() else None
+        if gather_fresh(self.groups, peers, self):
             self._forms.rebuild(self.fsdp_params, self.groups)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -319,9 +315,11 @@ class MegatronFSDP(WrappedModule):
         """
         if self._awaiting_to_empty or self._unassigned:
             self._refuse_unready()
+        if self._install_pending or self._fresh_extensions:
+            self._fresh_extensions = False  # hooks set after the wrap, on tensors gathered now
+            self._gather_new_extensions()
         if self._install_pending:  # the model's init wrote the sharded forms
             self._install_pending = False
-            self._gather_new_extensions()
             self.install_optimized_model_weights()
         self._pool.release_large()
         self._forms.register_compute()
