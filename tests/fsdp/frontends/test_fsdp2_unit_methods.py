@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from mf_fsdp import fsdp2
 from mf_fsdp.fsdp2.records import RECORD_ATTR, record_of
 from tests._multiprocess import run_on_ranks
-from tests.fsdp._helpers import full_params, make_optimizer
+from tests.fsdp._helpers import full_params, global_batch_run, make_optimizer
 from tests.fsdp.engine.test_accumulation import count_collectives
 
 WORLD, STEPS, BATCH, CHUNKS = 2, 3, 8, 4
@@ -253,19 +253,14 @@ def _run(shard, script, opt_name: str, rank: int) -> tuple[list[float], dict[str
 def _reference_chunked(opt_name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the ranks' batches in turn (each rank's loss a mean over the world)."""
     model = Net()
-    opt = make_optimizer(opt_name, model.parameters())
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for rank in range(WORLD):
-            x, y = _batch(step, rank)
-            loss = F.cross_entropy(model(x), y) / WORLD
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_of(module: nn.Module, step: int, rank: int) -> torch.Tensor:
+        x, y = _batch(step, rank)
+        return F.cross_entropy(module(x), y)
+
+    return global_batch_run(
+        model, make_optimizer(opt_name, model.parameters()), STEPS, WORLD, loss_of
+    )
 
 
 TORCH_FSDP2_RUNS_CHUNKED = Version(torch.__version__.split("+")[0]) >= Version("2.15")
