@@ -14,6 +14,8 @@ from torch.distributed.tensor import Shard
 from mf_dtensor import (
     ExplicitPieces,
     UnevenDTensor,
+    assemble_full_tensor_from_uneven_chunks,
+    attach_chunk_metadata,
     gather_uneven_dtensor_to_full_tensor,
     rank_order_chunks,
     uneven_dtensor_from_local,
@@ -108,6 +110,14 @@ def _rank_dtype_differs(rank: int, world_size: int) -> None:
         local, mesh, [Shard(0)], global_shape=(4,), global_offset=(2 * rank,), validate=False
     )
     with pytest.raises(ValueError, match=match):  # the gather exchanges it first
+        gather_uneven_dtensor_to_full_tensor(dtensor)
+    # Every rank's chunk given, so no layout is exchanged: the gather agrees on dtypes first
+    # (gloo aborted the process in C++ here, EnforceNotMet).
+    chunks = [make_chunk((0,), (2,)), make_chunk((2,), (2,))]
+    with pytest.raises(ValueError, match=match):
+        assemble_full_tensor_from_uneven_chunks(dtensor, chunks)
+    attach_chunk_metadata(dtensor, chunks[rank], chunks)
+    with pytest.raises(ValueError, match=match):
         gather_uneven_dtensor_to_full_tensor(dtensor)
     # The group is still usable: the same dtype everywhere gathers.
     same = uneven_dtensor_from_local(

@@ -18,6 +18,7 @@ the full tensor.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import cast
 
@@ -227,27 +228,32 @@ def assemble_full_tensor_from_uneven_chunks(
     else:
         validate_chunk_layout(dtensor.shape, chunks, name="all_chunk_info")
         device = get_group_device(process_group)
-    # Each row: the piece padded to the largest chunk, then a "matches my
-    # chunk" flag, so a rank whose piece disagrees with the list makes every
-    # rank raise instead of leaving its peers in the gather.
-    width = max(math.prod(chunk.sizes) for chunk in chunks)
+        mesh_dims = []  # unused: the group's members are gathered
+    # First a small header per member, "my piece matches my chunk" and its dtype, so a
+    # rank whose piece disagrees with the list, or whose dtype differs (gloo aborts the
+    # process on a gather of mixed dtypes), makes every rank raise instead of leaving
+    # its peers in the gather. Then the pieces, each padded to the largest chunk.
     matches = tuple(chunks[position].sizes) == tuple(local.shape)
-    row = torch.zeros(width + 1, dtype=local.dtype, device=device)
-    if matches:
-        row[: local.numel()] = local.reshape(-1)
-    row[width] = 1 if matches else 0
-    if process_group is None:
-        gathered = all_gather_over_mesh_dims(row, mesh, mesh_dims)
-    else:
-        gathered = row.new_empty((len(chunks), width + 1))
-        dist.all_gather_into_tensor(gathered.view(-1), row, group=process_group)
-    mismatched = [i for i, flag in enumerate(gathered[:, width].tolist()) if flag != 1]
+    header = torch.tensor(
+        [int(matches), zlib.crc32(str(local.dtype).encode())], dtype=torch.int64, device=device
+    )
+    headers = _gather_rows(header, mesh, mesh_dims, process_group, len(chunks)).tolist()
+    if any(dtype != headers[0][1] for _, dtype in headers):
+        raise ValueError(
+            f"dtensors: ranks of the mesh hold local pieces of different dtypes (this rank: "
+            f"{local.dtype}); expected the same dtype on every rank"
+        )
+    mismatched = [i for i, (flag, _) in enumerate(headers) if flag != 1]
     if mismatched:
         raise ValueError(
             f"all_chunk_info: the local pieces of members {mismatched} do not have the sizes "
             f"of their chunks (this rank: chunk sizes {tuple(chunks[position].sizes)}, local "
             f"piece {tuple(local.shape)})"
         )
+    width = max(math.prod(chunk.sizes) for chunk in chunks)
+    row = torch.zeros(width, dtype=local.dtype, device=device)
+    row[: local.numel()] = local.reshape(-1)
+    gathered = _gather_rows(row, mesh, mesh_dims, process_group, len(chunks))
     full = torch.empty(dtensor.shape, dtype=local.dtype, device=device)
     for data, chunk in zip(gathered, chunks, strict=True):
         slices = tuple(
@@ -256,6 +262,21 @@ def assemble_full_tensor_from_uneven_chunks(
         )
         full[slices] = data[: math.prod(chunk.sizes)].view(chunk.sizes)
     return _replicated(full, mesh, target_device)
+
+
+def _gather_rows(
+    row: torch.Tensor,
+    mesh: DeviceMesh,
+    mesh_dims: Sequence[int],
+    process_group: dist.ProcessGroup | None,
+    members: int,
+) -> torch.Tensor:
+    """Every member's ``row``, one per line: over ``mesh_dims`` of ``mesh``, or the group."""
+    if process_group is None:
+        return all_gather_over_mesh_dims(row, mesh, mesh_dims)
+    gathered = row.new_empty((members, row.numel()))
+    dist.all_gather_into_tensor(gathered.view(-1), row, group=process_group)
+    return gathered
 
 
 def _members_sharing_replicate_coordinates(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> list[int]:
