@@ -91,6 +91,13 @@ def _rank_checks(rank: int, world: int) -> None:
     ):
         mf_fsdp.fully_shard_model(skewed)
 
+    # A plain parameter's sharded local tensor is a view of a flat bucket: hooks set on it
+    # after the wrap would not be called (FSDP2 calls them), so the first forward refuses.
+    model = mf_fsdp.fully_shard_model(nn.Linear(4, 4))
+    model.module.weight._local_tensor.fsdp_pre_all_gather = lambda mesh: ((), None)
+    with pytest.raises(TypeError, match=r"parameter 'weight' is a plain tensor whose sharded"):
+        model(torch.randn(2, 4))
+
     # Last: hooks that change what is gathered after the first forward stop every rank
     # (their process groups are torn down).
     model = mf_fsdp.fully_shard_model(_two_tensor_linear())

@@ -50,7 +50,10 @@ once) that every such tensor now has both hooks, or all stop with one
 ``TypeError`` naming it (``gather_fresh_extensions`` in ``engine/assemble.py``):
 its values cannot go through flat buffers. Later gathers call whatever hooks
 the tensor has then, as FSDP2 does; hooks that change what is gathered (sizes
-or dtypes) after the first gather stop in one line (``ExtensionError``).
+or dtypes) after the first gather stop in one line (``ExtensionError``). Hooks
+set after the wrap on a plain parameter's sharded local tensor (a view of a
+flat bucket, gathered without them) are refused at the first forward, in one
+``TypeError`` naming it; set later than that, they are not seen.
 
 The first gather of each parameter also checks, in one small collective,
 that every rank's ``pre`` returned tensors of the same sizes and dtypes (for

@@ -24,6 +24,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mf_fsdp.buckets import collectives
 from mf_fsdp.buckets.bucket import Bucket, ParamSource
@@ -261,10 +262,14 @@ def gather_fresh(groups: list[Bucket], peers: dist.ProcessGroup | None, owner: o
     ranks of ``peers`` first agree, in one small collective, that each such tensor
     has both hooks now. Each compute form made is marked as ``owner``'s.
 
+    Hooks set after the wrap on a plain parameter's sharded local tensor are
+    refused here (that tensor is a view of a flat bucket, gathered without them).
+
     Raises:
         TypeError: on every rank, naming the first parameter whose sharded local
-            tensor lacks a hook on some rank.
+            tensor lacks a hook on some rank, or a plain parameter given hooks.
     """
+    _refuse_late_hooks_on_flat(groups)
     fresh = [g for g in groups if g.extension and g.replaced is None]
     if not fresh:
         return False
@@ -294,3 +299,22 @@ def gather_fresh(groups: list[Bucket], peers: dist.ProcessGroup | None, owner: o
         setattr(compute, OWNER_ATTR, weakref.ref(owner))
         setattr(compute, MANAGED_ATTR, True)
     return True
+
+
+def _refuse_late_hooks_on_flat(groups: list[Bucket]) -> None:
+    """Stop where a plain parameter's sharded local tensor was given an extension hook."""
+    for group in groups:
+        if group.extension:
+            continue
+        for fp in group.fsdp_params:
+            local = fp.sharded._local_tensor if isinstance(fp.sharded, DTensor) else fp.sharded
+            if callable(getattr(local, "fsdp_pre_all_gather", None)) or callable(
+                getattr(local, "fsdp_post_all_gather", None)
+            ):
+                raise TypeError(
+                    f"module: parameter {fp.fqns[0]!r} is a plain tensor whose sharded local "
+                    "tensor was given fsdp_pre_all_gather / fsdp_post_all_gather after "
+                    "fully_shard; mf-fsdp gathers plain parameters in flat buckets and would "
+                    "not call them: expected the hooks on the parameter before fully_shard, "
+                    "or on a tensor subclass"
+                )

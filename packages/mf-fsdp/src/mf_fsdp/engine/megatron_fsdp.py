@@ -220,7 +220,7 @@ class MegatronFSDP(WrappedModule):
         )
         self._root, self._units, self.groups = parts.root, parts.units, parts.groups
         self._awaiting_to_empty = parts.awaiting_to_empty  # see [Note: meta-device flows]
-        self._fresh_extensions = any(g.extension and g.replaced is None for g in self.groups)
+        self._first_forward = True  # see gather_fresh
         build_sharded_params(self, self.groups, self.strategy)
         self.fsdp_params: list[FSDPParam] = [fp for g in self.groups for fp in g.fsdp_params]
         self._forms = ParamForms(self.fsdp_params, self.groups)
@@ -315,8 +315,8 @@ class MegatronFSDP(WrappedModule):
         """
         if self._awaiting_to_empty or self._unassigned:
             self._refuse_unready()
-        if self._install_pending or self._fresh_extensions:
-            self._fresh_extensions = False  # hooks set after the wrap, on tensors gathered now
+        if self._install_pending or self._first_forward:
+            self._first_forward = False  # extension hooks set after the wrap are checked now
             self._gather_new_extensions()
         if self._install_pending:  # the model's init wrote the sharded forms
             self._install_pending = False
