@@ -47,7 +47,7 @@ therefore sharded here as an extension parameter whether or not it has the
 hooks yet; one without them at wrap time is first gathered at the first
 forward, not at the wrap, and the ranks agree there (one small collective,
 once) that every such tensor now has both hooks, or all stop with one
-``TypeError`` naming it (``gather_fresh_extensions`` in ``engine/assemble.py``):
+``TypeError`` naming it (``gather_fresh`` in ``engine/assemble.py``):
 its values cannot go through flat buffers. Later gathers call whatever hooks
 the tensor has then, as FSDP2 does; hooks that change what is gathered (sizes
 or dtypes) after the first gather stop in one line (``ExtensionError``). Hooks
