@@ -7,10 +7,14 @@ other's bytes. ``up``'s dim 1 (5 rows) does not split evenly: the ranks hold 3 a
 rows. Each ZeRO strategy trains 3 steps equal to one process (SGD and AdamW, 1e-5
 fp32); the sharded parameters say ``Shard(1)`` and hold ``[E, F_r, D]``; DSD's full
 state dict loads into the plain model strictly. ``cut_dim``'s choices are checked on
-their own, without processes.
+their own, without processes. mf's MoE GPT with 3 experts at world 4 (ep 1, ZeRO-3,
+grads clipped) trains equal to one process with its grouped experts on the strided views.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -19,15 +23,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import Shard
 
 import mf_fsdp
+from mf.models.moe_gpt import MOE_PRESETS, MoEBlock, MoEGPT
 from mf_fsdp.buckets.units import cut_dim
 from mf_utils import set_tensor_model_parallel_attributes
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import (
     assert_matches_reference,
+    batch,
     full_params,
     global_batch_run,
     make_optimizer,
     optimizer_step,
+    reference_run,
 )
 
 EXPERTS, ROWS, WIDTH, STEPS = 3, 5, 4, 3
@@ -99,6 +106,42 @@ def _rank_trains_exactly(rank: int, world: int) -> None:
     plain.load_state_dict(full, strict=True)
     for name, value in plain.named_parameters():
         torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
+
+
+def _moe_gpt() -> MoEGPT:
+    torch.manual_seed(0)
+    return MoEGPT(dataclasses.replace(MOE_PRESETS["moe-tiny"], num_experts=3))
+
+
+def _rank_moe_gpt_three_experts_over_four(rank: int, world: int) -> None:
+    """mf's MoE GPT (grouped experts, ``torch._grouped_mm`` on strided weights) at ep 1."""
+    for opt_name in ("sgd", "adamw"):
+        ref_losses, ref_params = reference_run(opt_name, world, STEPS, clip=0.5, make=_moe_gpt)
+        module = _moe_gpt()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            make_optimizer(opt_name, module.parameters()),
+            fsdp_unit_modules=[MoEBlock],
+            zero_dp_strategy=3,
+        )
+        experts = model.module.blocks[0].moe.experts
+        for param in experts.parameters():
+            if param.dim() == 3:  # every rank a quarter of each expert's rows
+                assert param.placements == (Shard(1),), param.placements
+                assert param.to_local().shape[1] * world == param.shape[1], param.shape
+        losses = []
+        for step in range(STEPS):
+            tokens, targets = batch(step, rank)
+            clip = functools.partial(mf_fsdp.clip_grad_norm_, model, 0.5)
+            losses.append(optimizer_step(model(tokens, targets), opt, world, clip))
+        assert_matches_reference(
+            losses, full_params(model), ref_losses, ref_params, f"moe-gpt {opt_name}", 1e-5, 1e-5
+        )
+
+
+@pytest.mark.multiprocess
+def test_moe_gpt_three_experts_over_four_ranks_train_exactly() -> None:
+    run_on_ranks(_rank_moe_gpt_three_experts_over_four, 4, timeout=300)
 
 
 @pytest.mark.multiprocess

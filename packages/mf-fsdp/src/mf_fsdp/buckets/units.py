@@ -327,15 +327,24 @@ def lay_out(
     experts, and the rest of the unit's parameters keep their bucket. The extra
     buckets are the unit's: the communication window gathers and reduces them
     in the same coalesced collectives as the unit's other buckets, and values
-    stay plain views of each gathered bucket. A weight with fewer experts than
-    ranks is cut along dim 1 instead when it holds one expert (torchtitan's
-    experts at ``efsdp x ep > E``: a ``[1, F, D]`` piece per expert-parallel
-    rank): its bucket is laid out as ``[F, D]``, so each rank holds
-    ``[1, F / world, D]`` (``FSDPParam.row_dim`` is 1: its sharded form is
-    ``Shard(1)`` on the dp mesh, its boxes cut dim 1). Between one and
-    ``world`` experts the boxes of a rank would differ beyond their first dim,
-    which ``mf_dtensor.UnevenDTensor`` cannot hold: such a weight keeps whole
-    experts (some ranks hold none of it).
+    stay plain views of each gathered bucket. A weight whose experts do not
+    split evenly over the ranks (``E % world != 0``: torchtitan's experts at
+    ``efsdp x ep > E``, a ``[1, F, D]`` piece per expert-parallel rank; 3
+    experts over 4 ranks, where one rank would hold none) is cut along dim 1
+    instead (``cut_dim``): its bucket stores it with dims 0 and 1 swapped, as
+    ``[F, E, D]`` (``row_shape``), so each rank holds whole rows of that,
+    ``[E, F_r, D]`` parameter-shaped (``FSDPParam.row_dim`` is 1: its sharded
+    form is ``Shard(1)`` on the dp mesh, its boxes cut dim 1), and the gathered
+    bucket is viewed back as ``[E, F, D]`` (strides ``(D, E * D, 1)``,
+    ``FSDPParam.view_rows``). FSDP2 stores ``[E, F_r, D]`` contiguous instead
+    and pays a permuting copy after each all-gather and before each
+    reduce-scatter; here the compute parameter and its grad are strided views
+    of the buckets, autograd accumulates into the strided grad view, and no
+    copy is made (a kernel that wants contiguous weights copies them itself).
+    ``F`` need not divide by ``world``: rows are whole, so shards may differ by
+    a row. Whole experts are kept where no cut along dim 1 spreads the weight
+    (fewer rows than ranks) and where tensor parallelism splits it along
+    another dim (expert TP: see the refusal in ``engine/sharded_params.py``).
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
