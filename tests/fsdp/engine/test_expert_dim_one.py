@@ -109,6 +109,41 @@ def _rank_trains_exactly(rank: int, world: int) -> None:
         torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
 
 
+def _rank_hsdp(rank: int, world: int) -> None:
+    """dp_outer 2 x dp_shard 2: replicas across dp_outer (3 experts over 2 ranks), and
+    the optimizer's state sharded across it too (hybrid: over 4 ranks)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    for outer, opt_name in ((0, "sgd"), (1, "adamw")):
+        reference = Net()
+        ref_losses, ref_params = global_batch_run(
+            reference, make_optimizer(opt_name, reference.parameters()), STEPS, world, _loss
+        )
+        module = Net()
+        model, opt = mf_fsdp.fully_shard(
+            module,
+            make_optimizer(opt_name, module.parameters()),
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer",
+            fsdp_unit_modules=[Experts],
+            zero_dp_strategy=3,
+            outer_dp_sharding_strategy=outer,
+        )
+        for name, param in model.named_parameters():
+            if name.endswith(("up", "down")):
+                assert Shard(1) in param.placements, (name, param.placements)
+        losses = [optimizer_step(_loss(model, step, rank), opt, world) for step in range(STEPS)]
+        label = f"hsdp outer {outer} {opt_name}"
+        assert_matches_reference(
+            losses, full_params(model), ref_losses, ref_params, label, RTOL, ATOL
+        )
+
+
+@pytest.mark.multiprocess
+def test_hsdp_cuts_experts_along_dim_one_and_trains_exactly() -> None:
+    run_on_ranks(_rank_hsdp, 4, timeout=240)
+
+
 def _moe_gpt() -> MoEGPT:
     torch.manual_seed(0)
     return MoEGPT(dataclasses.replace(MOE_PRESETS["moe-tiny"], num_experts=3))
