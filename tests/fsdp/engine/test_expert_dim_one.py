@@ -4,8 +4,9 @@ See [Note: stacked weights are spread] in ``mf_fsdp/buckets/units.py``. A tiny m
 of plain grouped weights (``up`` [E, F, D], ``down`` [E, D, F], every expert applied
 to every token) at world 2, 3 experts, so whole experts would give one rank twice the
 other's bytes. ``up``'s dim 1 (5 rows) does not split evenly: the ranks hold 3 and 2
-rows. Each ZeRO strategy trains 3 steps equal to one process (SGD and AdamW, 1e-5
-fp32); the sharded parameters say ``Shard(1)`` and hold ``[E, F_r, D]``; DSD's full
+rows. Each ZeRO strategy (and ZeRO-3 with the optimizer state on the host) trains 3
+steps equal to one process (SGD and AdamW, 1e-5 fp32); the sharded parameters say
+``Shard(1)`` and hold ``[E, F_r, D]``; DSD's full
 state dict loads into the plain model strictly. ``cut_dim``'s choices are checked on
 their own, without processes. mf's MoE GPT with 3 experts at world 4 (ep 1, ZeRO-3,
 grads clipped) trains equal to one process with its grouped experts on the strided views.
@@ -40,7 +41,15 @@ from tests.fsdp._helpers import (
 
 EXPERTS, ROWS, WIDTH, STEPS = 3, 5, 4, 3
 RTOL, ATOL = 1e-5, 1e-6
-CASES = ((0, "sgd"), (1, "adamw"), (2, "sgd"), (3, "sgd"), (3, "adamw"))  # (ZeRO, optimizer)
+# (ZeRO, optimizer, offload_optimizer_state)
+CASES = (
+    (0, "sgd", False),
+    (1, "adamw", False),
+    (2, "sgd", False),
+    (3, "sgd", False),
+    (3, "adamw", False),
+    (3, "adamw", True),
+)
 
 
 class Experts(nn.Module):
@@ -77,7 +86,7 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 
 
 def _rank_trains_exactly(rank: int, world: int) -> None:
-    for zero, opt_name in CASES:
+    for zero, opt_name, offload in CASES:
         reference = Net()
         ref_losses, ref_params = global_batch_run(
             reference, make_optimizer(opt_name, reference.parameters()), STEPS, world, _loss
@@ -88,6 +97,7 @@ def _rank_trains_exactly(rank: int, world: int) -> None:
             make_optimizer(opt_name, module.parameters()),
             fsdp_unit_modules=[Experts],
             zero_dp_strategy=zero,
+            offload_optimizer_state=offload,
         )
         if zero:  # ZeRO-0 keeps whole parameters
             for name, param in model.named_parameters():
@@ -98,7 +108,7 @@ def _rank_trains_exactly(rank: int, world: int) -> None:
                     want = (EXPERTS, mine, param.shape[2])
                     assert tuple(param.to_local().shape) == want, (name, want)
         losses = [optimizer_step(_loss(model, step, rank), opt, world) for step in range(STEPS)]
-        label = f"zero {zero} {opt_name}"
+        label = f"zero {zero} {opt_name} offload {offload}"
         assert_matches_reference(
             losses, full_params(model), ref_losses, ref_params, label, RTOL, ATOL
         )
