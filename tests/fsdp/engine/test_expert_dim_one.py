@@ -8,7 +8,8 @@ rows. Each ZeRO strategy (and ZeRO-3 with the optimizer state on the host) train
 steps equal to one process (SGD and AdamW, 1e-5 fp32); the sharded parameters say
 ``Shard(1)`` and hold ``[E, F_r, D]``; DSD's full
 state dict loads into the plain model strictly. ``cut_dim``'s choices are checked on
-their own, without processes. mf's MoE GPT with 3 experts at world 4 (ep 1, ZeRO-3,
+their own, without processes. HSDP at world 4 (dp_outer 2 x dp_shard 2, replicated or
+sharded across dp_outer) trains alike. mf's MoE GPT with 3 experts at world 4 (ep 1, ZeRO-3,
 grads clipped) trains equal to one process with its grouped experts on the strided views.
 """
 
