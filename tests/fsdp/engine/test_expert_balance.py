@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -143,61 +144,109 @@ def _rank_balanced_and_exact(rank: int, world: int, root: str) -> None:
             torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
 
 
-def _rank_loads_at_world_one(rank: int, world: int, root: str) -> None:
+def _rank_loads(rank: int, world: int, root: str, experts: int, trained_at: int) -> None:
+    """The checkpoint trained at ``trained_at`` ranks loads here and into the plain model."""
     (path,) = Path(root, "ckpt").glob("step_*")
-    before = _reference("adamw", 2)[1]  # what the world-2 run trained to
-    model, opt = _sharded("adamw")
+    before = _reference("adamw", trained_at, experts)[1]  # what that run trained to
+    module = _make(experts)
+    model, opt = mf_fsdp.fully_shard(
+        module,
+        make_optimizer("adamw", module.parameters()),
+        fsdp_unit_modules=[Qwen3MoeDecoderLayer],
+        zero_dp_strategy=3,
+    )
     assert mf_fsdp.load_checkpoint(str(path), model, opt)["step"] == STEPS
     for name, value in full_params(model).items():
         torch.testing.assert_close(value, before[name], rtol=RTOL, atol=ATOL)
-    plain = _make()  # the checkpoint is parameter-shaped: the plain model loads it whole
+    plain = _make(experts)  # the checkpoint is parameter-shaped: the plain model loads it whole
     plain.load_state_dict(mf_fsdp.checkpoint_to_full_state_dict(str(path)), strict=True)
     for name, value in plain.named_parameters():
         torch.testing.assert_close(value, before[name], rtol=RTOL, atol=ATOL)
 
 
-def _rank_fewer_experts_than_ranks(rank: int, world: int) -> None:
-    """2 experts at ep 2 x edp 2: one expert per EP rank, shared by 2 edp ranks."""
-    experts, ep = 2, 2
+def _rank_fewer_experts_than_ranks(
+    rank: int,
+    world: int,
+    experts: int,
+    ep: int,
+    root: str | None = None,
+    optimizers: tuple[str, ...] = ("sgd", "adamw"),
+) -> None:
+    """``experts`` experts at ep ``ep`` x edp ``world // ep``: E/ep per EP rank over the edp ranks.
+
+    With ``root``, the last run's checkpoint (mf's DCP) is saved there, and torch
+    DSD's full state dict loads into the plain model strictly.
+    """
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     expert_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    for opt_name in ("sgd", "adamw"):
+    label = f"Qwen3-MoE ep {ep} x edp {world // ep}, {experts} experts"
+    for opt_name in optimizers:
         ref_losses, ref_params = _reference(opt_name, world, experts)
         module = _make(experts)
-        for layer in module.model.layers:
-            mf_tp.expert_parallel(layer.mlp.experts, expert_mesh["ep"].get_group())
+        if ep > 1:
+            for layer in module.model.layers:
+                mf_tp.expert_parallel(layer.mlp.experts, expert_mesh["ep"].get_group())
         model, opt = mf_fsdp.fully_shard(
             module,
             make_optimizer(opt_name, module.parameters()),
             device_mesh=mesh,
             dp_shard_dim="dp",
-            expt_device_mesh=expert_mesh,
+            expt_device_mesh=expert_mesh if ep > 1 else None,
             fsdp_unit_modules=[Qwen3MoeDecoderLayer],
             zero_dp_strategy=3,
         )
         per_rank = expert_bytes(model)
         if rank == 0 and opt_name == "sgd":
             for name, held in per_rank.items():
-                print(f"world {world}, ep 2 x edp 2, 2 experts, {name}: bytes per rank {held}")
-        assert_balanced(per_rank, f"Qwen3-MoE ep {ep} x edp {world // ep}, {experts} experts")
+                print(f"world {world}, {label}, {name}: bytes per rank {held}")
+        assert_balanced(per_rank, label)
+        for name, param in model.named_parameters():  # DSD/DCP read the placement
+            if ".experts." in name:
+                assert param.placements[0] == Shard(1), (name, param.placements)
         losses = [
             optimizer_step(_loss(model, _tokens(step, rank)), opt, world) for step in range(STEPS)
         ]
-        # AdamW at 2 experts: 2 of 2,048 gate_up_proj elements, whose gradients are near zero
-        # and so change sign with the order of the fp32 sums, move 6.8e-6 apart (of Adam's
-        # 1e-2 per step); the old layout (one rank holding the expert) gives the same numbers.
+        # AdamW: a few gate_up_proj elements, whose gradients are near zero and so change
+        # sign with the order of the fp32 sums, move 6.8e-6 apart (of Adam's 1e-2 per
+        # step); whole experts on one rank give the same numbers.
         atol = 1e-5 if opt_name == "adamw" else ATOL
         assert_matches_reference(
-            losses, full_params(model), ref_losses, ref_params, f"ep2 edp2 {opt_name}", RTOL, atol
+            losses, full_params(model), ref_losses, ref_params, f"{label} {opt_name}", RTOL, atol
         )
+    if root is None:
+        return
+    mf_fsdp.save_checkpoint(f"{root}/ckpt", model, opt, step=STEPS)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        plain = _make(experts)
+        plain.load_state_dict(full, strict=True)
+        for name, value in plain.named_parameters():
+            torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=1e-5)
 
 
 @pytest.mark.multiprocess
 def test_fewer_experts_than_ranks_still_gives_every_rank_a_share() -> None:
-    run_on_ranks(_rank_fewer_experts_than_ranks, 4, timeout=300)
+    """One expert per EP rank: 2 experts at ep 2 x edp 2 (world 4)."""
+    run_on_ranks(_rank_fewer_experts_than_ranks, 4, 2, 2, timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_experts_that_do_not_split_over_the_ranks_are_cut_along_dim_one(tmp_path) -> None:
+    """3 experts over 4 data-parallel ranks, and 6 at ep 2 x edp 2 (3 per EP rank over 2).
+
+    Whole experts left one rank of 4 without any of each weight (3 over 4) and
+    gave one of 2 edp ranks two experts of 3 (2x the other's bytes); cut along
+    dim 1, every rank holds ``[E, F / world, D]``. The 3-expert checkpoint loads
+    at world 2 (where 3 experts over 2 ranks are cut along dim 1 again) and into
+    the plain model. The EP case runs SGD only (the gradient scale; AdamW is run by
+    the first case and by test_expert_dim_one.py).
+    """
+    run_on_ranks(_rank_fewer_experts_than_ranks, 4, 3, 1, str(tmp_path), timeout=300)
+    run_on_ranks(_rank_loads, 2, str(tmp_path), 3, 4, timeout=120)
+    run_on_ranks(_rank_fewer_experts_than_ranks, 4, 6, 2, None, ("sgd",), timeout=300)
 
 
 @pytest.mark.multiprocess
 def test_every_rank_holds_a_share_of_every_expert_weight_and_trains_exactly(tmp_path) -> None:
     run_on_ranks(_rank_balanced_and_exact, 2, str(tmp_path), timeout=240)
-    run_on_ranks(_rank_loads_at_world_one, 1, str(tmp_path), timeout=120)
+    run_on_ranks(_rank_loads, 1, str(tmp_path), EXPERTS, 2, timeout=120)

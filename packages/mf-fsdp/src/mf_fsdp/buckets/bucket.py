@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -107,6 +107,8 @@ class Bucket(BucketReduction, UnusedGrads):
             (``unused_params``; see [Note: grads no rank made]).
         offload: keep the main weights and a copy of the reduced grads in host
             memory (``offload_optimizer_state``; ZeRO-1/2/3).
+        row_dims: per parameter, the dim the layout's rows run along (see
+            ``units.cut_dim``); empty: all 0.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class Bucket(BucketReduction, UnusedGrads):
         mark_unused_params: bool = False,
         offload: bool = False,
         extension: bool = False,
+        row_dims: Sequence[int] = (),
     ) -> None:
         self.params = params
         self.extension = extension
@@ -171,7 +174,7 @@ class Bucket(BucketReduction, UnusedGrads):
                 self.main_layout.local_rows(index, self.main_rank)
                 if not self.replicated
                 else (0, math.prod(layout.shapes[index][:1]) if param.dim() else 1),
-                len(local_shape(param)) - len(layout.shapes[index]),
+                row_dims[index] if row_dims else 0,
             )
             for index, (param, source) in enumerate(zip(params, sources, strict=True))
         ]
@@ -382,7 +385,8 @@ class Bucket(BucketReduction, UnusedGrads):
             self.weights.set_value(value)
             return
         start, _, _ = self._slices[index]
-        self.weights.copy_in(index, start, local_value(value).reshape(-1))
+        flat = self.fsdp_params[index].stored_flat(local_value(value))
+        self.weights.copy_in(index, start, flat)
 
     def _views(
         self, buffer: torch.Tensor, as_grads: bool = False, cache: bool = True
@@ -392,7 +396,10 @@ class Bucket(BucketReduction, UnusedGrads):
         hit = self._view_cache.get(key)
         if hit is not None and hit[0] is buffer:
             return hit[1]
-        views = [buffer[s:e].view(shape) for s, e, shape in self._slices]
+        views = [
+            fp.view_rows(buffer[s:e], shape[fp.row_dim]) if fp.row_dim else buffer[s:e].view(shape)
+            for (s, e, shape), fp in zip(self._slices, self.fsdp_params, strict=True)
+        ]
         if as_grads:
             views = [wrap_grad(p, v) for p, v in zip(self.params, views, strict=True)]
         if not cache:

@@ -154,8 +154,9 @@ class FSDPParam:
         shape: the shape in the bucket (the tp-local shape).
         tp: the tensor-parallel facts, or None.
         main_rows: the rows ``[begin, end)`` this rank's optimizer owns.
-        row_dim: the dim its bucket's rows run along: 0, or 1 for a stacked weight of
-            one matrix (see [Note: stacked weights are spread] in ``buckets/units.py``).
+        row_dim: the dim its bucket's rows run along: 0, or 1 for a stacked weight whose
+            experts do not split evenly over the ranks, stored with dims 0 and 1 swapped
+            (see [Note: stacked weights are spread] in ``buckets/units.py``).
         sharded: the optimizer's parameter (see [Note: parameter forms]); set by
             ``optimizer_params.build_sharded_params``.
         grad: ``sharded``'s gradient (a view of the reduced grad store), or None when
@@ -212,12 +213,37 @@ class FSDPParam:
 
     @property
     def row_numel(self) -> int:
-        """Elements per row (along ``row_dim``)."""
-        return row_numel(self.shape[self.row_dim :])
+        """Elements per row (one index along ``row_dim``)."""
+        if not self.row_dim:
+            return row_numel(self.shape)
+        return math.prod(self.shape) // max(self.shape[self.row_dim], 1)
+
+    def stored_shape(self, rows: int) -> tuple[int, ...]:
+        """The shape ``rows`` of its rows are stored as in the bucket: ``row_dim`` first."""
+        shape = self.rows_shape(rows)
+        if not self.row_dim:
+            return shape
+        return (rows, *shape[: self.row_dim], *shape[self.row_dim + 1 :])
 
     def rows_shape(self, rows: int) -> tuple[int, ...]:
-        """The shape of ``rows`` of its rows (along ``row_dim``)."""
+        """The parameter-shaped shape of ``rows`` of its rows (along ``row_dim``)."""
         return (*self.shape[: self.row_dim], rows, *self.shape[self.row_dim + 1 :])
+
+    def view_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor:
+        """``flat`` (``rows`` of its rows as the bucket stores them) viewed parameter-shaped.
+
+        Cut along dim 1 (``row_dim`` 1), the rows are stored ``[rows, E, D]`` and
+        seen as ``[E, rows, D]``: a strided view, no copy (see [Note: stacked weights
+        are spread] in ``buckets/units.py``).
+        """
+        view = flat.view(self.stored_shape(rows))
+        return view.movedim(0, self.row_dim) if self.row_dim else view
+
+    def stored_flat(self, value: torch.Tensor) -> torch.Tensor:
+        """A parameter-shaped ``value`` flattened in the order the bucket stores it."""
+        if self.row_dim:
+            value = value.movedim(self.row_dim, 0)
+        return value.reshape(-1)
 
     @property
     def global_shape(self) -> torch.Size:

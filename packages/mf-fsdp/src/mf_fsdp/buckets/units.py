@@ -23,7 +23,9 @@ import importlib
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from mf_fsdp.buckets.extension import gathered_by_extension
 from mf_fsdp.buckets.layout import (
@@ -34,10 +36,11 @@ from mf_fsdp.buckets.layout import (
     partition_bucket,
 )
 from mf_fsdp.buckets.tp_params import local_shape
-from mf_utils import is_expert_parallel_parameter
+from mf_utils import get_mcore_tensor_parallel_partition_dim, is_expert_parallel_parameter
 
 __all__ = [
     "BucketSpec",
+    "cut_dim",
     "is_stacked",
     "lay_out",
     "plan_bucket_layouts",
@@ -62,6 +65,7 @@ class BucketSpec:
             the first of them); empty for a unit of one module and for the root.
         extension: the one parameter implements FSDP2's all-gather extension (laid out
             by ``chunk_layout``, gathered through its hooks).
+        row_dims: per parameter, the dim its shards cut (``cut_dim``); empty: all 0.
     """
 
     unit: nn.Module | None
@@ -71,6 +75,7 @@ class BucketSpec:
     expert: bool = False
     members: tuple[nn.Module, ...] = ()
     extension: bool = False
+    row_dims: tuple[int, ...] = ()
 
 
 def resolve_unit_classes(spec: Sequence[type | str] | None) -> tuple[type[nn.Module], ...]:
@@ -258,14 +263,46 @@ def is_stacked(shape: Sequence[int]) -> bool:
     return len(shape) == 3
 
 
-def row_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape a stacked weight's own bucket is laid out with: its rows are the shards' unit.
+def cut_dim(param: torch.Tensor, world_size: int) -> int:
+    """The dim a weight's own bucket cuts into shards: 1 to spread its experts' rows, else 0.
 
-    A weight of one matrix (``[1, A, B]``) is laid out as ``[A, B]``, so it is cut
-    along dim 1; any other keeps its shape (whole dim-0 rows).
+    A stacked weight whose experts do not split evenly over ``world_size`` ranks
+    (``E % world_size != 0``: one expert, or 2 or 3 over 4 ranks) is cut along dim 1
+    (FSDP2's and torchtitan's ``Shard(1)``), so that every rank holds a share of every
+    expert. Kept on whole experts (dim 0), with a reason: a weight split by tensor
+    parallelism along a dim other than 0 (expert TP, or mf-tp's plain TP attributes),
+    whose dp split would sit beside the tp split of another dim (one expert stays
+    refused there, see ``engine/sharded_params.py``), and experts with fewer rows
+    along dim 1 than ranks (no cut gives every rank a share).
+    See [Note: stacked weights are spread].
+    """
+    shape = local_shape(param)
+    if world_size <= 1 or not is_stacked(shape) or shape[0] % world_size == 0:
+        return 0
+    if shape[0] == 1:
+        return 1  # one expert: always along dim 1
+    return 1 if shape[1] >= world_size and not _split_beyond_dim_zero(param) else 0
+
+
+def _split_beyond_dim_zero(param: torch.Tensor) -> bool:
+    """Whether tensor parallelism splits ``param`` along a dim other than 0."""
+    if isinstance(param, DTensor):
+        return any(isinstance(p, Shard) and p.dim % param.dim() != 0 for p in param.placements)
+    dim = get_mcore_tensor_parallel_partition_dim(param)
+    return dim is not None and dim % param.dim() != 0
+
+
+def row_shape(shape: Sequence[int], dim: int = 0) -> tuple[int, ...]:
+    """The shape a weight is stored as in its bucket when cut along ``dim`` (0 or 1).
+
+    Cut along dim 1, ``[E, F, D]`` is stored as ``[F, E, D]`` (dims 0 and 1
+    swapped, contiguous), so each shard is whole rows of it: rank ``r`` holds
+    ``[F_r, E, D]``, and the gathered bucket is the whole weight with dims 0 and 1
+    swapped; the parameter is that storage viewed back as ``[E, F, D]``
+    (``FSDPParam.view_rows``).
     """
     shape = tuple(shape)
-    return shape[1:] if is_stacked(shape) and shape[0] == 1 else shape
+    return (shape[1], shape[0], *shape[2:]) if dim == 1 else shape
 
 
 def lay_out(
@@ -290,15 +327,24 @@ def lay_out(
     experts, and the rest of the unit's parameters keep their bucket. The extra
     buckets are the unit's: the communication window gathers and reduces them
     in the same coalesced collectives as the unit's other buckets, and values
-    stay plain views of each gathered bucket. A weight with fewer experts than
-    ranks is cut along dim 1 instead when it holds one expert (torchtitan's
-    experts at ``efsdp x ep > E``: a ``[1, F, D]`` piece per expert-parallel
-    rank): its bucket is laid out as ``[F, D]``, so each rank holds
-    ``[1, F / world, D]`` (``FSDPParam.row_dim`` is 1: its sharded form is
-    ``Shard(1)`` on the dp mesh, its boxes cut dim 1). Between one and
-    ``world`` experts the boxes of a rank would differ beyond their first dim,
-    which ``mf_dtensor.UnevenDTensor`` cannot hold: such a weight keeps whole
-    experts (some ranks hold none of it).
+    stay plain views of each gathered bucket. A weight whose experts do not
+    split evenly over the ranks (``E % world != 0``: torchtitan's experts at
+    ``efsdp x ep > E``, a ``[1, F, D]`` piece per expert-parallel rank; 3
+    experts over 4 ranks, where one rank would hold none) is cut along dim 1
+    instead (``cut_dim``): its bucket stores it with dims 0 and 1 swapped, as
+    ``[F, E, D]`` (``row_shape``), so each rank holds whole rows of that,
+    ``[E, F_r, D]`` parameter-shaped (``FSDPParam.row_dim`` is 1: its sharded
+    form is ``Shard(1)`` on the dp mesh, its boxes cut dim 1), and the gathered
+    bucket is viewed back as ``[E, F, D]`` (strides ``(D, E * D, 1)``,
+    ``FSDPParam.view_rows``). FSDP2 stores ``[E, F_r, D]`` contiguous instead
+    and pays a permuting copy after each all-gather and before each
+    reduce-scatter; here the compute parameter and its grad are strided views
+    of the buckets, autograd accumulates into the strided grad view, and no
+    copy is made (a kernel that wants contiguous weights copies them itself).
+    ``F`` need not divide by ``world``: rows are whole, so shards may differ by
+    a row. Whole experts are kept where no cut along dim 1 spreads the weight
+    (fewer rows than ranks) and where tensor parallelism splits it along
+    another dim (expert TP: see the refusal in ``engine/sharded_params.py``).
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
@@ -309,8 +355,9 @@ def lay_out(
         (tuple(rest[j] for j in indices), layout)
         for indices, layout in partition_bucket([shapes[i] for i in rest], world_size, alignment)
     ]
+    dims = [cut_dim(p, world_size) for p in spec.params]
     parts += [
-        ((i,), compute_bucket_layout([row_shape(shapes[i])], world_size, alignment))
+        ((i,), compute_bucket_layout([row_shape(shapes[i], dims[i])], world_size, alignment))
         for i in stacked
     ]
     parts.sort(key=lambda part: part[0][0])
@@ -323,6 +370,7 @@ def lay_out(
                 tuple(spec.names[i] for i in indices),
                 spec.expert,
                 spec.members,
+                row_dims=tuple(dims[i] for i in indices),
             ),
             layout,
         )

@@ -89,7 +89,7 @@ class BucketGeometry:
         begin, end = fp.main_rows
         row = fp.row_numel
         first = fp.start + begin * row - self.sub_lo if begin < end else 0
-        return buffer[first : first + (end - begin) * row].view(fp.rows_shape(end - begin))
+        return fp.view_rows(buffer[first : first + (end - begin) * row], end - begin)
 
 
 class WeightStorage:
@@ -213,7 +213,7 @@ class ReplicatedWeights(WeightStorage):
 
     def owned_view(self, fp: FSDPParam, buffer: torch.Tensor) -> torch.Tensor:
         """The whole parameter: every rank owns all of it."""
-        return buffer[fp.start : fp.start + fp.numel].view(fp.shape)
+        return fp.view_rows(buffer[fp.start : fp.start + fp.numel], fp.shape[fp.row_dim])
 
     def install(self, async_op: bool) -> collectives.Handle | None:
         """Copy separate main weights into the compute weights."""

@@ -178,6 +178,7 @@ def _new_group(
         mark_unused_params=options.ddp_config.find_unused_parameters,
         offload=options.ddp_config.offload_optimizer_state,
         extension=spec.extension,
+        row_dims=spec.row_dims,
     )
 
 
