@@ -1,0 +1,146 @@
+"""Nested units on ``mf_fsdp.fsdp2``: attention and MLP units inside layer units inside the root.
+
+FSDP2's order of calls (``fully_shard(layer.attn)``, ``fully_shard(layer.mlp)``,
+``fully_shard(layer)``, then the root): the layer unit holds its norms and its scale,
+and is gathered around its inner units in the forward and in the backward. Trained
+on 2 gloo ranks, the losses and final weights equal one process over both ranks'
+batches, with SGD and AdamW, ``reshard_after_forward`` True and False, with and
+without activation checkpointing of the layers, and with ranks that skip different
+units (a whole layer on one rank, a layer's MLP on the other), each unit gathered in a
+collective of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mf_fsdp.fsdp2 import fully_shard
+from mf_fsdp.fsdp2.records import record_of
+from tests._multiprocess import run_on_ranks
+from tests.fsdp._fsdp2_port_common import full
+from tests.fsdp._helpers import global_batch_run
+
+WORLD = 2
+STEPS = 3
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q(x)))
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Layer(nn.Module):
+    """Own parameters before, between and after its inner units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(8), _Attn()
+        self.norm2, self.mlp = nn.LayerNorm(8), _Mlp()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor, skip_mlp: bool = False) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        if not skip_mlp:
+            h = h + self.mlp(self.norm2(h))
+        return h * self.scale
+
+
+class _Model(nn.Module):
+    def __init__(self, ac: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+        self.ac = ac
+
+    def forward(self, x: torch.Tensor, skip: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+        """``skip``: (a layer not run, a layer run without its MLP)."""
+        h = self.inp(x)
+        for index, layer in enumerate(self.layers):
+            if index == skip[0]:
+                continue
+            if self.ac:
+                h = checkpoint(layer, h, index == skip[1], use_reentrant=False)
+            else:
+                h = layer(h, index == skip[1])
+        return self.head(h)
+
+
+def _skips(rank: int, skipping: bool) -> tuple[int, int]:
+    if not skipping:
+        return (-1, -1)
+    return (1, -1) if rank == 1 else (-1, 2)
+
+
+def _loss(model: nn.Module, step: int, rank: int, skipping: bool) -> torch.Tensor:
+    torch.manual_seed(100 * step + rank)
+    return model(torch.randn(4, 4), _skips(rank, skipping)).pow(2).mean()
+
+
+def _train(rank: int, opt_name: str, reshard: bool, ac: bool, skipping: bool) -> None:
+    torch.manual_seed(0)
+    model = _Model(ac)
+    ref = copy.deepcopy(model)
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1),
+    }[opt_name]
+    for layer in model.layers:
+        fully_shard(layer.attn, reshard_after_forward=reshard)
+        fully_shard(layer.mlp, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = make(model.parameters())
+    # One unit per gather (a window of one): a unit gathered out of the agreed order
+    # would pair with another unit's collective instead of sharing a window with it.
+    record_of(model).engine.ddp_config.suggested_communication_unit_size = 1
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, step, rank, skipping)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone() / WORLD
+        dist.all_reduce(total)
+        losses.append(total.item())
+    ref_losses, ref_weights = global_batch_run(
+        ref, make(ref.parameters()), STEPS, WORLD, lambda m, s, r: _loss(m, s, r, skipping)
+    )
+    where = f"{opt_name}, reshard_after_forward={reshard}, ac={ac}, skipping={skipping}"
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=where)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            full(param), ref_weights[name], rtol=1e-5, atol=1e-6, msg=f"{name}, {where}"
+        )
+
+
+def _rank_nested(rank: int, world: int) -> None:
+    for opt_name, reshard, ac in itertools.product(("sgd", "adamw"), (True, False), (False, True)):
+        _train(rank, opt_name, reshard, ac, skipping=False)
+    _train(rank, "adamw", True, False, skipping=True)
+    _train(rank, "sgd", True, True, skipping=True)
+
+
+@pytest.mark.multiprocess
+def test_nested_units_train_equal_to_one_process() -> None:
+    run_on_ranks(_rank_nested, WORLD)
