@@ -158,8 +158,7 @@ class UnitHooks:
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._last: Unit | None = None  # the last unit that ran, gathered until the next
         self._handles: list[RemovableHandle] = []
-        # Every bucket whole on every rank (a shard group of one): nothing to prefetch.
-        self._all_whole = all(group.whole_on_every_rank for group in groups)
+        self._all_whole = all(g.whole_on_every_rank for g in groups)  # nothing to prefetch
         self._comm = CommWindow(strategy, ddp_config, self._all_whole, on_reduced)
         self._nest = Nesting(units)  # see [Note: nested units in the walk]
         for index, unit in enumerate(units):
@@ -185,10 +184,11 @@ class UnitHooks:
     @translated(_store)
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
+        if self._root.state is TrainingState.FORWARD and self._strategy.shards_params:
+            self._agree(self._root, "(the root) ran a forward again before its backward")
         self._forget_pass()  # a forward whose backward never ran (or has not yet)
         self._in_forward = True
-        # The units the backward starts with (its first window) stay gathered.
-        self._kept = self._comm.kept_for_backward(self._prev_order)
+        self._kept = self._comm.kept_for_backward(self._prev_order)  # kept for the backward
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
         self._root.forwarded = True
