@@ -5,9 +5,10 @@ FSDP2's order of calls (``fully_shard(layer.attn)``, ``fully_shard(layer.mlp)``,
 and is gathered around its inner units in the forward and in the backward. Trained
 on 2 gloo ranks, the losses and final weights equal one process over both ranks'
 batches, with SGD and AdamW, ``reshard_after_forward`` True and False, with and
-without activation checkpointing of the layers, and with ranks that skip different
-units (a whole layer on one rank, a layer's MLP on the other), each unit gathered in a
-collective of its own.
+without activation checkpointing of the layers, with the layer's call before its inner
+units' (mf builds its units at the first use, whatever the calls' order), and with ranks
+that skip different units (a whole layer on one rank, a layer's MLP on the other), each
+unit gathered in a collective of its own.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def _loss(model: nn.Module, step: int, rank: int, skipping: bool) -> torch.Tenso
     return model(torch.randn(4, 4), _skips(rank, skipping)).pow(2).mean()
 
 
-def _train(rank: int, opt_name: str, reshard: bool, ac: bool, skipping: bool) -> None:
+def _train(
+    rank: int, opt_name: str, reshard: bool, ac: bool, skipping: bool, outer_first: bool = False
+) -> None:
     torch.manual_seed(0)
     model = _Model(ac)
     ref = copy.deepcopy(model)
@@ -106,9 +109,9 @@ def _train(rank: int, opt_name: str, reshard: bool, ac: bool, skipping: bool) ->
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1),
     }[opt_name]
     for layer in model.layers:
-        fully_shard(layer.attn, reshard_after_forward=reshard)
-        fully_shard(layer.mlp, reshard_after_forward=reshard)
-        fully_shard(layer, reshard_after_forward=reshard)
+        calls = [layer.attn, layer.mlp, layer]
+        for module in calls[::-1] if outer_first else calls:
+            fully_shard(module, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     opt = make(model.parameters())
     # One unit per gather (a window of one): a unit gathered out of the agreed order
@@ -126,7 +129,7 @@ def _train(rank: int, opt_name: str, reshard: bool, ac: bool, skipping: bool) ->
     ref_losses, ref_weights = global_batch_run(
         ref, make(ref.parameters()), STEPS, WORLD, lambda m, s, r: _loss(m, s, r, skipping)
     )
-    where = f"{opt_name}, reshard_after_forward={reshard}, ac={ac}, skipping={skipping}"
+    where = f"{opt_name}, reshard={reshard}, ac={ac}, skipping={skipping}, outer={outer_first}"
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=where)
     for name, param in model.named_parameters():
         torch.testing.assert_close(
@@ -139,6 +142,7 @@ def _rank_nested(rank: int, world: int) -> None:
         _train(rank, opt_name, reshard, ac, skipping=False)
     _train(rank, "adamw", True, False, skipping=True)
     _train(rank, "sgd", True, True, skipping=True)
+    _train(rank, "sgd", False, False, skipping=False, outer_first=True)
 
 
 @pytest.mark.multiprocess
