@@ -8,7 +8,8 @@ batches, with SGD and AdamW, ``reshard_after_forward`` True and False, with and
 without activation checkpointing of the layers, with the layer's call before its inner
 units' (mf builds its units at the first use, whatever the calls' order), and with ranks
 that skip different units (a whole layer on one rank, a layer's MLP on the other), each
-unit gathered in a collective of its own.
+unit gathered in a collective of its own. A layer called by itself (outside the root's
+forward) gets the mean of the ranks' gradients.
 """
 
 from __future__ import annotations
@@ -137,12 +138,38 @@ def _train(
         )
 
 
+def _layer_by_itself(rank: int) -> None:
+    """A layer unit called outside the root's forward, its inner units inside it."""
+    torch.manual_seed(0)
+    model = _Model(False)
+    ref = copy.deepcopy(model)
+    for layer in model.layers:
+        for module in (layer.attn, layer.mlp, layer):
+            fully_shard(module)
+    fully_shard(model)
+    torch.manual_seed(rank)
+    x = torch.randn(4, 8)
+    out = model.layers[1](x).sum()
+    out.backward()
+    torch.testing.assert_close(out, ref.layers[1](x).sum())
+    grads = {name: torch.zeros_like(p) for name, p in ref.layers[1].named_parameters()}
+    for other in range(WORLD):  # the reference: the mean of both ranks' grads
+        torch.manual_seed(other)
+        ref.zero_grad()
+        (ref.layers[1](torch.randn(4, 8)).sum() / WORLD).backward()
+        for name, p in ref.layers[1].named_parameters():
+            grads[name] += p.grad
+    for name, param in model.layers[1].named_parameters():
+        torch.testing.assert_close(full(param.grad), grads[name], msg=name)
+
+
 def _rank_nested(rank: int, world: int) -> None:
     for opt_name, reshard, ac in itertools.product(("sgd", "adamw"), (True, False), (False, True)):
         _train(rank, opt_name, reshard, ac, skipping=False)
     _train(rank, "adamw", True, False, skipping=True)
     _train(rank, "sgd", True, True, skipping=True)
     _train(rank, "sgd", False, False, skipping=False, outer_first=True)
+    _layer_by_itself(rank)
 
 
 @pytest.mark.multiprocess

@@ -204,7 +204,7 @@ class UnitHooks:
                 for group in unit.groups:
                     group.reshard()
             unit.forwarded, unit.ran, unit.pending = False, False, 0
-        self._next, self._last, self._in_forward = 0, None, False
+        self._next, self._last, self._in_forward, self._nest.solo_open = 0, None, False, 0
 
     def reset_iteration(self) -> None:
         """Forget a pass an exception cut short (FSDP2's ``reset_iter_state``)."""
@@ -354,10 +354,9 @@ class UnitHooks:
         # Released when another unit runs (a group unit: at the forward's end).
         if self._in_forward and self._nest.inner_count(unit):
             self._release_after_forward(unit)
-        if self._strategy.shards_grads and torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
+        grads = self._strategy.shards_grads and torch.is_grad_enabled()
+        if grads and (tensors := grad_tensors(output)):
+            on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
 
     # ------------------------------------------------------------------ a unit by itself
     def _solo_pre_forward(
@@ -365,6 +364,7 @@ class UnitHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """A call of ``unit`` by itself (see [Note: a unit called by itself]): gather it."""
         self._on_compute()
+        self._nest.solo_open += 1
         self._gather(unit, async_op=False)
         if not torch.is_grad_enabled():
             return None
@@ -375,16 +375,16 @@ class UnitHooks:
 
     def _solo_post_forward(self, unit: Unit, output: Any) -> None:
         """Hook the call's backward; release ``unit`` per its ``reshard_after_forward``."""
-        if torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
+        if torch.is_grad_enabled() and (tensors := grad_tensors(output)):
+            on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
         if unit.reshard_after_forward:
             for group in unit.groups:
                 group.reshard()
         elif unit.state is TrainingState.IDLE:
             self.held.hold(unit)
-        self._on_idle()
+        self._nest.solo_open -= 1
+        if not self._nest.solo_open:  # not inside an outer unit's call by itself
+            self._on_idle()
 
     @translated(_store)
     def _solo_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:

@@ -18,6 +18,9 @@ FSDP2's timing:
   its own parameters' grads all exist; a forward of a unit inside an outer unit in
   backward is recomputation (activation checkpointing around the outer unit): the
   unit is gathered and its state left alone;
+- a call of an outer unit by itself (outside the root's forward): the units inside
+  it are called by themselves too, and the modules keep their compute forms until
+  the outer call's forward ends (``solo_open``);
 - ranks that skip units: a rank standing in for a unit inside an outer unit starts
   the outer unit first, as a rank that ran it did at its pre-backward, so every
   rank issues the gathers and reductions in one order.
@@ -25,7 +28,7 @@ FSDP2's timing:
 The walk keeps each outer unit right before the units inside it; an agreed new
 order (``_reorder``) that splits them stops every rank in one line naming the unit.
 
-Relations only (computed once from the modules): no collective, no state.
+Relations (computed once from the modules) and one count; no collective.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Nesting:
             for o in outer:
                 self._count[id(o)] = self._count.get(id(o), 0) + 1
         self.any = bool(self._around)
+        self.solo_open = 0  # calls by themselves whose forward runs (reset by a root forward)
 
     def around(self, unit: Unit) -> list[Unit]:
         """The units ``unit`` sits inside, outermost first."""
