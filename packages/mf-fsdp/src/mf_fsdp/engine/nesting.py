@@ -96,8 +96,6 @@ class Nesting:
         for index, unit in enumerate(order):
             count = self.inner_count(unit)
             following = order[index + 1 : index + 1 + count]
-            if count and not all(unit in self.around(u) for u in following):
-                return unit
-            if count and len(following) != count:
+            if len(following) != count or not all(unit in self.around(u) for u in following):
                 return unit
         return None
