@@ -9,7 +9,8 @@ without activation checkpointing of the layers, with the layer's call before its
 units' (mf builds its units at the first use, whatever the calls' order), and with ranks
 that skip different units (a whole layer on one rank, a layer's MLP on the other), each
 unit gathered in a collective of its own. A layer called by itself (outside the root's
-forward) gets the mean of the ranks' gradients.
+forward) gets the mean of the ranks' gradients. The engine itself (``MegatronFSDP`` with
+nested ``unit_modules``) trains the same at ZeRO-0 and ZeRO-2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import mf_fsdp
 from mf_fsdp.fsdp2 import fully_shard
 from mf_fsdp.fsdp2.records import record_of
 from tests._multiprocess import run_on_ranks
@@ -175,3 +177,51 @@ def _rank_nested(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_nested_units_train_equal_to_one_process() -> None:
     run_on_ranks(_rank_nested, WORLD)
+
+
+def _rank_engine(rank: int, world: int) -> None:
+    """``MegatronFSDP(unit_modules=...)`` with nested units, ZeRO-0 and 2, ranks skipping."""
+    mesh = dist.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for strategy, ac in itertools.product((0, 2), (False, True)):
+        torch.manual_seed(0)
+        module = _Model(ac)
+        ref = copy.deepcopy(module)
+        config = mf_fsdp.DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=strategy, suggested_communication_unit_size=1
+        )
+        units = [(m,) for layer in module.layers for m in (layer, layer.attn, layer.mlp)]
+        model = mf_fsdp.MegatronFSDP(
+            module,
+            mf_fsdp.FSDPDistributedIndex(mesh),
+            config,
+            unit_modules=units,
+            sync_model_each_microbatch=True,
+        )
+        opt = mf_fsdp.fully_shard_optimizer(torch.optim.AdamW(module.parameters(), lr=0.02))
+        losses = []
+        for step in range(STEPS):
+            loss = _loss(model, step, rank, skipping=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach() / world
+            dist.all_reduce(total)
+            losses.append(total.item())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+        ref_losses, ref_weights = global_batch_run(
+            ref, ref_opt, STEPS, world, lambda m, s, r: _loss(m, s, r, skipping=True)
+        )
+        where = f"z{strategy}, ac={ac}"
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=where)
+        for name, param in module.named_parameters():
+            torch.testing.assert_close(
+                full(param), ref_weights[name], rtol=1e-5, atol=1e-6, msg=f"{name}, {where}"
+            )
+
+
+@pytest.mark.multiprocess
+def test_nested_units_on_the_engine_at_zero_0_and_2() -> None:
+    """The engine's other strategies: ZeRO-0/1 thread every unit's inputs (its backward
+    ends at its own identity), ZeRO-2 shards grads only; ZeRO-1 differs from 0 only in the
+    optimizer step, ZeRO-3 is the front end's (above)."""
+    run_on_ranks(_rank_engine, WORLD)
