@@ -4,7 +4,8 @@ FSDP2's front end passes what ``fully_shard`` was called on: single modules and
 groups of modules. Checked on the tiny GPT (LM head tied to the token embedding):
 each block is one unit, ``[ln_f, lm_head]`` one unit whose tied weight stays the
 root's, model order is kept, and a unit inside another, the root itself or a
-module outside the model are refused by name. The class-based path is unchanged
+module outside the model are refused by name; single units may nest (the inner
+unit holds its own parameters, the outer the rest of its module). The class-based path is unchanged
 (``test_layout``, ``test_parity``).
 """
 
@@ -41,11 +42,23 @@ def test_instances_give_the_class_path_buckets_for_the_same_units() -> None:
 
 def test_bad_unit_modules_are_refused() -> None:
     model = make_model()
-    with pytest.raises(ValueError, match="nested units are not supported"):
-        plan_buckets(model, (), False, [(model.blocks[0],), (model.blocks[0].attn,)])
+    with pytest.raises(ValueError, match="is a group of modules nested with another unit"):
+        plan_buckets(model, (), False, [(model.blocks[0],), (model.blocks[0].attn, model.ln_f)])
     with pytest.raises(ValueError, match="is the root module, not inside"):
         plan_buckets(model, (), False, [(model,)])
     with pytest.raises(ValueError, match="is the root module, not inside"):
         plan_buckets(model, (), False, [(make_model().blocks[0],)])
     with pytest.raises(TypeError, match="expected groups of nn.Modules"):
         plan_buckets(model, (), False, [("blocks.0",)])
+
+
+def test_nested_units_hold_their_own_parameters() -> None:
+    model = make_model()
+    block = model.blocks[0]
+    specs = _plan(model, [(block.attn,), (block,), (model.blocks[1],)])
+    assert list(specs) == ["", "blocks.0", "blocks.0.attn", "blocks.1"]
+    attn = {f"blocks.0.attn.{n}" for n, _ in block.attn.named_parameters()}
+    assert set(specs["blocks.0.attn"].names) == attn
+    outer = {f"blocks.0.{n}" for n, _ in block.named_parameters()} - attn
+    assert outer
+    assert set(specs["blocks.0"].names) == outer

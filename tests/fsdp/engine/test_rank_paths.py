@@ -607,6 +607,41 @@ def test_contradicting_changes_stop_every_rank() -> None:
     )
 
 
+def _rank_extra_forward(rank: int, world: int, strategy: int) -> None:
+    """In step 1 rank 0 runs two root forwards before its backward, rank 1 one."""
+    module = make_skipping()
+    model, opt = mf_fsdp.fully_shard(
+        module,
+        make_optimizer("adam", module.parameters()),
+        fsdp_unit_modules=unit_classes(),
+        zero_dp_strategy=strategy,
+    )
+
+    def train() -> None:
+        for step in range(STEPS):
+            tokens, targets = batch(step, rank, 0)
+            loss = model(tokens, targets)
+            if step == 1 and rank == 0:
+                loss = loss + model(*batch(step, rank, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    with pytest.raises(mf_fsdp.UnitOrderError) as caught:
+        train()
+    message = str(caught.value)
+    assert "step 1: unit '' (the root) ran a forward again before its backward" in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", [3])
+def test_a_rank_with_another_number_of_forwards_stops_every_rank(strategy: int) -> None:
+    """Each root forward after the first before one backward is agreed on: a rank alone
+    there would gather while its peers reduce (collectives paired wrongly, or a hang)."""
+    run_on_ranks(_rank_extra_forward, 2, strategy, timeout=90)
+
+
 def test_merge_chains() -> None:
     old = ["a", "b", "c", "d"]
     assert merge_chains(old, {0: (3, ("c", "a")), 1: (3, ("c", "a"))}) == (["c", "a", "b", "d"], 1)

@@ -8,7 +8,8 @@ accumulation: losses and every weight at 1e-6, and bitwise equal to the same
 run without the option (bf16 compute too). Memory: at the backward's end the
 engine reports no gradient bytes with the option on, against ``4 / N`` bytes
 per parameter without it (the sharded fp32 grads FSDP2 keeps until the step),
-and every live CPU tensor counted agrees. Errors: ZeRO-0/1, global-norm
+and every live CPU tensor counted agrees. Post-accumulate-grad hooks run per bucket before its step
+and see the reduced grads they see without the option. Errors: ZeRO-0/1, global-norm
 clipping, shape-aware optimizers and a model without a bound optimizer.
 """
 
@@ -157,6 +158,38 @@ def _rank_live_bytes(rank: int, world: int, strategy: int) -> None:
 def test_live_bytes_after_backward_world2() -> None:
     run_on_ranks(_rank_live_bytes, 2, 3)
     run_on_ranks(_rank_live_bytes, 2, 2)
+
+
+def _hooked_grads(strategy: int, on: bool, **options) -> list[list[torch.Tensor | None]]:
+    """Each step's grads as post-accumulate-grad hooks saw them (one hook per parameter)."""
+    model, opt = _build(strategy, "momentum", on, **options)
+    params = list(model.parameters())
+    seen: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(STEPS)]
+    step = [0]
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(
+            lambda p, i=index: seen[step[0]].__setitem__(i, p.grad.detach().clone())
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_micro_batches(model, opt, rank, world, 1, STEPS, lambda s: step.__setitem__(0, s + 1))
+    return seen
+
+
+def _rank_post_accumulate_hooks(rank: int, world: int) -> None:
+    for strategy, options in ((2, {}), (3, {}), (3, {"offload_optimizer_state": True})):
+        off = _hooked_grads(strategy, False, **options)
+        on = _hooked_grads(strategy, True, **options)
+        assert all(g is not None for grads in off for g in grads), "every hook runs (option off)"
+        assert all(g is not None for grads in on for g in grads), f"z{strategy}: hooks not run"
+        torch.testing.assert_close(on, off, rtol=0, atol=0)  # the reduced grad, before the step
+
+
+@pytest.mark.multiprocess
+def test_post_accumulate_grad_hooks_see_the_reduced_grad_world2() -> None:
+    """FSDP2 runs them once a parameter's reduced grad is in place: with the option, per
+    bucket before its step (host steps: once the grads are copied to the host); the grads
+    they see equal those seen without the option."""
+    run_on_ranks(_rank_post_accumulate_hooks, 2, timeout=300)
 
 
 def _rank_errors(rank: int, world: int) -> None:

@@ -48,6 +48,7 @@ from tests.fsdp._fsdp2_conformance import (
     replicated_reference,
     torch_case,
 )
+from tests.fsdp._fsdp2_port_common import full, on_both
 
 preload_in_ranks(*RANK_MODULES)
 TRAINING = "test_fully_shard_training.py"
@@ -629,44 +630,55 @@ def test_layer_by_layer_shard_no_false_positive() -> None:
 
 
 def _rank_double_forward(rank: int, world: int) -> None:
-    from torch.distributed._composable import checkpoint
-
     case = torch_case()
     for reshard_after_forward, checkpoint_impl in itertools.product(
         [True, False], ["composable", "utils"]
-    ):  # torch's subtests
-        torch.manual_seed(42)
-        vocab_size = 1024
-        args = ModelArgs(
-            n_layers=3,
-            n_heads=4,
-            vocab_size=vocab_size,
-            max_seq_len=64,
-            dropout_p=0,
-            checkpoint_activations=(checkpoint_impl == "utils"),
-        )
-        model = Transformer(args)
-        if checkpoint_impl == "composable":
-            for module in model.modules():
-                if isinstance(module, TransformerBlock):
-                    checkpoint(module)
-        for layer in model.layers:
-            fully_shard(layer.attention, reshard_after_forward=reshard_after_forward)
-            fully_shard(layer.feed_forward, reshard_after_forward=reshard_after_forward)
-            fully_shard(layer, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        torch.manual_seed(42 + rank)
-        inp1 = torch.randint(0, vocab_size, (2, 32))
-        inp2 = torch.randint(0, vocab_size, (2, 32))
-        out1, out2 = model(inp1), model(inp2)  # the DPO pattern
-        ((out1.sum() - out2.sum()).pow(2)).backward()
-        for param in model.parameters():
-            if param.requires_grad:
-                case.assertIsNotNone(param.grad)
+    ):  # torch's subtests, each on torch's FSDP2 and on mf: equal grads, losses, weights
+        on_both(case, _double_forward, rank, reshard_after_forward, checkpoint_impl)
+
+
+def _double_forward(shard, rank: int, reshard_after_forward: bool, checkpoint_impl: str):
+    """torch's scenario (nested units, two forwards, one backward), then one SGD step."""
+    from torch.distributed._composable import checkpoint
+
+    case = torch_case()
+    torch.manual_seed(42)
+    vocab_size = 1024
+    args = ModelArgs(
+        n_layers=3,
+        n_heads=4,
+        vocab_size=vocab_size,
+        max_seq_len=64,
+        dropout_p=0,
+        checkpoint_activations=(checkpoint_impl == "utils"),
+    )
+    model = Transformer(args)
+    if checkpoint_impl == "composable":
+        for module in model.modules():
+            if isinstance(module, TransformerBlock):
+                checkpoint(module)
+    for layer in model.layers:
+        shard(layer.attention, reshard_after_forward=reshard_after_forward)
+        shard(layer.feed_forward, reshard_after_forward=reshard_after_forward)
+        shard(layer, reshard_after_forward=reshard_after_forward)
+    shard(model, reshard_after_forward=reshard_after_forward)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + rank)
+    inp1 = torch.randint(0, vocab_size, (2, 32))
+    inp2 = torch.randint(0, vocab_size, (2, 32))
+    out1, out2 = model(inp1), model(inp2)  # the DPO pattern
+    loss = (out1.sum() - out2.sum()).pow(2)
+    loss.backward()
+    for param in model.parameters():
+        if param.requires_grad:
+            case.assertIsNotNone(param.grad)
+    grads = [full(p.grad) for p in model.parameters()]
+    optim.step()
+    after = model(inp1).sum()
+    return [loss.detach(), after.detach(), *grads, *(full(p) for p in model.parameters())]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="units nested below other units are refused")
 def test_double_forward_with_nested_fsdp_and_checkpoint() -> None:
     """``...::TestFullyShard1DTrainingCompose::test_double_forward_with_nested_fsdp_and_checkpoint``."""
     run_on_ranks(_rank_double_forward, WORLD)

@@ -6,7 +6,9 @@ does not sit inside another unit (the outermost match wins), or one of the
 and released together (FSDP2's ``fully_shard([norm, output])``). A parameter
 belongs to the unit that contains it; a parameter reachable from several
 units (a tied weight) or from none goes to the root (with units given as
-instances, also one a module outside every unit holds). Each unit's parameters
+instances, also one a module outside every unit holds). Units given as single
+instances may nest: each module's own parameters go to the innermost unit around
+it ([Note: nested units]). Each unit's parameters
 are split by (dtype, requires_grad, expert or not) into buckets, keeping
 model order (expert parameters, marked with mf_utils'
 ``set_expert_parallel_attribute``, live on another process group); at a
@@ -138,13 +140,14 @@ def plan_buckets(
     """Split ``module``'s parameters into buckets: the root bucket(s) first, then units.
 
     ``unit_modules`` names units by instance (each a group of one or more modules of
-    ``module``), in addition to the instances of ``unit_classes``. Parameters whose
+    ``module``), in addition to the instances of ``unit_classes``; single modules among
+    them may nest (see [Note: nested units]), outer units first. Parameters whose
     ``id`` is in ``ignored`` go in no bucket.
 
     Raises:
         ValueError: if the module has no parameters, a unit class matches no submodule,
             or a unit module is not inside ``module``, is ``module`` itself, or sits
-            inside another unit.
+            inside a unit of ``unit_classes``; a group of modules nested with another unit.
     """
     names: dict[nn.Parameter, str] = {}
     for name, param in module.named_parameters():
@@ -156,7 +159,8 @@ def plan_buckets(
             "least one parameter to shard"
         )
     units: list[tuple[str, tuple[nn.Module, ...]]] = []
-    covered: set[int] = set()
+    covered: set[int] = set()  # inside a unit of ``unit_classes``
+    in_instance: set[int] = set()  # inside a unit of ``unit_modules``
     seen: set[type] = set()
     groups = _instance_units(module, unit_modules)
     for qual, sub in module.named_modules():
@@ -164,18 +168,18 @@ def plan_buckets(
         if group is not None:
             if id(sub) in covered:
                 raise ValueError(
-                    f"unit_modules: {qual!r} ({type(sub).__name__}) sits inside another unit; "
-                    "nested units are not supported (expected units that do not contain "
-                    "one another, e.g. the blocks, then the root)"
+                    f"unit_modules: {qual!r} ({type(sub).__name__}) sits inside a unit of "
+                    "fsdp_unit_modules; expected unit_modules outside those units (units nest "
+                    "only among unit_modules)"
                 )
             if sub is group[0]:
                 units.append((qual, group))
-            covered.update(id(m) for m in sub.modules())
+            in_instance.update(id(m) for m in sub.modules())
             continue
         if not isinstance(sub, unit_classes):
             continue
         seen.update(c for c in unit_classes if isinstance(sub, c))
-        if id(sub) not in covered:
+        if id(sub) not in covered and id(sub) not in in_instance:
             units.append((qual, (sub,)))
             covered.update(id(m) for m in sub.modules())
     missing = [c.__qualname__ for c in unit_classes if c not in seen]
@@ -186,22 +190,71 @@ def plan_buckets(
         )
     if disable_bucketing:
         units = []
-    owners: dict[nn.Parameter, list[int]] = {}
-    for index, (_, members) in enumerate(units):
-        for param in _unit_params(members):
-            if param in names:
-                owners.setdefault(param, []).append(index)
-    if groups:  # FSDP2's rule: a weight the root's own modules use too stays the root's
-        for sub in module.modules():
-            if id(sub) not in covered:
-                for weight in sub._parameters.values():
-                    if weight in owners:
-                        owners[weight].append(-1)
-    specs = _split(None, "", [p for p in names if len(owners.get(p, ())) != 1], names)
+    owner = _owners(module, units, names, count_root=bool(groups))
+    specs = _split(None, "", [p for p in names if owner[p] < 0], names)
     for index, (qual, members) in enumerate(units):
-        own = [p for p in _unit_params(members) if owners.get(p) == [index]]
+        own = [p for p in _unit_params(members) if p in owner and owner[p] == index]
         specs.extend(_split(members[0], qual, own, names, members if len(members) > 1 else ()))
     return specs
+
+
+def _owners(
+    module: nn.Module,
+    units: list[tuple[str, tuple[nn.Module, ...]]],
+    names: dict[nn.Parameter, str],
+    count_root: bool,
+) -> dict[nn.Parameter, int]:
+    """Each parameter of ``names`` -> the index of its unit in ``units``, or -1 (the root).
+
+    [Note: nested units] A module's own parameters are held by the innermost unit
+    around it (FSDP2: a ``fully_shard`` call manages what no call inside it does).
+    A parameter held by units nested in one another (one chain) belongs to the
+    outermost of them, which is gathered whenever the inner ones run; one held by
+    units side by side belongs to the root, and so does one the root's own modules
+    hold when ``count_root`` (units given as instances, FSDP2's rule).
+
+    Raises:
+        ValueError: for a group of modules nested in a unit or holding one.
+    """
+    unit_of = {id(m): i for i, (_, members) in enumerate(units) for m in members}
+    parent: dict[int, int] = {}
+    holders: dict[nn.Parameter, set[int]] = {}
+
+    def walk(sub: nn.Module, around: int) -> None:
+        here = unit_of.get(id(sub), around)
+        if here != around and here not in parent:
+            parent[here] = around
+        for param in sub._parameters.values():
+            if param is not None and param in names:
+                holders.setdefault(param, set()).add(here)
+        for child in sub._modules.values():
+            if child is not None:
+                walk(child, here)
+
+    walk(module, -1)
+    for index, outer in parent.items():
+        if outer >= 0 and (len(units[index][1]) > 1 or len(units[outer][1]) > 1):
+            grouped = units[index if len(units[index][1]) > 1 else outer][0]
+            raise ValueError(
+                f"unit_modules: {grouped!r} is a group of modules nested with another unit "
+                f"({units[index][0]!r} inside {units[outer][0]!r}); expected a group of modules "
+                "outside every other unit and holding none"
+            )
+
+    def chain(index: int) -> list[int]:
+        found = [index]
+        while found[-1] >= 0:
+            found.append(parent.get(found[-1], -1))
+        return found
+
+    owner: dict[nn.Parameter, int] = {}
+    for param, held in holders.items():
+        if not count_root and len(held) > 1:
+            held = held - {-1}
+        inner = max(held, key=lambda i: len(chain(i)))
+        nested = held <= set(chain(inner))
+        owner[param] = min(held, key=lambda i: len(chain(i))) if nested else -1
+    return owner
 
 
 def _unit_params(members: tuple[nn.Module, ...]) -> list[nn.Parameter]:

@@ -58,7 +58,14 @@ from mf_fsdp.config import DistributedDataParallelConfig
 if TYPE_CHECKING:
     from mf_fsdp.engine.unit import Unit
 
-__all__ = ["BackwardStep", "HandOut", "HostSteps", "StepOwner", "StepSome"]
+__all__ = [
+    "BackwardStep",
+    "HandOut",
+    "HostSteps",
+    "StepOwner",
+    "StepSome",
+    "run_post_accumulate_grad_hooks",
+]
 
 StepSome = Callable[[torch.optim.Optimizer, set[int]], None]
 """Step ``optimizer`` on those of its parameters whose ``id`` is in the set, once."""
@@ -166,6 +173,10 @@ class BackwardStep:
             group.reduce_outer()  # the dp_outer stage (HSDP); nothing without dp_outer
         on_host = engine.offloads_optimizer_state
         self._hand_out(groups, not on_host)
+        if _hooked(groups):  # FSDP2's hooks see the reduced grad, before the step
+            if on_host:
+                device_copies_mark(engine.device)()  # the host grads they read
+            run_post_accumulate_grad_hooks(groups)
         ids = {id(fp.sharded) for group in groups for fp in group.fsdp_params}
         optimizers = list(engine.optimizers())
         step_some = self.step_some
@@ -220,3 +231,28 @@ class HostSteps:
         errors = [future.exception() for future, _ in pending]
         first = next((error for error in errors if error is not None), None)
         return [group for _, groups in pending for group in groups], first
+
+
+def _hooked(groups: list[Bucket]) -> bool:
+    """Whether a sharded parameter of ``groups`` has a post-accumulate-grad hook."""
+    return any(fp.sharded._post_accumulate_grad_hooks for g in groups for fp in g.fsdp_params)
+
+
+def run_post_accumulate_grad_hooks(groups: list[Bucket]) -> None:
+    """Run the post-accumulate-grad hooks of the sharded parameters given a reduced grad.
+
+    FSDP2 runs them on the sharded parameter once its reduced gradient is in place,
+    after each backward that reduces (an optimizer stepped parameter by parameter in
+    such a hook, torchtitan's and torch's recipe, relies on it). mf writes ``.grad``
+    itself, outside autograd's accumulation, so it runs them where it hands a
+    bucket's grads out: at the backward's end, or with ``optimizer_step_in_backward``
+    per bucket before its step. A bucket that handed out no grad runs none.
+    """
+    for group in groups:
+        if not group.grads_handed_out:
+            continue
+        for fp in group.fsdp_params:
+            hooks = fp.sharded._post_accumulate_grad_hooks
+            if hooks and fp.sharded.grad is not None:
+                for hook in tuple(hooks.values()):
+                    hook(fp.sharded)

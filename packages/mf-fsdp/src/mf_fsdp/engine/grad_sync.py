@@ -29,7 +29,7 @@ from mf_fsdp.buckets.buffer_pool import BufferPool
 from mf_fsdp.buckets.host import wait_for_device_copies
 from mf_fsdp.buckets.param import FSDPParam
 from mf_fsdp.config import DistributedDataParallelConfig
-from mf_fsdp.engine.backward_step import BackwardStep
+from mf_fsdp.engine.backward_step import BackwardStep, run_post_accumulate_grad_hooks
 from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.sync_policy import SyncPolicy
 
@@ -130,7 +130,7 @@ class GradSync:
                     group.finish_reduce()
             self.attach()
             self.grads_final = outer or all(group.outer is None for group in self.groups)
-            _run_post_accumulate_grad_hooks(self.groups)
+            run_post_accumulate_grad_hooks(self.groups)
 
     def on_solo_backward_end(self, groups: list[Bucket]) -> None:
         """A backward of units called by themselves only, reduced into ``groups``, ended.
@@ -145,7 +145,7 @@ class GradSync:
         if policy.outer_at_backward_end():
             self.synchronize(groups)
         self.hand_out(groups)
-        _run_post_accumulate_grad_hooks(groups)
+        run_post_accumulate_grad_hooks(groups)
 
     # ------------------------------------------------------------------ reductions
     def start(self) -> None:
@@ -346,22 +346,3 @@ class GradSync:
                 self.zero_pending = True
                 return
         self.zero_buffers(release=self.zero_releases)
-
-
-def _run_post_accumulate_grad_hooks(groups: list[Bucket]) -> None:
-    """Run the post-accumulate-grad hooks of the sharded parameters given a reduced grad.
-
-    FSDP2 runs them on the sharded parameter once its reduced gradient is in place,
-    after each backward that reduces (an optimizer stepped parameter by parameter in
-    such a hook, torchtitan's and torch's recipe, relies on it). mf writes ``.grad``
-    itself, outside autograd's accumulation, so it runs them here, once per such
-    backward. A bucket that handed out no grad runs none.
-    """
-    for group in groups:
-        if not group.grads_handed_out:
-            continue
-        for fp in group.fsdp_params:
-            hooks = fp.sharded._post_accumulate_grad_hooks
-            if hooks and fp.sharded.grad is not None:
-                for hook in tuple(hooks.values()):
-                    hook(fp.sharded)

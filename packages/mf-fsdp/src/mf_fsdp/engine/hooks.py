@@ -15,9 +15,11 @@ Hooks (per unit, registered once):
   root and any unit whose post-backward did not fire, then hands over to the
   engine's end-of-backward step (micro-batch count, auto-sync).
 
-Ranks may skip units (see [Note: ranks that skip units]): every rank walks the units in
-one order and issues a skipped unit's collectives in its place, in the forward
-(``_stand_in_forward``) and in the backward (``_finish_before``). The order starts as
+Ranks may skip units (see [Note: ranks that skip units] in ``engine/unit_order.py``):
+every rank walks the units in one order and issues a skipped unit's collectives in its
+place, in the forward (``_stand_in_forward``) and in the backward (``_finish_before``).
+Units nested in one another follow [Note: nested units in the walk] (``engine/nesting.py``).
+The order starts as
 the registration order; a unit called before units the walk has passed makes the ranks
 agree on a new one (``_reorder``, ``engine/unit_order.py``); an order they cannot agree
 on stops every rank (``engine/rank_paths.py``).
@@ -54,6 +56,7 @@ decide *whether* to reduce (the engine's ``SyncPolicy`` does), or touch the opti
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -67,15 +70,15 @@ from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.config import DistributedDataParallelConfig, TrainingState, ZeroDPStrategy
 from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.held_units import HeldUnits
-from mf_fsdp.engine.rank_paths import default_store, stop_every_rank, translated
+from mf_fsdp.engine.nesting import Nesting, in_backward
+from mf_fsdp.engine.rank_paths import default_store, stop_out_of_order, translated
 from mf_fsdp.engine.unit import Unit, eager, grad_tensors, on_first_grad, thread_inputs
 from mf_fsdp.engine.unit_order import OrderAgreement
 
 __all__ = ["UnitHooks"]
 
 
-def _store(hooks: UnitHooks) -> dist.Store | None:
-    return hooks.store
+_store = operator.attrgetter("store")  # the store a collective's failure is looked up in
 
 
 class UnitHooks:
@@ -84,7 +87,7 @@ class UnitHooks:
     Args:
         root: the root unit (parameters outside every unit); driven by ``forward``.
         units: the FSDP units, in registration order (the walk's first order, see
-            [Note: ranks that skip units]); a forward pre-hook and post-hook is
+            [Note: ranks that skip units], ``unit_order.py``); a forward pre-hook and post-hook is
             registered on each.
         groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
         strategy: the engine's ZeRO strategy.
@@ -155,9 +158,9 @@ class UnitHooks:
         self._kept: list[Unit] = []  # left gathered after their forward (see root_pre_forward)
         self._last: Unit | None = None  # the last unit that ran, gathered until the next
         self._handles: list[RemovableHandle] = []
-        # Every bucket whole on every rank (a shard group of one): nothing to prefetch.
-        self._all_whole = all(group.whole_on_every_rank for group in groups)
+        self._all_whole = all(g.whole_on_every_rank for g in groups)  # nothing to prefetch
         self._comm = CommWindow(strategy, ddp_config, self._all_whole, on_reduced)
+        self._nest = Nesting(units)  # see [Note: nested units in the walk]
         for index, unit in enumerate(units):
             assert unit.module is not None  # internal invariant
             unit.index = index
@@ -175,26 +178,17 @@ class UnitHooks:
 
     def _out_of_order(self, unit: Unit, what: str) -> NoReturn:
         """Stop every rank: ``unit`` cannot be fitted into the units' order (see rank_paths)."""
-        order = ", ".join(repr(u.name) for u in self._order[:8])
-        more = ", ..." if len(self._order) > 8 else ""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        stop_every_rank(
-            self.store,
-            f"mf_fsdp: rank {rank}, step {self._step()}: unit {unit.name!r} {what}. Every rank "
-            f"walks the units in one order (here {order}{more}; first the registration order, "
-            "changed where every rank meets the change), may skip any of them, and runs "
-            "a unit again after others only where every rank does; the ranks stopped here "
-            "instead of exchanging mismatched collectives",
-        )
+        stop_out_of_order(self.store, self._step(), unit.name, [u.name for u in self._order], what)
 
     # ------------------------------------------------------------------ forward
     @translated(_store)
     def root_pre_forward(self) -> None:
         """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
+        if self._root.state is TrainingState.FORWARD and self._strategy.shards_params:
+            self._agree(self._root, "(the root) ran a forward again before its backward")
         self._forget_pass()  # a forward whose backward never ran (or has not yet)
         self._in_forward = True
-        # The units the backward starts with (its first window) stay gathered.
-        self._kept = self._comm.kept_for_backward(self._prev_order)
+        self._kept = self._comm.kept_for_backward(self._prev_order)  # kept for the backward
         self._fwd_order = []
         self._root.state = TrainingState.FORWARD
         self._root.forwarded = True
@@ -210,7 +204,7 @@ class UnitHooks:
                 for group in unit.groups:
                     group.reshard()
             unit.forwarded, unit.ran, unit.pending = False, False, 0
-        self._next, self._last, self._in_forward = 0, None, False
+        self._next, self._last, self._in_forward, self._nest.solo_open = 0, None, False, 0
 
     def reset_iteration(self) -> None:
         """Forget a pass an exception cut short (FSDP2's ``reset_iter_state``)."""
@@ -245,7 +239,7 @@ class UnitHooks:
     def _unit_pre_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if in_backward(unit) or self._nest.recomputed(unit):
             self._gather(unit, async_op=False)  # recomputation: reuse or regather
             return None
         if not self._in_forward and not self._callback_queued:
@@ -267,8 +261,8 @@ class UnitHooks:
                 self._next = unit.index + 1
                 unit.ran = True
                 self._forward_collectives(unit)
-        if not unit.members:
-            self._last = unit
+        if not unit.members and not self._nest.inner_count(unit):
+            self._last = unit  # an outer unit is released at its own post-forward
         if not torch.is_grad_enabled() or (self._strategy.shards_grads and unit.index > 0):
             return None  # see [Note: where a unit's backward ends]
         unit.pending += 1  # undone by this call's backward, if its inputs thread one
@@ -317,14 +311,7 @@ class UnitHooks:
     def _stand_in_forward(self, upto: int) -> None:
         """Issue the forward collectives of the units this rank skipped before index ``upto``.
 
-        [Note: ranks that skip units] Every rank walks the units in one order (first
-        the registration order, then as agreed, ``_reorder``) and issues each unit's
-        collectives in it: a unit it skips gets, in the same place, the gathers and
-        releases (forward) and the gathers, zero-grad reductions and releases
-        (backward) a rank running it issues. So every rank issues the same
-        collectives, windows and coalesced batches included, whichever units it ran.
-        A unit run again while gathered (``_may_run_again``) issues nothing, so ranks
-        may run it unequally often; run again after release, all ranks must.
+        See [Note: ranks that skip units] in ``engine/unit_order.py``.
         """
         while self._next < upto:
             unit = self._order[self._next]
@@ -352,21 +339,24 @@ class UnitHooks:
             walked.index = index
         self._next = done
         self._fwd_order = self._order[:done]
+        if (split := self._nest.misplaced(self._order)) is not None:
+            self._out_of_order(split, "is no longer right before the units inside it")
 
     @translated(_store)
     def _unit_post_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
-        if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if in_backward(unit):
             return
         if not self._in_forward and not self._callback_queued:
             self._solo_post_forward(unit, output)
             return
         # Released when another unit runs (a group unit: at the forward's end).
-        if self._strategy.shards_grads and torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
+        if self._in_forward and self._nest.inner_count(unit):
+            self._release_after_forward(unit)
+        grads = self._strategy.shards_grads and torch.is_grad_enabled()
+        if grads and (tensors := grad_tensors(output)):
+            on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
 
     # ------------------------------------------------------------------ a unit by itself
     def _solo_pre_forward(
@@ -374,6 +364,7 @@ class UnitHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """A call of ``unit`` by itself (see [Note: a unit called by itself]): gather it."""
         self._on_compute()
+        self._nest.solo_open += 1
         self._gather(unit, async_op=False)
         if not torch.is_grad_enabled():
             return None
@@ -384,16 +375,16 @@ class UnitHooks:
 
     def _solo_post_forward(self, unit: Unit, output: Any) -> None:
         """Hook the call's backward; release ``unit`` per its ``reshard_after_forward``."""
-        if torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
+        if torch.is_grad_enabled() and (tensors := grad_tensors(output)):
+            on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
         if unit.reshard_after_forward:
             for group in unit.groups:
                 group.reshard()
         elif unit.state is TrainingState.IDLE:
             self.held.hold(unit)
-        self._on_idle()
+        self._nest.solo_open -= 1
+        if not self._nest.solo_open:  # not inside an outer unit's call by itself
+            self._on_idle()
 
     @translated(_store)
     def _solo_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
@@ -472,6 +463,7 @@ class UnitHooks:
         if unit.state is TrainingState.POST_BACKWARD or place < self._back:
             self._serve_again(unit)
             return
+        place -= self._nest.inner_count(unit)  # the units inside it come first
         if place != self._back:
             self._finish_before(place)
         self._back = place
@@ -495,6 +487,9 @@ class UnitHooks:
         of the backward, added to the ones reduced before, as FSDP2 adds them. The
         ranks check on the store that all of them do it here (``_agree``).
         """
+        for outer in self._nest.around(unit):
+            if outer.state is TrainingState.POST_BACKWARD:
+                self._serve_again(outer)
         self._agree(unit, "started its backward again after the backward had passed it")
         unit.state = TrainingState.PRE_BACKWARD
         unit.forwarded = unit.ran = True
@@ -505,6 +500,12 @@ class UnitHooks:
 
     def _backward_collectives(self, unit: Unit) -> None:
         """What a unit's backward starts with: the same whether it runs or is stood in for."""
+        for outer in self._nest.around(unit):  # [Note: nested units in the walk]
+            if not in_backward(outer):
+                self._backward_collectives(outer)
+                if not outer.ran:
+                    for group in outer.groups:
+                        group.mark_unused()
         unit.state = TrainingState.PRE_BACKWARD
         if self._strategy.shards_params:
             self._gather(unit, async_op=False)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from mf_fsdp.buckets.extension import ExtensionError
 
-__all__ = ["UnitOrderError", "default_store", "stop_every_rank", "translated"]
+__all__ = ["UnitOrderError", "default_store", "stop_every_rank", "stop_out_of_order", "translated"]
 
 _KEY = "mf_fsdp/unit_order_error"
 _LOOKUP = timedelta(seconds=2)
@@ -86,6 +86,22 @@ def stop_every_rank(store: dist.Store | None, message: str) -> NoReturn:
             message = store.compare_set(_KEY, "", message).decode()
     _tear_down()
     raise UnitOrderError(message)
+
+
+def stop_out_of_order(
+    store: dist.Store | None, step: int, unit: str, order: list[str], what: str
+) -> NoReturn:
+    """Stop every rank: ``unit`` cannot be fitted into the units' ``order`` (``what``: why)."""
+    shown = ", ".join(repr(name) for name in order[:8]) + (", ..." if len(order) > 8 else "")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    stop_every_rank(
+        store,
+        f"mf_fsdp: rank {rank}, step {step}: unit {unit!r} {what}. Every rank walks the units "
+        f"in one order (here {shown}; first the registration order, changed where every rank "
+        "meets the change), may skip any of them, and runs a unit again after others only "
+        "where every rank does; the ranks stopped here instead of exchanging mismatched "
+        "collectives",
+    )
 
 
 def _posted(store: dist.Store | None, error: RuntimeError) -> str | None:

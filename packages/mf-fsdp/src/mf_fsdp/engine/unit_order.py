@@ -1,10 +1,17 @@
 """Agreeing on a new units' order when a rank runs a unit before one that came first.
 
-Every rank walks the FSDP units in one order (``engine/hooks.py``, [Note: ranks
-that skip units]). It starts as the registration order; a model whose forward
-calls its units in another order, the same on every rank (a decoder registered
-before its encoder, block 2 called before block 1), makes every rank meet a
-unit behind its walk at the same call. There the ranks agree on a new order
+[Note: ranks that skip units] Every rank walks the FSDP units in one order
+(``engine/hooks.py``: first the registration order, then as agreed, ``_reorder``)
+and issues each unit's collectives in it: a unit it skips gets, in the same place,
+the gathers and releases (forward) and the gathers, zero-grad reductions and
+releases (backward) a rank running it issues (``_stand_in_forward``,
+``_finish_before``). So every rank issues the same collectives, windows and
+coalesced batches included, whichever units it ran. A unit run again while
+gathered (``_may_run_again``) issues nothing, so ranks may run it unequally often;
+run again after release, all ranks must. The order starts as the registration
+order; a model whose forward calls its units in another order, the same on every
+rank (a decoder registered before its encoder, block 2 called before block 1),
+makes every rank meet a unit behind its walk at the same call. There the ranks agree on a new order
 (:class:`OrderAgreement`) and keep it for the following steps, so a step that
 repeats the previous one costs nothing.
 
