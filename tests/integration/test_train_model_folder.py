@@ -272,8 +272,8 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
             f"--data {str(bad_line)!r} line 2: the object has no 'text' field",
         ),
         "tp": (["--model", str(llama), "--tp", "2"], "--tp 2 does not apply to the llama model"),
-        "fp8": (
-            ["--model", str(llama), "--precision", "fp8"],
+        "fp8_lora": (
+            ["--model", str(llama), "--precision", "fp8", "--lora-rank", "4"],
             "--precision fp8 does not apply to the llama model",
         ),
         "not_a_name": (["--model", "no-such-preset"], "is neither a preset"),

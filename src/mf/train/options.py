@@ -19,9 +19,10 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.lora_options import DEFAULT_LORA_TARGETS, check_lora_options
-from mf.train.model_folder import ModelFolder, attends_through_sdpa, folder_of
+from mf.train.model_folder import ModelFolder, attends_through_sdpa, folder_of, meta_causal_lm
 from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
+from mf.train.run_module import float8_linears
 from mf.train.settings import TrainOptions
 
 __all__ = [
@@ -148,7 +149,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="compute precision (default: bf16 on a GPU that has it, with fp32 main weights; "
         "else fp32). fp8: the blocks' linears in float8 (torchao, tensorwise dynamic scaling, "
         "mf[float8]), the rest in bf16, fp32 main weights; on the CPU from torch 2.11 and on "
-        "GPUs from sm_89; --tp 1 only",
+        "GPUs from sm_89; --tp 1 only. With --model PATH: its decoder layers' projections, "
+        "full fine-tuning only",
     )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add(
@@ -346,8 +348,10 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
             "the muon recipe picks the blocks' matrices of mf's GPT presets; use adamw",
         ),
         "--precision": (
-            options.precision == "fp8",
-            "float8 training is wired for mf's GPT presets; use bf16 or fp32",
+            options.precision == "fp8" and options.lora_rank is not None,
+            "with --lora-rank its bases are frozen, and torchao's float8 training converts "
+            "linears whose weights train (the rank-R adapters are too narrow for FP8 matmuls); "
+            "use bf16 for LoRA and QLoRA",
         ),
     }
     for flag, (applies, why) in refused.items():
@@ -355,6 +359,13 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
             value = getattr(options, flag[2:].replace("-", "_"))
             raise ValueError(f"{flag} {value} does not apply to the {folder.name}: {why}")
     _check_context_parallel(options, None)
+    if options.precision == "fp8":
+        _check_float8(options, None)
+        if not float8_linears(meta_causal_lm(folder)):
+            raise ValueError(
+                f"--precision fp8 does not apply to the {folder.name}: no linear of its decoder "
+                "layers has both dimensions divisible by 16, which FP8 matmuls need"
+            )
     if options.seq_len > folder.positions:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {folder.positions} positions of the "
