@@ -129,6 +129,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add(
+        "--step-in-backward",
+        action="store_true",
+        help="--zero 2/3: step each bucket's parameters inside the backward as soon as their "
+        "gradients are reduced (mf-fsdp's optimizer_step_in_backward), so the gradients are "
+        "never all held at once; the same losses; --optimizer adamw; no grad norm is reported",
+    )
+    add(
         "--seq-len",
         type=int,
         default=None,
@@ -326,6 +333,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if folder is None:
         _check_preset_options(options)
     check_lora_options(options, folder)
+    if options.step_in_backward:
+        _check_step_in_backward(options)
     if options.resume_from is not None:
         options = dataclasses.replace(options, resume=True)
     if options.resume:
@@ -448,6 +457,28 @@ def _check_float8(options: TrainOptions, preset: object) -> None:
     problem = float8_unavailable(device)
     if problem is not None:
         raise ValueError(f"--precision fp8: {problem}")
+
+
+def _check_step_in_backward(options: TrainOptions) -> None:
+    """Refuse a ``--step-in-backward`` run the engine cannot step inside the backward.
+
+    A bucket is stepped on its reduced gradient shard, which only ZeRO-2/3 keep
+    (ZeRO-0/1 reduce whole gradients), and one bucket at a time, which only an
+    elementwise optimizer computes as one step of all (Muon orthogonalizes
+    whole matrices). Gradient accumulation is served: the micro-batches before
+    the last run in ``no_sync``, and the step comes in the last one's backward.
+    """
+    if options.zero < 2:
+        raise ValueError(
+            f"--step-in-backward needs --zero 2 or 3, got --zero {options.zero}: each bucket is "
+            "stepped on its reduced gradient shard, which ZeRO-0/1 do not keep"
+        )
+    if options.optimizer != "adamw":
+        raise ValueError(
+            f"--step-in-backward with --optimizer {options.optimizer}: each bucket is stepped "
+            "on its own, which only an elementwise optimizer computes as one step of all; "
+            "use --optimizer adamw"
+        )
 
 
 def _check_context_parallel(options: TrainOptions, preset: object) -> None:
