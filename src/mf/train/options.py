@@ -351,6 +351,7 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
             "its attention has no SDPA path, the one mf's context parallelism serves",
         ),
         "--ep": (options.ep > 1, "expert parallelism is for the moe-* presets"),
+        "--etp": (options.etp > 1, "expert tensor parallelism is for the moe-* presets"),
         "--layer-drop": (options.layer_drop > 0, "LayerDrop is in mf's GPT presets"),
         "--optimizer": (
             options.optimizer != "adamw",
