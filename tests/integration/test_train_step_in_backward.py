@@ -1,8 +1,8 @@
 """``mf-train --step-in-backward``: the optimizer stepped per bucket inside the backward.
 
 At world 2 the ``tiny`` preset (ZeRO-2 and ZeRO-3, with and without
-``--grad-accum 2``) and a tiny Llama folder (ZeRO-3) give the losses of the
-normal step, exactly: the engine steps each bucket with AdamW's own step on
+``--grad-accum 2``) and a tiny Llama folder (ZeRO-3, fully and with LoRA) give
+the losses of the normal step, exactly: the engine steps each bucket with AdamW's own step on
 those parameters, the arithmetic of one step of all. Each run with the option
 is checked to have stepped inside the backward (mf-fsdp's per-bucket step was
 called), so a run that ignored the option could not pass. A run resumed from
@@ -98,8 +98,11 @@ def test_preset_step_in_backward_equals_the_normal_step(tmp_path: Path) -> None:
         assert _losses(tmp_path / f"{name}-backward") == normal, name
 
 
+_FOLDER_VARIANTS = {"folder": ["--zero", "3"], "lora": ["--zero", "3", "--lora-rank", "4"]}
+
+
 def _rank_folder_and_resume(rank: int, world: int, root: str, base: list[str]) -> None:
-    _rank_runs(rank, world, root, _pairs(base, {"folder": ["--zero", "3"]}))
+    _rank_runs(rank, world, root, _pairs(base, _FOLDER_VARIANTS))
     if rank == 0:  # as if the run had stopped at its step-3 checkpoint
         shutil.rmtree(Path(root, "folder-backward-ckpt", f"step_{STEPS:07d}"))
     dist.barrier()
@@ -116,9 +119,12 @@ def test_folder_step_in_backward_equals_the_normal_step_and_resumes(tmp_path: Pa
     folder = make_llama_folder(tmp_path / "llama", corpus_chars=20_000)
     base = [*_COMMON, "--model", str(folder), "--save-every", "3"]
     run_on_ranks(_rank_folder_and_resume, 2, str(tmp_path), base, timeout=280)
+    for name in _FOLDER_VARIANTS:
+        normal = _losses(tmp_path / f"{name}-normal")
+        assert len(normal) == STEPS
+        assert _losses(tmp_path / f"{name}-backward") == normal, name
     normal = _losses(tmp_path / "folder-normal")
     assert normal[-1] < normal[0]
-    assert _losses(tmp_path / "folder-backward") == normal
     assert _losses(tmp_path / "resumed") == normal[3:]
 
 
