@@ -6,7 +6,8 @@
 - at world 2 (ZeRO-3, FP8 weight gathering) the folder learns as its bf16 run
   does while computing something else (so the float8 matmuls ran), its weights
   move, it resumes with the unbroken run's losses, and its export loads with
-  ``from_pretrained`` and holds the trained weights;
+  ``from_pretrained`` and holds the trained weights; at ZeRO-2, with
+  ``--dp-outer 2`` and with ``--cp 2`` it ends as near bf16;
 - what fp8 cannot serve on a folder is one line naming the model and the option.
 """
 
@@ -84,17 +85,27 @@ def _rank_fp8_like_bf16(rank: int, world: int, argv: list[str], tmp: str) -> Non
     dist.barrier()
     resumed = [*argv, "--precision", "fp8", "--out-dir", f"{tmp}/resumed"]
     train(parse_options([*resumed, "--ckpt-dir", f"{tmp}/fp8-ckpt", "--resume"]))
+    for name, extra in _FP8_VARIANTS.items():
+        folders = ["--out-dir", f"{tmp}/{name}", "--ckpt-dir", f"{tmp}/{name}-ckpt"]
+        train(parse_options([*argv, "--precision", "fp8", *extra, *folders, "--save-every", "0"]))
+
+
+_FP8_VARIANTS = {
+    "zero2": ["--zero", "2"],  # float8 in the matmuls only: whole compute weights, no FP8 gather
+    "hsdp": ["--dp-outer", "2"],  # FP8 gathering over a replicated outer dim
+    "cp2": ["--cp", "2", "--micro-batch", "4"],  # each sequence over both ranks
+}
 
 
 @needs_cpu_float8
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_fp8_folder_learns_like_bf16_resumes_and_exports(llama: Path, tmp_path: Path) -> None:
     """Planted: the step never applied (the optimizers' step made a no-op in the fp8
     run) fails the weights-moved and the learning checks; the loss comparison alone
     would not catch it within 3% of an 8-step run whose loss barely moves."""
     argv = ["--model", str(llama), *_COMMON, "--zero", "3", "--save-every", "6"]
-    run_on_ranks(_rank_fp8_like_bf16, 2, argv, str(tmp_path), timeout=280)
+    run_on_ranks(_rank_fp8_like_bf16, 2, argv, str(tmp_path), timeout=380)
     bf16, fp8 = _records(tmp_path / "bf16"), _records(tmp_path / "fp8")
     losses = [[r["loss"] for r in run] for run in (bf16, fp8)]
     assert losses[1] != losses[0]  # the float8 matmuls ran: they round otherwise than bf16
@@ -102,6 +113,11 @@ def test_fp8_folder_learns_like_bf16_resumes_and_exports(llama: Path, tmp_path: 
     assert end_bf16 < losses[0][0] - LEARNED  # both learn
     assert end_fp8 < losses[1][0] - LEARNED
     assert abs(end_fp8 - end_bf16) <= LOSS_RTOL * end_bf16, (end_fp8, end_bf16)
+    for name in _FP8_VARIANTS:
+        variant = _records(tmp_path / name)
+        assert [r["loss"] for r in variant] != losses[0], name
+        end = variant[-1]["validation_loss"]
+        assert abs(end - end_bf16) <= LOSS_RTOL * end_bf16, (name, end, end_bf16)
     resumed = _records(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(7, STEPS + 1))
     assert [r["loss"] for r in resumed] == losses[1][6:]
