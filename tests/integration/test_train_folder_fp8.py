@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def test_fp8_converts_the_decoder_layers_projections(llama: Path, zero: int) -> 
     from mf.train.run_module import folder_module
 
     options = parse_options(["--model", str(llama), *_COMMON, "--precision", "fp8"])
-    options = options_module.dataclasses.replace(options, zero=zero)
+    options = dataclasses.replace(options, zero=zero)
     module, _ = folder_module(options, folder_of(options.model), torch.device("cpu"))
     converted = {n for n, m in module.named_modules() if isinstance(m, Float8Linear)}
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
