@@ -272,8 +272,8 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
             f"--data {str(bad_line)!r} line 2: the object has no 'text' field",
         ),
         "tp": (["--model", str(llama), "--tp", "2"], "--tp 2 does not apply to the llama model"),
-        "fp8": (
-            ["--model", str(llama), "--precision", "fp8"],
+        "fp8_lora": (
+            ["--model", str(llama), "--precision", "fp8", "--lora-rank", "4"],
             "--precision fp8 does not apply to the llama model",
         ),
         "not_a_name": (["--model", "no-such-preset"], "is neither a preset"),
@@ -288,6 +288,30 @@ def test_bad_input_is_one_line_and_exit_code_2(llama: Path, tmp_path: Path) -> N
         assert len(lines) == 1, (name, lines)
         assert expected in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--tp", "2"], "its layers are transformers'"),
+        (["--ep", "2"], "expert parallelism is for the moe-* presets"),
+        (["--etp", "2"], "expert tensor parallelism is for the moe-* presets"),
+        (["--layer-drop", "0.1"], "LayerDrop is in mf's GPT presets"),
+        (["--optimizer", "muon"], "the muon recipe picks the blocks' matrices"),
+        (["--precision", "fp8", "--lora-rank", "4"], "with --lora-rank its bases are frozen"),
+    ],
+)
+def test_each_option_that_does_not_apply_is_one_line_naming_it(
+    llama: Path, extra: list[str], why: str
+) -> None:
+    """Every ``mf-train --help`` option a folder model cannot take (docs/training.md lists
+    them). Planted: --etp left out of the folder's refusals is accepted silently (the
+    expert mesh is a preset's) and fails here."""
+    with pytest.raises(ValueError, match=f"^{extra[0]} ") as caught:
+        parse_options(["--device", "cpu", "--model", str(llama), *extra])
+    expected = f"{extra[0]} {extra[1]} does not apply to the llama model {str(llama)!r}: {why}"
+    assert str(caught.value).startswith(expected)
+    assert "\n" not in str(caught.value)
 
 
 def _rank_loads_bf16_folder(rank: int, world: int, folder: str) -> None:

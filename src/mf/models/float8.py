@@ -111,29 +111,43 @@ def converts_to_float8(module: nn.Module, fqn: str) -> bool:
     return module.in_features % _FP8_ALIGNMENT == 0 and module.out_features % _FP8_ALIGNMENT == 0
 
 
-def convert_gpt_to_float8(model: nn.Module, *, fsdp_float8_all_gather: bool) -> list[str]:
+def convert_gpt_to_float8(
+    model: nn.Module,
+    *,
+    fsdp_float8_all_gather: bool,
+    module_filter: Callable[[nn.Module, str], bool] = converts_to_float8,
+) -> list[str]:
     """Swap the GPT's eligible linears for torchao's ``Float8Linear`` in place; return their FQNs.
 
     Tensorwise dynamic scaling (torchao's default recipe). Parameter names and values
     are unchanged, so state dicts and exports stay those of the plain GPT.
 
     Args:
-        model: a plain ``GPT`` (not yet sharded).
+        model: a plain ``GPT`` (not yet sharded), or any model whose linears
+            ``module_filter`` picks (a transformers model on the meta device too:
+            the weights are wrapped, not read).
         fsdp_float8_all_gather: make the weights torchao's FP8-gathering subclass
             (``FSDP_FLOAT8_ALL_GATHER`` says whether mf-fsdp carries it).
+        module_filter: ``(module, fqn) -> bool``, the linears to convert
+            (default ``converts_to_float8``, the GPT's rule); each must also pass
+            ``converts_to_float8``'s alignment.
 
     Raises:
         ValueError: if no linear of ``model`` can take float8 matmuls.
     """
     Float8LinearConfig, convert_to_float8_training = _torchao_float8()
-    converted = [fqn for fqn, module in model.named_modules() if converts_to_float8(module, fqn)]
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return converts_to_float8(module, fqn) and module_filter(module, fqn)
+
+    converted = [fqn for fqn, module in model.named_modules() if eligible(module, fqn)]
     if not converted:
         raise ValueError(
             f"convert_gpt_to_float8: no linear of the {type(model).__name__} has both "
             f"dimensions divisible by {_FP8_ALIGNMENT}; float8 matmuls need that"
         )
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
-    convert_to_float8_training(model, module_filter_fn=converts_to_float8, config=config)
+    convert_to_float8_training(model, module_filter_fn=eligible, config=config)
     return converted
 
 

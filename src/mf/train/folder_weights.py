@@ -58,14 +58,39 @@ def _boxes(
     """The local tensor to write and, per box, (offsets, sizes) in the global tensor.
 
     An ``UnevenDTensor`` (ZeRO 1-3): its local tensor stacks its boxes along dim 0.
-    A plain tensor (ZeRO-0): the whole tensor is one box.
+    A ``DTensor`` (an all-gather-extension weight: float8's under ZeRO-3): its
+    unpadded piece of dim 0. A plain tensor (ZeRO-0): the whole tensor is one box.
     """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     from mf_dtensor import UnevenDTensor
 
     if isinstance(value, UnevenDTensor):
         boxes = [(tuple(b.offsets), tuple(b.sizes)) for b in value.local_boxes()]
         return value._local_tensor, boxes
+    if isinstance(value, DTensor):  # a parameter sharded as FSDP2 shards it (torch.chunk)
+        sizes, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        return _plain(value._local_tensor), [(tuple(offsets), tuple(sizes))]
     return value, [((0,) * value.ndim, tuple(value.shape))]
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``value``'s elements: itself, or the one a wrapper holds.
+
+    torchao's float8 training (``--precision fp8``) wraps each converted weight
+    in a subclass around the high-precision tensor (its one inner tensor), which
+    mf-fsdp shards as FSDP2 does (its all-gather extension): the rows are written
+    into that inner tensor, the only copy of the weight's values.
+    """
+    while type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        inner, _ = value.__tensor_flatten__()
+        if len(inner) != 1:
+            raise TypeError(f"cannot write rows into a {type(value).__name__}")
+        value = getattr(value, inner[0])
+    return value
 
 
 _DTYPES = {

@@ -19,9 +19,10 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.data import VOCAB_SIZE
 from mf.train.lora_options import DEFAULT_LORA_TARGETS, check_lora_options
-from mf.train.model_folder import ModelFolder, attends_through_sdpa, folder_of
+from mf.train.model_folder import ModelFolder, attends_through_sdpa, folder_of, meta_causal_lm
 from mf.train.profiling import parse_window
 from mf.train.resume import RESULT_SETTINGS, check_resume_settings
+from mf.train.run_module import float8_linears
 from mf.train.settings import TrainOptions
 
 __all__ = [
@@ -128,6 +129,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add(
+        "--step-in-backward",
+        action="store_true",
+        help="--zero 2/3: step each bucket's parameters inside the backward as soon as their "
+        "gradients are reduced (mf-fsdp's optimizer_step_in_backward), so the gradients are "
+        "never all held at once; the same losses; --optimizer adamw; no grad norm is reported",
+    )
+    add(
         "--seq-len",
         type=int,
         default=None,
@@ -148,7 +156,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="compute precision (default: bf16 on a GPU that has it, with fp32 main weights; "
         "else fp32). fp8: the blocks' linears in float8 (torchao, tensorwise dynamic scaling, "
         "mf[float8]), the rest in bf16, fp32 main weights; on the CPU from torch 2.11 and on "
-        "GPUs from sm_89; --tp 1 only",
+        "GPUs from sm_89; --tp 1 only. With --model PATH: its decoder layers' projections, "
+        "full fine-tuning only",
     )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add(
@@ -324,6 +333,8 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if folder is None:
         _check_preset_options(options)
     check_lora_options(options, folder)
+    if options.step_in_backward:
+        _check_step_in_backward(options)
     if options.resume_from is not None:
         options = dataclasses.replace(options, resume=True)
     if options.resume:
@@ -340,14 +351,17 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
             "its attention has no SDPA path, the one mf's context parallelism serves",
         ),
         "--ep": (options.ep > 1, "expert parallelism is for the moe-* presets"),
+        "--etp": (options.etp > 1, "expert tensor parallelism is for the moe-* presets"),
         "--layer-drop": (options.layer_drop > 0, "LayerDrop is in mf's GPT presets"),
         "--optimizer": (
             options.optimizer != "adamw",
             "the muon recipe picks the blocks' matrices of mf's GPT presets; use adamw",
         ),
         "--precision": (
-            options.precision == "fp8",
-            "float8 training is wired for mf's GPT presets; use bf16 or fp32",
+            options.precision == "fp8" and options.lora_rank is not None,
+            "with --lora-rank its bases are frozen, and torchao's float8 training converts "
+            "linears whose weights train (the rank-R adapters are too narrow for FP8 matmuls); "
+            "use bf16 for LoRA and QLoRA",
         ),
     }
     for flag, (applies, why) in refused.items():
@@ -355,6 +369,13 @@ def _check_folder_options(options: TrainOptions, folder: ModelFolder) -> None:
             value = getattr(options, flag[2:].replace("-", "_"))
             raise ValueError(f"{flag} {value} does not apply to the {folder.name}: {why}")
     _check_context_parallel(options, None)
+    if options.precision == "fp8":
+        _check_float8(options, None)
+        if not float8_linears(meta_causal_lm(folder)):
+            raise ValueError(
+                f"--precision fp8 does not apply to the {folder.name}: no linear of its decoder "
+                "layers has both dimensions divisible by 16, which FP8 matmuls need"
+            )
     if options.seq_len > folder.positions:
         raise ValueError(
             f"--seq-len {options.seq_len} exceeds the {folder.positions} positions of the "
@@ -437,6 +458,28 @@ def _check_float8(options: TrainOptions, preset: object) -> None:
     problem = float8_unavailable(device)
     if problem is not None:
         raise ValueError(f"--precision fp8: {problem}")
+
+
+def _check_step_in_backward(options: TrainOptions) -> None:
+    """Refuse a ``--step-in-backward`` run the engine cannot step inside the backward.
+
+    A bucket is stepped on its reduced gradient shard, which only ZeRO-2/3 keep
+    (ZeRO-0/1 reduce whole gradients), and one bucket at a time, which only an
+    elementwise optimizer computes as one step of all (Muon orthogonalizes
+    whole matrices). Gradient accumulation is served: the micro-batches before
+    the last run in ``no_sync``, and the step comes in the last one's backward.
+    """
+    if options.zero < 2:
+        raise ValueError(
+            f"--step-in-backward needs --zero 2 or 3, got --zero {options.zero}: each bucket is "
+            "stepped on its reduced gradient shard, which ZeRO-0/1 do not keep"
+        )
+    if options.optimizer != "adamw":
+        raise ValueError(
+            f"--step-in-backward with --optimizer {options.optimizer}: each bucket is stepped "
+            "on its own, which only an elementwise optimizer computes as one step of all; "
+            "use --optimizer adamw"
+        )
 
 
 def _check_context_parallel(options: TrainOptions, preset: object) -> None:

@@ -58,6 +58,7 @@ class TrainOptions:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     base_dtype: str = "fp32"
     merge: bool = False
+    step_in_backward: bool = False
 
     @property
     def use_cuda(self) -> bool:

@@ -182,6 +182,7 @@ def _shard(
         expt_device_mesh=expert_mesh,
         fsdp_unit_modules=units,
         zero_dp_strategy=options.zero,
+        optimizer_step_in_backward=options.step_in_backward,
         mixed_precision_policy=MixedPrecisionPolicy(
             main_params_dtype=torch.float32, param_dtype=compute
         ),

@@ -73,6 +73,10 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches.
 
+    The learning rate is set before the backward: under ``--step-in-backward``
+    the last micro-batch's backward steps the parameters (``optimizer.step()``
+    then finds no gradient left and does nothing).
+
     The issue moment is taken before the host waits for the loss. The
     micro-batches are copied to the device first: a copy from pageable memory
     waits for the device's earlier work, which would count as host time.
@@ -110,7 +114,7 @@ def train_step(
             loss.backward()
         losses.append(loss.detach())
     grad_norm = None
-    if options.tensorboard:
+    if options.tensorboard and not options.step_in_backward:  # stepped: its grads are gone
         from mf_fsdp import get_grad_norm
 
         grad_norm = get_grad_norm(model).item()
