@@ -202,6 +202,8 @@ def _rank_errors(rank: int, world: int) -> None:
         mf_fsdp.clip_grad_norm_(model, 1.0)
     with pytest.raises(RuntimeError, match="optimizer_step_in_backward"):
         mf_fsdp.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="get_grad_norm: .*optimizer_step_in_backward"):
+        mf_fsdp.get_grad_norm(model)  # its grads are freed: the norm would be a silent 0
     # No optimizer bound: the first backward says so.
     model = mf_fsdp.fully_shard_model(
         make_model(), fsdp_unit_modules=unit_classes(), optimizer_step_in_backward=True

@@ -48,14 +48,18 @@ def _params(parameters: MegatronFSDP | Iterable[torch.Tensor] | torch.Tensor) ->
     return params
 
 
-def _refuse_step_in_backward(params: list[torch.Tensor]) -> None:
-    """Raise if ``params`` belong to a model whose optimizer steps inside the backward."""
+def _refuse_step_in_backward(params: list[torch.Tensor], caller: str) -> None:
+    """Raise if ``params`` belong to a model whose optimizer steps inside the backward.
+
+    Its gradients are freed bucket by bucket as soon as each is stepped, so after the
+    backward there is nothing left to measure: a norm would be a silent 0.
+    """
     if any(engine is not None and engine.steps_in_backward for engine in map(owner_of, params)):
         raise RuntimeError(
-            "clip_grad_norm_: this model was wrapped with optimizer_step_in_backward=True, "
+            f"{caller}: this model was wrapped with optimizer_step_in_backward=True, "
             "so each bucket is stepped (and its gradients freed) inside the backward, as "
-            "soon as they are reduced; a global-norm clip needs every gradient before any "
-            "step. Turn optimizer_step_in_backward off to clip gradients."
+            "soon as they are reduced; a global gradient norm needs every gradient before "
+            "any step. Turn optimizer_step_in_backward off to measure or clip gradients."
         )
 
 
@@ -116,13 +120,23 @@ def get_grad_norm(
             number (or a string of one, such as ``'inf'``, as torch accepts).
         ValueError: if ``norm_type`` is not positive (``'fro'`` is not a p-norm: the
             Frobenius norm of the gradients is ``norm_type=2``).
+        RuntimeError: for a model (or its parameters) whose optimizer steps inside
+            the backward (``optimizer_step_in_backward``): its gradients are freed as
+            each bucket steps, so no norm of them is left to compute.
     """
     norm_type = _check_norm_type(norm_type)
+    params = _params(parameters)
+    _refuse_step_in_backward(params, "get_grad_norm")
+    return _total_norm(params, norm_type)
+
+
+def _total_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The total norm of ``params``' gradients, each grid summed over its own groups."""
     is_inf = math.isinf(norm_type)
     # Keyed by (expert?, spread groups): an expert DTensor split over the expert-parallel
     # dim (grouped experts) has no spread groups left, yet is no dense parameter either.
     grids: dict[tuple[bool, int], list[tuple[torch.Tensor, list[dist.ProcessGroup]]]] = {}
-    for p in _params(parameters):
+    for p in params:
         if p.grad is None:
             continue
         spread = list(getattr(p, SPREAD_ATTR, ()))
@@ -199,8 +213,8 @@ def clip_grad_norm_(
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     params = _params(parameters)
-    _refuse_step_in_backward(params)
-    total = get_grad_norm(params, norm_type)
+    _refuse_step_in_backward(params, "clip_grad_norm_")
+    total = _total_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = []
     for p in params:
