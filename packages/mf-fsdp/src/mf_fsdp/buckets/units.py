@@ -346,9 +346,12 @@ def lay_out(
     of the buckets, autograd accumulates into the strided grad view, and no
     copy is made (a kernel that wants contiguous weights copies them itself).
     ``F`` need not divide by ``world``: rows are whole, so shards may differ by
-    a row. Whole experts are kept where no cut along dim 1 spreads the weight
-    (fewer rows than ranks) and where tensor parallelism splits it along
-    another dim (expert TP: see the refusal in ``engine/sharded_params.py``).
+    a row. The cut dim is the first after 0 that tensor parallelism leaves
+    whole and that has at least ``world`` rows: under expert TP gate/up
+    ``[E, F / etp, D]`` are cut along dim 2 (stored ``[D, E, F / etp]``) and
+    down ``[E, D, F / etp]`` along dim 1, so the dp split never shares a dim
+    with a tp split and the placements stay plain ``Shard`` of distinct dims.
+    Whole experts are kept only where no dim qualifies.
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
