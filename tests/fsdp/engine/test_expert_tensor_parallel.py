@@ -14,6 +14,7 @@ One launch per world size runs several configurations (a launch costs more than 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -203,48 +204,54 @@ def _rank_tp_etp(rank: int, world: int) -> None:
     _check(losses, _full(model), ref_losses, ref_params, "tp2 x etp2 sgd")
 
 
-THREE = dataclasses.replace(CONFIG, num_experts=3)
+def _few_experts(experts: int) -> MoEGPTConfig:
+    return dataclasses.replace(CONFIG, num_experts=experts, top_k=min(CONFIG.top_k, experts))
 
 
-def _make_three() -> MoEGPT:
+def _make_few(experts: int) -> MoEGPT:
     torch.manual_seed(0)
-    return MoEGPT(THREE)
+    return MoEGPT(_few_experts(experts))
 
 
-def _rank_three_experts_etp2_edp2(rank: int, world: int, root: str) -> None:
-    """(ep, etp, edp) = (1, 2, 2) with 3 experts: the experts do not split over edp 2.
+def _rank_experts_that_do_not_split_over_edp(
+    rank: int, world: int, experts: int, optimizers: tuple[str, ...], root: str | None
+) -> None:
+    """(ep, etp, edp) = (1, 2, 2) with ``experts`` (3, or 1) that do not split over edp 2.
 
     Each grouped weight is cut along the dim ETP leaves whole (``fc_weight``
     ``[E, F / 2, H]`` along H, ``out_weight`` ``[E, H, F / 2]`` along H), so every
-    rank holds a share of all 3 experts and the same bytes; whole experts gave one
-    edp rank 2 of them and the other 1. Trains equal to one process (SGD, Adam);
-    its checkpoint loads at (1, 1, 4) and, through DSD's full state dict, into the
-    plain model strictly.
+    rank holds a share of every expert and the same bytes; whole experts gave one
+    edp rank 2 of 3 experts and the other 1 (and one expert was refused). Trains
+    equal to one process; with ``root``, its checkpoint loads at (1, 1, 4) and,
+    through DSD's full state dict, into the plain model strictly.
     """
-    for opt_name in ("sgd", "adam"):
+    config, make = _few_experts(experts), functools.partial(_make_few, experts)
+    for opt_name in optimizers:
         ref_losses, ref_params = reference_run(
-            opt_name, world, STEPS, clip=CLIP, make=_make_three, optimizer=make_optimizer
+            opt_name, world, STEPS, clip=CLIP, make=make, optimizer=make_optimizer
         )
-        model, opt = _sharded(world, 1, 2, opt_name, 3, config=THREE)
-        label = f"3 experts ep1 etp2 edp2 {opt_name}"
+        model, opt = _sharded(world, 1, 2, opt_name, 3, config=config)
+        label = f"{experts} experts ep1 etp2 edp2 {opt_name}"
         stacked = {n: p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
         per_rank = expert_bytes(model)
         assert_balanced({n: per_rank[n] for n in stacked}, label)
         for name, param in stacked.items():
             held = param.to_local().shape[0]
-            assert held == THREE.num_experts, f"{label}: {name} holds {held} of 3 experts"
+            assert held == experts, f"{label}: {name} holds a share of {held} of {experts} experts"
             etp_dim = 1 if name.endswith("fc_weight") else 2  # column- / row-wise
             assert param.placements == (Shard(3 - etp_dim), Shard(etp_dim)), param.placements
-        if rank == 0 and opt_name == "sgd":
+        if rank == 0 and opt_name == optimizers[0]:
             for name in stacked:
                 print(f"{label}: {name} bytes per rank {per_rank[name]}")
         losses = _train(model, opt, rank, world, STEPS)
         _check(losses, _full(model), ref_losses, ref_params, label)
-    path = mf_fsdp.save_checkpoint(f"{root}/three", model, opt, step=STEPS)
+    if root is None:
+        return
+    path = mf_fsdp.save_checkpoint(f"{root}/few", model, opt, step=STEPS)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
-        _make_three().load_state_dict(full, strict=True)
-    model, opt = _sharded(world, 1, 1, "adam", 3, config=THREE)  # 3 experts over edp 4
+        make().load_state_dict(full, strict=True)
+    model, opt = _sharded(world, 1, 1, optimizers[-1], 3, config=config)  # over edp 4
     assert mf_fsdp.load_checkpoint(path, model, opt)["step"] == STEPS
     for name, value in _full(model).items():
         torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
@@ -256,4 +263,5 @@ def _rank_world4(
     _rank_expert_rng(rank, world)
     _rank_tp_etp(rank, world)
     _rank_parity(rank, world, configs)
-    _rank_three_experts_etp2_edp2(rank, world, root)
+    _rank_experts_that_do_not_split_over_edp(rank, world, 3, ("sgd", "adam"), root)
+    _rank_experts_that_do_not_split_over_edp(rank, world, 1, ("sgd",), None)
