@@ -210,7 +210,7 @@ def test_three_experts_over_two_ranks_are_cut_along_dim_one_and_train_exactly() 
     run_on_ranks(_rank_trains_exactly, 2, timeout=240)
 
 
-def test_cut_dim_chooses_dim_one_only_where_it_spreads_the_experts() -> None:
+def test_cut_dim_chooses_the_first_dim_that_spreads_the_experts_and_tp_leaves_whole() -> None:
     def stacked(*shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(shape, device="meta"))
 
@@ -219,8 +219,16 @@ def test_cut_dim_chooses_dim_one_only_where_it_spreads_the_experts() -> None:
     assert cut_dim(stacked(1, 16, 8), 4) == 1  # one expert
     assert cut_dim(stacked(4, 16, 8), 2) == 0  # whole experts split evenly
     assert cut_dim(stacked(3, 5, 4), 1) == 0  # one rank holds everything
-    assert cut_dim(stacked(3, 1, 4), 2) == 0  # fewer rows than ranks: no cut spreads it
+    assert cut_dim(stacked(3, 1, 4), 2) == 2  # fewer rows than ranks along dim 1: dim 2
+    assert cut_dim(stacked(3, 1, 1), 2) == 0  # no dim spreads it: whole experts
     assert cut_dim(nn.Parameter(torch.empty(3, 5, device="meta")), 2) == 0  # not stacked
-    split = stacked(3, 5, 4)  # tensor parallel along dim 1 (expert TP): whole experts
-    set_tensor_model_parallel_attributes(split, True, 1, 1)
-    assert cut_dim(split, 2) == 0
+
+    def split(dim: int, *shape: int) -> nn.Parameter:
+        param = stacked(*shape)  # tensor parallel along ``dim`` (expert TP)
+        set_tensor_model_parallel_attributes(param, True, dim, 1)
+        return param
+
+    assert cut_dim(split(1, 3, 5, 4), 2) == 2  # gate/up [E, F / etp, D]: along D
+    assert cut_dim(split(2, 3, 4, 5), 2) == 1  # down [E, D, F / etp]: along D
+    assert cut_dim(split(1, 1, 8, 4), 4) == 2  # one expert: never the tp dim
+    assert cut_dim(split(1, 3, 8, 1), 2) == 0  # the free dim too short: whole experts

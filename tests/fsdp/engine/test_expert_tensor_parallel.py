@@ -13,20 +13,27 @@ One launch per world size runs several configurations (a launch costs more than 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import mf_fsdp
 import mf_rng
-from mf.models.moe_gpt import MoEBlock, MoEGPT, MoEGPTTensorParallel
+from mf.models.moe_gpt import MoEBlock, MoEGPT, MoEGPTConfig, MoEGPTTensorParallel
 from tests._multiprocess import run_on_ranks
 from tests.fsdp._helpers import reference_run
+from tests.fsdp.engine.test_expert_balance import assert_balanced, expert_bytes
 from tests.fsdp.engine.test_experts import (
+    ATOL,
     CLIP,
     CONFIG,
+    RTOL,
     STEPS,
     _check,
     _full,
@@ -40,7 +47,15 @@ def _group(mesh, name: str) -> dist.ProcessGroup | None:
     return mesh[name].get_group() if mesh[name].size() > 1 else None
 
 
-def _sharded(world: int, ep: int, etp: int, opt_name: str, zero: int, outer: int = 1):
+def _sharded(
+    world: int,
+    ep: int,
+    etp: int,
+    opt_name: str,
+    zero: int,
+    outer: int = 1,
+    config: MoEGPTConfig = CONFIG,
+):
     """The ETP MoE GPT under mf-fsdp: dense mesh ``(dp_outer, dp)``, experts ``(.., ep, etp)``."""
     edp = world // (outer * ep * etp)
     if outer == 1:
@@ -54,12 +69,12 @@ def _sharded(world: int, ep: int, etp: int, opt_name: str, zero: int, outer: int
         )
         hsdp = {"dp_outer_dim": "dp_outer"}
     torch.manual_seed(0)
-    module = MoEGPT(CONFIG, _group(expert_mesh, "ep"), _group(expert_mesh, "etp"))
+    module = MoEGPT(config, _group(expert_mesh, "ep"), _group(expert_mesh, "etp"))
     out_weight = module.blocks[0].moe.experts.out_weight  # [E, H, F] over (ep, etp)
     if ep * etp > 1:
         local = out_weight.to_local().shape
-        assert (local[0], local[2]) == (CONFIG.num_experts // ep, CONFIG.expert_ffn_size // etp)
-        assert out_weight.full_tensor().shape[0] == CONFIG.num_experts
+        assert (local[0], local[2]) == (config.num_experts // ep, config.expert_ffn_size // etp)
+        assert out_weight.full_tensor().shape[0] == config.num_experts
     if ep > 1 and etp > 1:  # row-wise: F is out_weight's dim 2
         assert out_weight.placements == (Shard(0), Shard(2)), out_weight.placements
     opt = make_optimizer(opt_name, module.parameters())
@@ -97,14 +112,14 @@ def test_etp2_world2_zero1_to_3_match_one_process():
 
 
 @pytest.mark.multiprocess
-def test_ep2_etp2_and_etp2_edp2_and_hsdp_world4_match_one_process_with_expert_rng():
+def test_ep2_etp2_and_etp2_edp2_and_hsdp_world4_match_one_process_with_expert_rng(tmp_path):
     configs = [
         (2, 2, 1, 3, "sgd"),  # (ep, etp, edp) = (2, 2, 1)
         (2, 2, 1, 1, "adam"),
         (1, 2, 1, 3, "adam"),  # (1, 2, 2): ETP 2, the experts sharded over edp 2
         (1, 2, 2, 3, "sgd"),  # HSDP: dp_outer 2 x (ep, etp, edp) = (1, 2, 1)
     ]
-    run_on_ranks(_rank_world4, 4, configs, timeout=300)
+    run_on_ranks(_rank_world4, 4, configs, str(tmp_path), timeout=400)
 
 
 def _rank_checkpoint(rank: int, world: int, root: str) -> None:
@@ -189,27 +204,64 @@ def _rank_tp_etp(rank: int, world: int) -> None:
     _check(losses, _full(model), ref_losses, ref_params, "tp2 x etp2 sgd")
 
 
-def _rank_world4(rank: int, world: int, configs: list[tuple[int, int, int, int, str]]) -> None:
+def _few_experts(experts: int) -> MoEGPTConfig:
+    return dataclasses.replace(CONFIG, num_experts=experts, top_k=min(CONFIG.top_k, experts))
+
+
+def _make_few(experts: int) -> MoEGPT:
+    torch.manual_seed(0)
+    return MoEGPT(_few_experts(experts))
+
+
+def _rank_experts_that_do_not_split_over_edp(
+    rank: int, world: int, experts: int, optimizers: tuple[str, ...], root: str | None
+) -> None:
+    """(ep, etp, edp) = (1, 2, 2) with ``experts`` (3, or 1) that do not split over edp 2.
+
+    Each grouped weight is cut along the dim ETP leaves whole (``fc_weight``
+    ``[E, F / 2, H]`` along H, ``out_weight`` ``[E, H, F / 2]`` along H), so every
+    rank holds a share of every expert and the same bytes; whole experts gave one
+    edp rank 2 of 3 experts and the other 1 (and one expert was refused). Trains
+    equal to one process; with ``root``, its checkpoint loads at (1, 1, 4) and,
+    through DSD's full state dict, into the plain model strictly.
+    """
+    config, make = _few_experts(experts), functools.partial(_make_few, experts)
+    for opt_name in optimizers:
+        ref_losses, ref_params = reference_run(
+            opt_name, world, STEPS, clip=CLIP, make=make, optimizer=make_optimizer
+        )
+        model, opt = _sharded(world, 1, 2, opt_name, 3, config=config)
+        label = f"{experts} experts ep1 etp2 edp2 {opt_name}"
+        stacked = {n: p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
+        per_rank = expert_bytes(model)
+        assert_balanced({n: per_rank[n] for n in stacked}, label)
+        for name, param in stacked.items():
+            held = param.to_local().shape[0]
+            assert held == experts, f"{label}: {name} holds a share of {held} of {experts} experts"
+            etp_dim = 1 if name.endswith("fc_weight") else 2  # column- / row-wise
+            assert param.placements == (Shard(3 - etp_dim), Shard(etp_dim)), param.placements
+        if rank == 0 and opt_name == optimizers[0]:
+            for name in stacked:
+                print(f"{label}: {name} bytes per rank {per_rank[name]}")
+        losses = _train(model, opt, rank, world, STEPS)
+        _check(losses, _full(model), ref_losses, ref_params, label)
+    if root is None:
+        return
+    path = mf_fsdp.save_checkpoint(f"{root}/few", model, opt, step=STEPS)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        make().load_state_dict(full, strict=True)
+    model, opt = _sharded(world, 1, 1, optimizers[-1], 3, config=config)  # over edp 4
+    assert mf_fsdp.load_checkpoint(path, model, opt)["step"] == STEPS
+    for name, value in _full(model).items():
+        torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL)
+
+
+def _rank_world4(
+    rank: int, world: int, configs: list[tuple[int, int, int, int, str]], root: str
+) -> None:
     _rank_expert_rng(rank, world)
     _rank_tp_etp(rank, world)
     _rank_parity(rank, world, configs)
-
-
-def test_one_expert_cut_along_dim_1_under_expert_tp_is_refused_in_one_line() -> None:
-    """An expert weight of one expert per EP rank, cut along dim 1 over expert-dp
-    ([Note: stacked weights are spread]), with an ETP split of dim 1 too: the dp
-    split would sit inside the etp split, which the placements cannot say, so the
-    engine stops naming the parameter rather than risk a wrong ``full_tensor()``."""
-    from types import SimpleNamespace
-
-    from torch.distributed.tensor import Shard
-
-    from mf_fsdp.engine.sharded_params import _placements_and_pieces
-
-    tp = SimpleNamespace(dim=0, size=2, stride=1, trailing=((1, 2),))
-    fp = SimpleNamespace(
-        row_dim=1, tp=tp, fqns=("layers.0.moe.experts.fc_weight",), shape=(1, 8, 4), index=0
-    )
-    group = SimpleNamespace(main_layout=None)
-    with pytest.raises(NotImplementedError, match=r"fc_weight.*expert tensor parallelism"):
-        _placements_and_pieces(group, fp, (2, 2, 2), [Shard(0)], (0,))
+    _rank_experts_that_do_not_split_over_edp(rank, world, 3, ("sgd", "adam"), root)
+    _rank_experts_that_do_not_split_over_edp(rank, world, 1, ("sgd",), None)

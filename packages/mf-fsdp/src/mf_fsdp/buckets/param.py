@@ -154,9 +154,10 @@ class FSDPParam:
         shape: the shape in the bucket (the tp-local shape).
         tp: the tensor-parallel facts, or None.
         main_rows: the rows ``[begin, end)`` this rank's optimizer owns.
-        row_dim: the dim its bucket's rows run along: 0, or 1 for a stacked weight whose
-            experts do not split evenly over the ranks, stored with dims 0 and 1 swapped
-            (see [Note: stacked weights are spread] in ``buckets/units.py``).
+        row_dim: the dim its bucket's rows run along: 0, or a later dim (1, or 2 beside an
+            expert-TP split of dim 1) for a stacked weight whose experts do not split
+            evenly over the ranks, stored with that dim first (see [Note: stacked weights
+            are spread] in ``buckets/units.py``).
         sharded: the optimizer's parameter (see [Note: parameter forms]); set by
             ``optimizer_params.build_sharded_params``.
         grad: ``sharded``'s gradient (a view of the reduced grad store), or None when
@@ -233,7 +234,8 @@ class FSDPParam:
         """``flat`` (``rows`` of its rows as the bucket stores them) viewed parameter-shaped.
 
         Cut along dim 1 (``row_dim`` 1), the rows are stored ``[rows, E, D]`` and
-        seen as ``[E, rows, D]``: a strided view, no copy (see [Note: stacked weights
+        seen as ``[E, rows, D]`` (along dim 2: ``[rows, E, F]`` seen as ``[E, F, rows]``):
+        a strided view, no copy (see [Note: stacked weights
         are spread] in ``buckets/units.py``).
         """
         view = flat.view(self.stored_shape(rows))

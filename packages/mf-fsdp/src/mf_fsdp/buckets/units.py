@@ -317,45 +317,49 @@ def is_stacked(shape: Sequence[int]) -> bool:
 
 
 def cut_dim(param: torch.Tensor, world_size: int) -> int:
-    """The dim a weight's own bucket cuts into shards: 1 to spread its experts' rows, else 0.
+    """The dim a weight's own bucket cuts into shards: 0 (whole experts), or a later dim.
 
     A stacked weight whose experts do not split evenly over ``world_size`` ranks
-    (``E % world_size != 0``: one expert, or 2 or 3 over 4 ranks) is cut along dim 1
-    (FSDP2's and torchtitan's ``Shard(1)``), so that every rank holds a share of every
-    expert. Kept on whole experts (dim 0), with a reason: a weight split by tensor
-    parallelism along a dim other than 0 (expert TP, or mf-tp's plain TP attributes),
-    whose dp split would sit beside the tp split of another dim (one expert stays
-    refused there, see ``engine/sharded_params.py``), and experts with fewer rows
-    along dim 1 than ranks (no cut gives every rank a share).
+    (``E % world_size != 0``: one expert, or 2 or 3 over 4 ranks) is cut along the
+    first dim after 0 that tensor parallelism does not split and that has at least
+    ``world_size`` rows (FSDP2's and torchtitan's ``Shard(1)`` for a plain
+    ``[E, F, D]``), so that every rank holds a share of every expert. Under expert
+    tensor parallelism that is dim 2 of gate/up (``[E, F / etp, D]``, split along
+    dim 1) and dim 1 of down (``[E, D, F / etp]``), so the dp split and the tp split
+    sit on distinct dims. Whole experts (dim 0) are kept where no dim qualifies; one
+    expert is still cut along the first dim tensor parallelism leaves whole.
     See [Note: stacked weights are spread].
     """
     shape = local_shape(param)
     if world_size <= 1 or not is_stacked(shape) or shape[0] % world_size == 0:
         return 0
-    if shape[0] == 1:
-        return 1  # one expert: always along dim 1
-    return 1 if shape[1] >= world_size and not _split_beyond_dim_zero(param) else 0
+    split = _tp_split_dims(param)
+    free = [d for d in range(1, len(shape)) if d not in split]
+    for dim in free:
+        if shape[dim] >= world_size:
+            return dim
+    return free[0] if shape[0] == 1 and free else 0
 
 
-def _split_beyond_dim_zero(param: torch.Tensor) -> bool:
-    """Whether tensor parallelism splits ``param`` along a dim other than 0."""
+def _tp_split_dims(param: torch.Tensor) -> set[int]:
+    """The dims tensor parallelism splits ``param`` along (DTensor placements or mf-tp's mark)."""
     if isinstance(param, DTensor):
-        return any(isinstance(p, Shard) and p.dim % param.dim() != 0 for p in param.placements)
+        return {p.dim % param.dim() for p in param.placements if isinstance(p, Shard)}
     dim = get_mcore_tensor_parallel_partition_dim(param)
-    return dim is not None and dim % param.dim() != 0
+    return set() if dim is None else {dim % param.dim()}
 
 
 def row_shape(shape: Sequence[int], dim: int = 0) -> tuple[int, ...]:
-    """The shape a weight is stored as in its bucket when cut along ``dim`` (0 or 1).
+    """The shape a weight is stored as in its bucket when cut along ``dim``: ``dim`` first.
 
-    Cut along dim 1, ``[E, F, D]`` is stored as ``[F, E, D]`` (dims 0 and 1
-    swapped, contiguous), so each shard is whole rows of it: rank ``r`` holds
-    ``[F_r, E, D]``, and the gathered bucket is the whole weight with dims 0 and 1
-    swapped; the parameter is that storage viewed back as ``[E, F, D]``
-    (``FSDPParam.view_rows``).
+    Cut along dim 1, ``[E, F, D]`` is stored as ``[F, E, D]`` (contiguous), so each
+    shard is whole rows of it: rank ``r`` holds ``[F_r, E, D]``, and the gathered
+    bucket is the whole weight with ``dim`` moved to the front; the parameter is that
+    storage viewed back as ``[E, F, D]`` (``FSDPParam.view_rows``). Cut along dim 2,
+    ``[E, F, D]`` is stored ``[D, E, F]``.
     """
     shape = tuple(shape)
-    return (shape[1], shape[0], *shape[2:]) if dim == 1 else shape
+    return (shape[dim], *shape[:dim], *shape[dim + 1 :]) if dim else shape
 
 
 def lay_out(
@@ -395,9 +399,12 @@ def lay_out(
     of the buckets, autograd accumulates into the strided grad view, and no
     copy is made (a kernel that wants contiguous weights copies them itself).
     ``F`` need not divide by ``world``: rows are whole, so shards may differ by
-    a row. Whole experts are kept where no cut along dim 1 spreads the weight
-    (fewer rows than ranks) and where tensor parallelism splits it along
-    another dim (expert TP: see the refusal in ``engine/sharded_params.py``).
+    a row. The cut dim is the first after 0 that tensor parallelism leaves
+    whole and that has at least ``world`` rows: under expert TP gate/up
+    ``[E, F / etp, D]`` are cut along dim 2 (stored ``[D, E, F / etp]``) and
+    down ``[E, D, F / etp]`` along dim 1, so the dp split never shares a dim
+    with a tp split and the placements stay plain ``Shard`` of distinct dims.
+    Whole experts are kept only where no dim qualifies.
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]

@@ -17,7 +17,7 @@ For each managed parameter (see [Note: parameter forms] in ``buckets/param.py``)
 
 Placements say which mesh dims split the parameter: ``Shard(0)`` on
 ``dp_shard`` (and on ``dp_outer`` when hybrid-sharded; ``Shard(1)`` for a
-weight whose rows run along dim 1, ``FSDPParam.row_dim``), ``Replicate()`` on
+weight whose rows run along a later dim, ``FSDPParam.row_dim``), ``Replicate()`` on
 ``dp_outer`` under HSDP and on every dp dim under ZeRO-0, ``Shard(d)`` /
 ``Replicate()`` on tp. The pieces themselves are whole rows of the bucket
 layout, not ``torch.chunk`` pieces; ``UnevenDTensor`` keeps DTensor's
@@ -158,7 +158,9 @@ def _placements_and_pieces(
 ) -> tuple[list[Placement], ParamPieces]:
     """The sharded form's placements (dp dims, then tp) and where every rank's rows lie.
 
-    The dp dims shard the dim the parameter's rows run along (``fp.row_dim``).
+    The dp dims shard the dim the parameter's rows run along (``fp.row_dim``), which
+    ``units.cut_dim`` keeps apart from the dims tensor parallelism splits, so every
+    placement is a plain ``Shard`` of its own dim.
     """
     placements = [Shard(fp.row_dim) if isinstance(p, Shard) else p for p in dp_placements]
     tp_mesh_dim = None
@@ -169,15 +171,6 @@ def _placements_and_pieces(
         for dim, _ in fp.tp.trailing:  # further tp dims (expert TP), one mesh dim each
             trailing.append((len(placements), dim))
             placements.append(Shard(dim))
-    if trailing and fp.row_dim:
-        # One expert per rank cut along dim 1 under expert TP: the dp split would sit
-        # inside the etp split of the same dim, which the placements cannot say.
-        raise NotImplementedError(
-            f"parameter {fp.fqns[0]!r} of local shape {tuple(fp.shape)}: one expert per "
-            "expert-parallel rank, sharded over expert-dp along dim 1, with expert tensor "
-            "parallelism is not served; use fewer expert-parallel ranks (two or more experts "
-            "each) or no expert-dp"
-        )
     pieces = ParamPieces(
         group.main_layout,
         fp.index,
