@@ -8,6 +8,12 @@ each member's wheel in turn together with the wheels of the members it declares
 member must import and expose its ``__all__``, no undeclared mf package may be
 importable, and the README example runs as written, on one process. pip, the
 installer of an image that ships its torch, must keep that torch too.
+
+The tests share one ``xdist_group``: on one worker the wheels are built and the
+environment made (its torch's bytecode compiled by the first import) once, not
+once per worker. Each ``import torch`` in the environment costs seconds, so the
+torch version is read once when the environment is made, and after an install
+by the interpreter that checks the member anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,11 +33,15 @@ import torch
 from tests.api_snapshot import package_version
 from tests.test_architecture import PACKAGES, ROOT, _declared, _import_name
 
+pytestmark = pytest.mark.xdist_group("packaging")
+
 UV = shutil.which("uv")
 ALL_MODULES = [_import_name(p.name) for p in PACKAGES]
 CHECK = """
 import importlib, importlib.util, sys
-name, allowed = sys.argv[1], set(sys.argv[2].split(","))
+import torch
+name, allowed, shipped = sys.argv[1], set(sys.argv[2].split(",")), sys.argv[4]
+assert torch.__version__ == shipped, f"the wheels replaced torch {shipped} by {torch.__version__}"
 module = importlib.import_module(name)
 assert module.__all__ is not None and all(hasattr(module, n) for n in module.__all__)
 present = {m for m in sys.argv[3].split(",") if importlib.util.find_spec(m) is not None}
@@ -126,41 +137,59 @@ def _venv_env(path: Path) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Environment:
+    """A throw-away virtual environment with torch: where it is, and its torch's version."""
+
+    path: Path
+    torch: str
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Environment:
+    """The environment every test installs into, with pip (the image's installer) seeded."""
     assert UV is not None, "uv must be on PATH (.ci/run installs it)"
     path = tmp_path_factory.mktemp("isolated") / "venv"
     env = _venv_env(path)
-    subprocess.run([UV, "venv", "-q", "-p", sys.executable, str(path)], check=True, env=env)
+    command = [UV, "venv", "-q", "--seed", "-p", sys.executable, str(path)]
+    subprocess.run(command, check=True, env=env)
     version = torch.__version__.split("+")[0]
     subprocess.run([UV, "pip", "install", "-q", f"torch=={version}"], check=True, env=env)
-    return path
+    return Environment(path, _torch_version(path / "bin" / "python"))
+
+
+def _check(venv: Environment, module: str, allowed: set[str]) -> None:
+    """``module`` imports with its ``__all__``, exactly ``allowed`` of the mf packages import,
+    and the environment's torch is the one it was made with."""
+    arguments = [module, ",".join(sorted(allowed)), ",".join(ALL_MODULES), venv.torch]
+    result = subprocess.run(
+        [str(venv.python), "-c", CHECK, *arguments],
+        capture_output=True,
+        text=True,
+        env=_venv_env(venv.path),
+    )
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_member_installs_alone(
-    venv: Path, wheels: dict[str, Path], package: Path, tmp_path: Path
+    venv: Environment, wheels: dict[str, Path], package: Path, tmp_path: Path
 ) -> None:
-    env = _venv_env(venv)
+    env = _venv_env(venv.path)
     declared = {_import_name(p.name): _declared(p / "pyproject.toml") for p in PACKAGES}
     module = _import_name(package.name)
     needed = _closure(module, declared)
     files = [str(wheels[m.replace("_", "-")]) for m in sorted(needed)]
-    python = venv / "bin" / "python"
-    torch_before = _torch_version(python)
     subprocess.run([UV, "pip", "install", "-q", *files], check=True, env=env)
     try:
-        assert _torch_version(python) == torch_before, "installing the wheels replaced torch"
-        result = subprocess.run(
-            [str(python), "-c", CHECK, module, ",".join(sorted(needed)), ",".join(ALL_MODULES)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        assert result.returncode == 0, result.stderr
+        _check(venv, module, needed)
         for arguments in EXAMPLE_RUNS[package.name]:
-            _run_example(python, package, arguments, env, tmp_path)
+            _run_example(venv.python, package, arguments, env, tmp_path)
     finally:
         names = [m.replace("_", "-") for m in needed]
         subprocess.run([UV, "pip", "uninstall", "-q", *names], check=True, env=env)
@@ -168,7 +197,7 @@ def test_member_installs_alone(
 
 @pytest.mark.timeout(600)
 def test_pip_keeps_the_torch_an_image_ships(
-    wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    venv: Environment, wheels: dict[str, Path], tmp_path: Path
 ) -> None:
     """``pip install`` of mf-fsdp's wheel (and its mf dependencies) where torch is installed.
 
@@ -176,16 +205,13 @@ def test_pip_keeps_the_torch_an_image_ships(
     package imports and its README example runs.
     """
     assert UV is not None, "uv must be on PATH (.ci/run installs it)"
-    path = tmp_path_factory.mktemp("image") / "venv"
     # The machine's pip configuration (a site-wide version cap) is not the image's.
-    env = {**_venv_env(path), "PIP_CONFIG_FILE": os.devnull}
-    subprocess.run([UV, "venv", "-q", "--seed", "-p", sys.executable, str(path)], check=True)
-    version = torch.__version__.split("+")[0]
-    subprocess.run([UV, "pip", "install", "-q", f"torch=={version}"], check=True, env=env)
-    python = path / "bin" / "python"
-    shipped = _torch_version(python)
+    env = {**_venv_env(venv.path), "PIP_CONFIG_FILE": os.devnull}
     names = ("mf-utils", "mf-rng", "mf-dtensor", "mf-fsdp")
-    install = [str(python), "-m", "pip", "install", "-q", *(str(wheels[n]) for n in names)]
+    install = [str(venv.python), "-m", "pip", "install", "-q", *(str(wheels[n]) for n in names)]
     subprocess.run(install, check=True, env=env)
-    assert _torch_version(python) == shipped, "pip replaced the installed torch"
-    _run_example(python, ROOT / "packages" / "mf-fsdp", [], env, tmp_path)
+    try:
+        _check(venv, "mf_fsdp", {"mf_utils", "mf_rng", "mf_dtensor", "mf_fsdp"})
+        _run_example(venv.python, ROOT / "packages" / "mf-fsdp", [], env, tmp_path)
+    finally:
+        subprocess.run([UV, "pip", "uninstall", "-q", *names], check=True, env=env)

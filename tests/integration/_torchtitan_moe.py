@@ -1,7 +1,8 @@
 """The run every torchtitan MoE parity test shares: one model, two engines, one script.
 
 A test names its model by a :class:`TitanMoE` (how to build the config, which
-torchtitan ``parallelize_*`` applies EP and FSDP to it) and calls
+torchtitan ``parallelize_*`` applies EP and FSDP to it; :func:`tiny_config`
+holds what the models' configs share) and calls
 :func:`rank_parity` on every rank. That function parallelizes the model at
 dp_shard=world x ep 2 with torchtitan's own function, twice: once with torch's
 ``fully_shard``, once with ``mf_fsdp.fsdp2.fully_shard`` swapped in
@@ -32,12 +33,13 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
 from mf_fsdp import fsdp2
 from tests.integration.test_torchtitan_fsdp2 import _loss, sharded_dims
 
-VOCAB, SEQ, BATCH, STEPS, EP = 256, 16, 2, 2, 2
+VOCAB, DIM, SEQ, BATCH, STEPS, EP = 256, 64, 16, 2, 2, 2
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class TitanMoE:
     parallelize: Callable[..., object]
 
 
-def with_sdpa(layers: list) -> list:
+def _with_sdpa(layers: list) -> list:
     """The blocks with SDPA as inner attention (torchtitan's flex attention has no CPU
     backward; its SDPA is causal, as the debug models' block-causal mask is on one document)."""
     sdpa = ScaledDotProductAttention.Config()
@@ -63,6 +65,38 @@ def with_sdpa(layers: list) -> list:
         )
         for layer in layers
     ]
+
+
+def tiny_config(
+    model: type,
+    set_sharding: Callable[..., None],
+    *,
+    layers: list,
+    norm: object,
+    embedding_init: object,
+    lm_head_init: object,
+    **fields: object,
+) -> object:
+    """``model.Config`` of width :data:`DIM` over :data:`VOCAB` tokens with ``layers``
+    (made to attend through SDPA) and EP's sharding configs (``set_sharding``, the
+    model's ``set_*_sharding_config``, sequence parallelism off).
+
+    ``norm`` is the final norm's config, ``embedding_init`` and ``lm_head_init``
+    the model's own initializers; ``fields`` are the model's further config fields.
+    """
+    config = model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=norm,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=embedding_init
+        ),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=lm_head_init),
+        layers=_with_sdpa(layers),
+        **fields,
+    )
+    set_sharding(config, enable_sp=False, enable_ep=True)
+    return config
 
 
 def plain(moe: TitanMoE, experts: int):

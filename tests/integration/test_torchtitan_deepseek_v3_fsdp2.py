@@ -24,10 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 
 try:
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE, RMSNorm
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -38,7 +38,7 @@ try:
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
-    from tests.integration._torchtitan_moe import VOCAB, TitanMoE, rank_parity, with_sdpa
+    from tests.integration._torchtitan_moe import DIM, TitanMoE, rank_parity, tiny_config
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -46,8 +46,11 @@ except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the fl
     )
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete")
+# The ranks import this module (their functions are its), and so torchtitan: seconds of
+# CPU per rank, which the forkserver pays once instead (torchtitan imported: no skip here).
+preload_in_ranks(__name__)
 
-DIM, ROPE_DIM = 64, 8
+ROPE_DIM = 8
 
 
 def _config(experts: int) -> DeepSeekV3Model.Config:
@@ -83,21 +86,15 @@ def _config(experts: int) -> DeepSeekV3Model.Config:
             original_seq_len=64,
         ),
     )
-    config = DeepSeekV3Model.Config(
-        vocab_size=VOCAB,
-        dim=DIM,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT
-        ),
+    return tiny_config(
+        DeepSeekV3Model,
+        set_deepseek_v3_sharding_config,
+        layers=layers,
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)
-        ),
-        layers=with_sdpa(layers),
+        embedding_init=_EMBEDDING_INIT,
+        lm_head_init=_output_linear_init(DIM),
         mtp_layers=[],
     )
-    set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=True)
-    return config
 
 
 DEEPSEEK_V3 = TitanMoE(config=_config, parallelize=parallelize_deepseekv3)

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mf_fsdp import fsdp2
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
 
 try:
@@ -66,6 +66,9 @@ except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the fl
     )
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete")
+# The ranks import this module (their functions are its), and so torchtitan: seconds of
+# CPU per rank, which the forkserver pays once instead (torchtitan imported: no skip here).
+preload_in_ranks(__name__)
 
 VOCAB, SEQ, BATCH, STEPS = 2048, 32, 2, 5
 

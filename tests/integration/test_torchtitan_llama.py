@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import mf_fsdp
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._helpers import optimizer_step
 
 try:
@@ -43,6 +43,9 @@ except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the fl
 # The CPU runs DTensor's own random ops (torchtitan's fused-QKV init draws replicated
 # DTensors) with a warning that they may not be complete there; the values are checked.
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete")
+# The ranks import this module (their functions are its), and so torchtitan: seconds of
+# CPU per rank, which the forkserver pays once instead (torchtitan imported: no skip here).
+preload_in_ranks(__name__)
 
 VOCAB, SEQ, BATCH = 2048, 32, 2
 RTOL, ATOL = 1e-5, 1e-6

@@ -28,10 +28,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 
 try:
-    from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.rope import CosSinRoPE
     from torchtitan.models.qwen3 import (
         _EMBEDDING_INIT,
@@ -43,7 +42,7 @@ try:
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
-    from tests.integration._torchtitan_moe import VOCAB, TitanMoE, rank_parity, with_sdpa
+    from tests.integration._torchtitan_moe import DIM, TitanMoE, rank_parity, tiny_config
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -51,39 +50,36 @@ except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the fl
     )
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete")
+# The ranks import this module (their functions are its), and so torchtitan: seconds of
+# CPU per rank, which the forkserver pays once instead (torchtitan imported: no skip here).
+preload_in_ranks(__name__)
 
-DIM, HEAD_DIM = 64, 16
+HEAD_DIM = 16
 
 
 def _config(experts: int) -> Qwen3Model.Config:
     """The debug MoE model's blocks, tiny, with SDPA attention and EP's sharding configs."""
-    layers = with_sdpa(
-        _build_qwen3_moe_layers(
-            n_layers=2,
-            dim=DIM,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=HEAD_DIM,
-            moe_hidden_dim=32,
-            num_experts=experts,
-            top_k=2,
-            attn_backend="flex",
-            moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=1e6),
-        )
-    )
-    config = Qwen3Model.Config(
-        vocab_size=VOCAB,
+    layers = _build_qwen3_moe_layers(
+        n_layers=2,
         dim=DIM,
-        norm=_qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
-        layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=HEAD_DIM,
+        moe_hidden_dim=32,
+        num_experts=experts,
+        top_k=2,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=1e6),
     )
-    set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
-    return config
+    return tiny_config(
+        Qwen3Model,
+        set_qwen3_sharding_config,
+        layers=layers,
+        norm=_qwen3_norm(DIM),
+        embedding_init=_EMBEDDING_INIT,
+        lm_head_init=_LINEAR_INIT,
+    )
 
 
 QWEN3_MOE = TitanMoE(config=_config, parallelize=parallelize_qwen3)

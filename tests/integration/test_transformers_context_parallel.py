@@ -24,8 +24,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import mf_fsdp
 import mf_tp
-from tests._multiprocess import cpu_mesh, run_on_ranks
+from tests._multiprocess import cpu_mesh, preload_in_ranks, run_on_ranks
 from tests.fsdp._helpers import assert_matches_reference, full_params
+
+# The ranks import this module (their functions are its), and so transformers' models:
+# seconds of CPU per rank, which the forkserver pays once instead.
+preload_in_ranks(__name__)
 
 VOCAB, BATCH, SEQ, STEPS = 128, 2, 16, 3
 

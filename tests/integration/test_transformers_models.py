@@ -50,7 +50,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import mf_fsdp
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._helpers import (
     assert_losses_close,
     assert_matches_reference,
@@ -59,6 +59,10 @@ from tests.fsdp._helpers import (
     make_optimizer,
     optimizer_step,
 )
+
+# The ranks import this module (their functions are its), and so transformers' models:
+# seconds of CPU per rank, which the forkserver pays once instead.
+preload_in_ranks(__name__)
 
 WORLD = 2
 VOCAB, BATCH, SEQ = 128, 2, 16

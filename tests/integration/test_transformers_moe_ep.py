@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLaye
 
 import mf_fsdp
 import mf_tp
-from tests._multiprocess import run_on_ranks
+from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._helpers import (
     assert_matches_reference,
     full_params,
@@ -28,6 +28,10 @@ from tests.fsdp._helpers import (
     make_optimizer,
     optimizer_step,
 )
+
+# The ranks import this module (their functions are its), and so transformers' models:
+# seconds of CPU per rank, which the forkserver pays once instead.
+preload_in_ranks(__name__)
 
 VOCAB, BATCH, SEQ, STEPS, EXPERTS = 64, 2, 8, 3, 4
 RTOL, ATOL = 1e-5, 1e-6
