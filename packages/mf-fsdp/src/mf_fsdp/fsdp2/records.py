@@ -45,6 +45,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.distributed_index import FSDPDistributedIndex
@@ -215,7 +216,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     )
     hooks_before = _forward_hook_ids(module)
     root_engine_policy = engine_policy(module, root_policy)
-    mesh = _dense_mesh(root.mesh)
+    mesh, tp_dim = _dense_mesh(root.mesh, module)
     asked = [
         (r.shard_placement_fn, _call_params(r, ignored.keys()))
         for r in (root, *units)
@@ -224,7 +225,7 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     experts = place_params(asked, mesh)
     engine = MegatronFSDP(
         module,
-        _dist_index(mesh, experts),
+        _dist_index(mesh, experts, tp_dim),
         DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             offload_optimizer_state=root.offload,
@@ -312,8 +313,14 @@ def _forward_hook_ids(module: nn.Module) -> set[int]:
     }
 
 
-def _dense_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
-    """FSDP2's mesh (None: a 1-D one over the world), named; refused unless over every rank."""
+def _dense_mesh(mesh: DeviceMesh | None, module: nn.Module) -> tuple[DeviceMesh, str | None]:
+    """FSDP2's mesh (None: a 1-D one over the world), named, and the tp dim beside it.
+
+    A mesh over every rank is FSDP2's 1-D shard or 2-D (replicate, shard) mesh (no
+    tp dim). A 1-D mesh over part of the ranks is served when it is the dp dim of a
+    2-D world mesh whose other dim is the tp mesh of the model's DTensor parameters
+    (``parallelize_module`` first): the engine then runs over the whole 2-D mesh.
+    """
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard: torch.distributed is not initialised; call "
@@ -323,19 +330,53 @@ def _dense_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         mesh = init_device_mesh(get_group_device(None).type, (world,), mesh_dim_names=("dp_shard",))
     if mesh.size() != world:
-        raise NotImplementedError(
-            f"fully_shard: mesh covers {mesh.size()} of {world} ranks; mf_fsdp.fsdp2 needs a "
-            "mesh over every rank"
-        )
+        return _tp_world_mesh(mesh, module, world)
     if mesh.mesh_dim_names is None:
         if mesh.ndim != 1:
             raise ValueError("fully_shard: a 2-D mesh needs dim names (replicate, shard)")
         mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=("dp_shard",))
-    return mesh
+    return mesh, None
 
 
-def _dist_index(mesh: DeviceMesh, experts: ExpertMesh | None) -> FSDPDistributedIndex:
-    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard), and experts'."""
+def _tp_world_mesh(mesh: DeviceMesh, module: nn.Module, world: int) -> tuple[DeviceMesh, str]:
+    """The 2-D (dp, tp) world mesh ``mesh`` is the dp dim of, and its tp dim's name.
+
+    Served only when every DTensor parameter of ``module`` lies on the world mesh's
+    other dim (and there is at least one): the engine shards over ``mesh``'s dim and
+    reads each parameter's tp placement from that dim. Anything else (pipeline
+    stages, a dp mesh beside parameters that are not tp DTensors over the rest)
+    stops here.
+    """
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names
+    refused = (
+        f"fully_shard: mesh {mesh} covers {mesh.size()} of {world} ranks; mf_fsdp.fsdp2 needs "
+        "a mesh over every rank, or the dp dim of a 2-D (dp, tp) world mesh whose tp dim "
+        "the model's DTensor parameters (parallelize_module) lie on"
+    )
+    if mesh.ndim != 1 or root.ndim != 2 or root.size() != world or not names:
+        raise NotImplementedError(refused)
+    own = mesh.mesh_dim_names
+    if own is None or own[0] not in names:
+        raise NotImplementedError(refused)
+    tp_dim = names[1 - names.index(own[0])]
+    tp_mesh = root[tp_dim]
+    meshes = [p.device_mesh for p in nn.Module.parameters(module) if isinstance(p, DTensor)]
+    if not meshes or any(m != tp_mesh for m in meshes):
+        raise NotImplementedError(
+            f"{refused}: found {len(meshes)} DTensor parameters, "
+            f"{sum(m != tp_mesh for m in meshes)} of them not over {tp_dim!r}"
+        )
+    return root, tp_dim
+
+
+def _dist_index(
+    mesh: DeviceMesh, experts: ExpertMesh | None, tp_dim: str | None
+) -> FSDPDistributedIndex:
+    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard), and experts'.
+
+    With ``tp_dim`` the mesh is a (dp, tp) world mesh: shard over the other dim.
+    """
     names = mesh.mesh_dim_names
     assert names is not None  # _dense_mesh names it
     expert_args: dict[str, Any] = {}
@@ -345,6 +386,9 @@ def _dist_index(mesh: DeviceMesh, experts: ExpertMesh | None) -> FSDPDistributed
             "expt_dp_shard_dim": experts.shard_dim,
             "expt_tp_dim": experts.tp_dim,
         }
+    if tp_dim is not None:
+        shard = next(name for name in names if name != tp_dim)
+        return FSDPDistributedIndex(mesh, dp_shard_dim=shard, tp_dim=tp_dim, **expert_args)
     if mesh.ndim == 1:
         return FSDPDistributedIndex(mesh, dp_shard_dim=names[0], **expert_args)
     return FSDPDistributedIndex(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0], **expert_args)
