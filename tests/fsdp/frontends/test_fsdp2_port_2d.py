@@ -7,8 +7,9 @@ torch's usual TP plan: tensor parallelism first (``parallelize_module`` over
 ``world["tp"]``: DTensor parameters), then ``fully_shard(block, mesh=world["dp"])``
 per block and on the root. Each scenario
 runs with torch's FSDP2 and with mf's on the same 4 gloo ranks (dp 2 x tp 2):
-losses, ``full_tensor()`` of every weight after SGD and AdamW steps, and the full
-state dict (DSD) and its round trip are equal. A dp mesh beside parameters that
+losses, the last gradients and ``full_tensor()`` of every weight after SGD and AdamW
+steps, the full state dict (DSD) and its round trip are equal, and each engine loads
+the other's DCP checkpoint. A dp mesh beside parameters that
 are not tp DTensors over the other dim stays refused in one line.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -118,62 +120,93 @@ def _inputs(model: nn.Module, step: int, dp_rank: int) -> torch.Tensor:
     return torch.randn(2, 8, generator=gen)
 
 
-def _scenario(shard, build, world, opt_name: str) -> dict[str, torch.Tensor]:
-    """Build, shard, train STEPS steps; the losses and every weight's full value."""
+def _sharded(shard, build, world) -> nn.Module:
+    """``build(world)`` (TP applied), then ``shard`` on each block and the root over dp."""
     model = build(world)
-    dp = world["dp"]
     for block in _blocks(model):
-        shard(block, mesh=dp)
-    shard(model, mesh=dp)
+        shard(block, mesh=world["dp"])
+    shard(model, mesh=world["dp"])
+    return model
+
+
+def _scenario(shard, build, world, opt_name: str) -> tuple[dict[str, torch.Tensor], nn.Module]:
+    """Train STEPS steps: the losses, last grads and weights (full values), the model."""
+    model = _sharded(shard, build, world)
     opt_class = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
     optim = opt_class(model.parameters(), lr=1e-2)
-    losses = []
+    result = {}
     for step in range(STEPS):
         optim.zero_grad()
-        loss = model(_inputs(model, step, dp.get_local_rank())).sum()
+        loss = model(_inputs(model, step, world["dp"].get_local_rank())).sum()
         loss.backward()
+        result[f"loss{step}"] = loss.detach()
         optim.step()
-        losses.append(loss.detach())
-    result = {f"loss{i}": loss for i, loss in enumerate(losses)}
+    result.update((f"grad.{n}", full(p.grad)) for n, p in model.named_parameters())
     result.update((name, full(param)) for name, param in model.named_parameters())
     state = get_model_state_dict(model, options=FULL)
     result.update((f"state.{key}", value) for key, value in state.items())
     # The round trip: the full state dict into a fresh sharded model gives it back.
-    fresh = build(world)
-    for block in _blocks(fresh):
-        shard(block, mesh=dp)
-    shard(fresh, mesh=dp)
+    fresh = _sharded(shard, build, world)
     set_model_state_dict(fresh, copy.deepcopy(state), options=FULL)
     again = get_model_state_dict(fresh, options=FULL)
     result.update((f"again.{key}", value) for key, value in again.items())
-    return result
+    return result, model
+
+
+def _dcp_into(saved: nn.Module, shard, build, world, path: str) -> dict[str, torch.Tensor]:
+    """DCP-save ``saved``'s sharded state dict; load it into a fresh ``shard`` model."""
+    dcp.save(get_model_state_dict(saved), checkpoint_id=path)
+    fresh = _sharded(shard, build, world)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state)
+    return get_model_state_dict(fresh, options=FULL)
+
+
+def _assert_equal(got: dict, ref: dict, label: str) -> None:
+    assert got.keys() == ref.keys(), (label, got.keys() ^ ref.keys())
+    for key, value in ref.items():
+        torch.testing.assert_close(
+            got[key], value, **TOL, msg=lambda m, k=f"{label} {key}": f"{k}: {m}"
+        )
 
 
 def _refused(world) -> None:
-    """A dp mesh over part of the ranks beside plain (not tp DTensor) parameters."""
+    """A dp mesh over part of the ranks beside plain (not tp DTensor) parameters; two meshes."""
     torch.manual_seed(0)
     model = nn.Sequential(MLP(8))
     mf_fully_shard(model, mesh=world["dp"])
     with pytest.raises(NotImplementedError, match="covers 2 of 4 ranks"):
         model(torch.randn(2, 8))
+    # Calls on one model over meshes that are not equal (dp, then tp) are refused.
+    model = _mlp_stack(world)
+    mf_fully_shard(model[0], mesh=world["dp"])
+    mf_fully_shard(model, mesh=world["tp"])
+    with pytest.raises(NotImplementedError, match="mesh differs between calls"):
+        model(torch.randn(2, 8))
 
 
-def _rank(rank: int, world_size: int) -> None:
+def _rank(rank: int, world_size: int, tmp: str) -> None:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     for build in (_mlp_stack, _tiny_lm):
         for opt_name in ("sgd", "adamw"):
-            ref = _scenario(torch_fully_shard, build, world, opt_name)
-            got = _scenario(mf_fully_shard, build, world, opt_name)
-            assert got.keys() == ref.keys(), (build.__name__, got.keys() ^ ref.keys())
-            for key, value in ref.items():
-                torch.testing.assert_close(
-                    got[key], value, **TOL, msg=lambda m, k=f"{build.__name__} {key}": f"{k}: {m}"
-                )
+            label = f"{build.__name__} {opt_name}"
+            ref, torch_model = _scenario(torch_fully_shard, build, world, opt_name)
+            got, mf_model = _scenario(mf_fully_shard, build, world, opt_name)
+            _assert_equal(got, ref, label)
+        # DCP across engines: each loads the other's sharded checkpoint.
+        torch_state = get_model_state_dict(torch_model, options=FULL)
+        for saved, shard, name in (
+            (mf_model, torch_fully_shard, "mf->torch"),
+            (torch_model, mf_fully_shard, "torch->mf"),
+        ):
+            path = f"{tmp}/{build.__name__}-{name}"
+            _assert_equal(_dcp_into(saved, shard, build, world, path), torch_state, name)
     _refused(world)
     dist.barrier()
 
 
 @pytest.mark.multiprocess
-def test_tp_then_fully_shard_on_dp_mesh() -> None:
+def test_tp_then_fully_shard_on_dp_mesh(tmp_path) -> None:
     """``parallelize_module`` on tp, then ``fully_shard(mesh=world["dp"])``: as FSDP2."""
-    run_on_ranks(_rank, WORLD, timeout=300)
+    run_on_ranks(_rank, WORLD, str(tmp_path), timeout=300)

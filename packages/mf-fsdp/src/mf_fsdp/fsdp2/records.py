@@ -290,8 +290,8 @@ def _call_params(
 
 
 def _check_same(root: CallRecord, unit: CallRecord) -> None:
-    """Units of one model share the mesh and the offload policy."""
-    if unit.mesh is not root.mesh and unit.mesh is not None and root.mesh is not None:
+    """Units of one model share the mesh (equal: each ``world["dp"]`` is a new object)."""
+    if unit.mesh != root.mesh and unit.mesh is not None and root.mesh is not None:
         raise NotImplementedError(
             "fully_shard: mesh differs between calls on one model; mf_fsdp.fsdp2 needs the "
             "same mesh for every call"
