@@ -2,8 +2,8 @@
 
 torch's ``TestFullyShard2DTraining::test_train_parity_2d_mlp`` scenario (in
 ``test/distributed/_composable/fsdp/test_fully_shard_training.py`` of torch's
-sources), and a small language model (embedding, pre-norm MLP blocks, head) with
-torch's usual TP plan: tensor parallelism first (``parallelize_module`` over
+sources), and torch's test Transformer with its own TP plan
+(``Transformer.parallelize``): tensor parallelism first (``parallelize_module`` over
 ``world["tp"]``: DTensor parameters), then ``fully_shard(block, mesh=world["dp"])``
 per block and on the root. Each scenario
 runs with torch's FSDP2 and with mf's on the same 4 gloo ranks (dp 2 x tp 2):
@@ -16,7 +16,6 @@ are not tp DTensors over the other dim stays refused in one line.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -30,13 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     parallelize_module,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.common_fsdp import MLP
+from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 from mf_fsdp.fsdp2 import fully_shard as mf_fully_shard
 from tests._multiprocess import preload_in_ranks, run_on_ranks
@@ -62,60 +62,32 @@ def _mlp_stack(world) -> nn.Module:
     return parallelize_module(model, world["tp"], plan)
 
 
-class _Block(nn.Module):
-    """A pre-norm residual MLP: the norm's parameters stay plain (replicated over tp)."""
+def _transformer(world) -> nn.Module:
+    """torch's test Transformer (untied, no dropout, no causal mask) with its own TP plan.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(8)
-        self.mlp = MLP(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class _TinyLM(nn.Module):
-    """Embedding, two blocks, a norm and an output head (torch's test Transformer's shape).
-
-    torch's own test Transformer cannot run TP on CPU: DTensor has no sharding rule
-    for the CPU flash-attention op its attention calls.
+    On the CPU DTensor has no rule for the flash-attention op; the math kernel
+    (``_scenario`` runs the forward under it) without a mask decomposes into ops it has.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList([_Block(), _Block()])
-        self.norm = nn.LayerNorm(8)
-        self.output = nn.Linear(8, 16, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
-
-
-def _tiny_lm(world) -> nn.Module:
-    """``_TinyLM`` with torch's usual plan: rowwise embedding, colwise/rowwise MLPs and head."""
     torch.manual_seed(42)
-    plan: dict[str, Any] = {
-        "embed": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
-    for i in range(2):
-        plan[f"layers.{i}.mlp.in_proj"] = ColwiseParallel()
-        plan[f"layers.{i}.mlp.out_proj"] = RowwiseParallel()
-    return parallelize_module(_TinyLM(), world["tp"], plan)
+    args = ModelArgs(
+        n_layers=2,
+        vocab_size=16,
+        max_seq_len=8,
+        dropout_p=0,
+        weight_tying=False,
+        use_attn_mask=False,
+    )
+    return Transformer.parallelize(Transformer(args), world["tp"], use_seq_parallel=False)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    return list(model.layers) if isinstance(model, _TinyLM) else list(model)
+    return list(model.layers) if isinstance(model, Transformer) else list(model)
 
 
 def _inputs(model: nn.Module, step: int, dp_rank: int) -> torch.Tensor:
     """Each dp rank its own batch, the same on both tp ranks of it."""
     gen = torch.Generator().manual_seed(100 * step + dp_rank)
-    if isinstance(model, _TinyLM):
+    if isinstance(model, Transformer):
         return torch.randint(0, 16, (2, 8), generator=gen)
     return torch.randn(2, 8, generator=gen)
 
@@ -137,7 +109,8 @@ def _scenario(shard, build, world, opt_name: str) -> tuple[dict[str, torch.Tenso
     result = {}
     for step in range(STEPS):
         optim.zero_grad()
-        loss = model(_inputs(model, step, world["dp"].get_local_rank())).sum()
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = model(_inputs(model, step, world["dp"].get_local_rank())).sum()
         loss.backward()
         result[f"loss{step}"] = loss.detach()
         optim.step()
@@ -188,7 +161,7 @@ def _refused(world) -> None:
 
 def _rank(rank: int, world_size: int, tmp: str) -> None:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for build in (_mlp_stack, _tiny_lm):
+    for build in (_mlp_stack, _transformer):
         for opt_name in ("sgd", "adamw"):
             label = f"{build.__name__} {opt_name}"
             ref, torch_model = _scenario(torch_fully_shard, build, world, opt_name)
