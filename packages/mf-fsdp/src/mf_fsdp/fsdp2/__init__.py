@@ -21,10 +21,11 @@ the module's own.
 [Note: what is honoured] Every public method of torch's ``FSDPModule`` is
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``module.UNSUPPORTED``); nothing silently does nothing. Options FSDP2
-has and mf cannot honour yet (``shard_placement_fn``, ``dp_mesh_dims``, an int
-``reshard_after_forward`` other than 1 or the shard group's size, a mesh over
-part of the ranks, a group of modules nested with another unit, a ``param_dtype_override_fn``
-that splits one call's parameters over two compute dtypes) raise naming the
+has and mf cannot honour yet (``dp_mesh_dims``, an int ``reshard_after_forward``
+other than 1 or the shard group's size, a mesh over part of the ranks other than
+the dp dim of a 2-D (dp, tp) world mesh, a group of modules nested with another
+unit, a ``param_dtype_override_fn`` that splits one call's parameters over two
+compute dtypes) raise naming the
 option. torch's free functions ``register_fsdp_forward_method`` and
 ``share_comm_ctx`` work on these modules through ``_get_fsdp_state``
 (``torch_state``); ``load_state_dict(assign=True)`` loads the values into the
