@@ -218,6 +218,8 @@ def test_cut_dim_chooses_the_first_dim_that_spreads_the_experts_and_tp_leaves_wh
     assert cut_dim(stacked(3, 16, 8), 4) == 1  # 3 over 4: one rank would hold none
     assert cut_dim(stacked(1, 16, 8), 4) == 1  # one expert
     assert cut_dim(stacked(4, 16, 8), 2) == 0  # whole experts split evenly
+    assert cut_dim(stacked(5, 4, 3), 2) == 0  # 3 and 2 experts: within 1.25x, whole rows
+    assert cut_dim(stacked(5, 16, 8), 4) == 1  # 2, 1, 1, 1: 1.6x an even share
     assert cut_dim(stacked(3, 5, 4), 1) == 0  # one rank holds everything
     assert cut_dim(stacked(3, 1, 4), 2) == 2  # fewer rows than ranks along dim 1: dim 2
     assert cut_dim(stacked(3, 1, 1), 2) == 0  # no dim spreads it: whole experts

@@ -319,8 +319,9 @@ def is_stacked(shape: Sequence[int]) -> bool:
 def cut_dim(param: torch.Tensor, world_size: int) -> int:
     """The dim a weight's own bucket cuts into shards: 0 (whole experts), or a later dim.
 
-    A stacked weight whose experts do not split evenly over ``world_size`` ranks
-    (``E % world_size != 0``: one expert, or 2 or 3 over 4 ranks) is cut along the
+    A stacked weight whose experts do not split evenly enough over ``world_size``
+    ranks (a rank would hold more than 1.25x an even share, ``_whole_experts_even``:
+    one expert, 2 or 3 over 4 ranks, 3 over 2) is cut along the
     first dim after 0 that tensor parallelism does not split and that has at least
     ``world_size`` rows (FSDP2's and torchtitan's ``Shard(1)`` for a plain
     ``[E, F, D]``), so that every rank holds a share of every expert. Under expert
@@ -331,7 +332,7 @@ def cut_dim(param: torch.Tensor, world_size: int) -> int:
     See [Note: stacked weights are spread].
     """
     shape = local_shape(param)
-    if world_size <= 1 or not is_stacked(shape) or shape[0] % world_size == 0:
+    if world_size <= 1 or not is_stacked(shape) or _whole_experts_even(shape[0], world_size):
         return 0
     split = _tp_split_dims(param)
     free = [d for d in range(1, len(shape)) if d not in split]
@@ -339,6 +340,18 @@ def cut_dim(param: torch.Tensor, world_size: int) -> int:
         if shape[dim] >= world_size:
             return dim
     return free[0] if shape[0] == 1 and free else 0
+
+
+def _whole_experts_even(experts: int, world_size: int) -> bool:
+    """Whether whole experts give every rank a share within 1.25x of an even one.
+
+    Then dim 0 is kept: whole rows are contiguous, and a shape-aware optimizer
+    (Adafactor, Muon) steps them as it steps a dense weight's rows, where it refuses a
+    weight split along a later dim. 5 experts over 2 ranks (3 and 2: 1.2x) stay
+    whole; 3 over 2 (2 and 1: 1.33x) and any count below ``world_size`` are cut.
+    """
+    most = -(-experts // world_size)  # the most experts one rank holds
+    return 4 * most * world_size <= 5 * experts
 
 
 def _tp_split_dims(param: torch.Tensor) -> set[int]:
@@ -385,9 +398,10 @@ def lay_out(
     buckets are the unit's: the communication window gathers and reduces them
     in the same coalesced collectives as the unit's other buckets, and values
     stay plain views of each gathered bucket. A weight whose experts do not
-    split evenly over the ranks (``E % world != 0``: torchtitan's experts at
-    ``efsdp x ep > E``, a ``[1, F, D]`` piece per expert-parallel rank; 3
-    experts over 4 ranks, where one rank would hold none) is cut along dim 1
+    split evenly enough over the ranks (whole experts would give a rank over
+    1.25x an even share: torchtitan's experts at ``efsdp x ep > E``, a
+    ``[1, F, D]`` piece per expert-parallel rank; 3 experts over 4 ranks, where
+    one rank would hold none) is cut along dim 1
     instead (``cut_dim``): its bucket stores it with dims 0 and 1 swapped, as
     ``[F, E, D]`` (``row_shape``), so each rank holds whole rows of that,
     ``[E, F_r, D]`` parameter-shaped (``FSDPParam.row_dim`` is 1: its sharded
@@ -404,7 +418,8 @@ def lay_out(
     ``[E, F / etp, D]`` are cut along dim 2 (stored ``[D, E, F / etp]``) and
     down ``[E, D, F / etp]`` along dim 1, so the dp split never shares a dim
     with a tp split and the placements stay plain ``Shard`` of distinct dims.
-    Whole experts are kept only where no dim qualifies.
+    Whole experts are kept where no dim qualifies, and within 1.25x of an even
+    share (``_whole_experts_even``), so shape-aware optimizers keep whole rows.
     """
     if spec.extension:
         return [(spec, chunk_layout(local_shape(spec.params[0]), world_size))]
