@@ -86,12 +86,16 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     return (model(x) - x.flip(1)).square().mean()
 
 
+def _reference(opt_name: str, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process's losses and final parameters on the global batch of ``world`` ranks."""
+    reference = Net()
+    optimizer = make_optimizer(opt_name, reference.parameters())
+    return global_batch_run(reference, optimizer, STEPS, world, _loss)
+
+
 def _rank_trains_exactly(rank: int, world: int) -> None:
     for zero, opt_name, offload in CASES:
-        reference = Net()
-        ref_losses, ref_params = global_batch_run(
-            reference, make_optimizer(opt_name, reference.parameters()), STEPS, world, _loss
-        )
+        ref_losses, ref_params = _reference(opt_name, world)
         module = Net()
         model, opt = mf_fsdp.fully_shard(
             module,
@@ -125,10 +129,7 @@ def _rank_hsdp(rank: int, world: int) -> None:
     the optimizer's state sharded across it too (hybrid: over 4 ranks)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     for outer, opt_name in ((0, "sgd"), (1, "adamw")):
-        reference = Net()
-        ref_losses, ref_params = global_batch_run(
-            reference, make_optimizer(opt_name, reference.parameters()), STEPS, world, _loss
-        )
+        ref_losses, ref_params = _reference(opt_name, world)
         module = Net()
         model, opt = mf_fsdp.fully_shard(
             module,

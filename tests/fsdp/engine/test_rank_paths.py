@@ -466,6 +466,17 @@ def test_any_skips_train_exactly(plan: Plan) -> None:
     run_on_ranks(_check_runs, 2, runs, timeout=120)
 
 
+def _skipping_model(strategy: int) -> tuple[mf_fsdp.MegatronFSDP, torch.optim.Optimizer]:
+    """The skipping model wrapped at ``strategy``, its blocks as units, with Adam."""
+    module = make_skipping()
+    return mf_fsdp.fully_shard(
+        module,
+        make_optimizer("adam", module.parameters()),
+        fsdp_unit_modules=unit_classes(),
+        zero_dp_strategy=strategy,
+    )
+
+
 def _rank_out_of_order(
     rank: int,
     world: int,
@@ -475,13 +486,7 @@ def _rank_out_of_order(
     expected: str = "rank 1, step 1: unit 'blocks.",
 ) -> None:
     """Rank 1 (and rank 0, given ``order0``) calls the blocks in ``order`` in step 1."""
-    module = make_skipping()
-    model, opt = mf_fsdp.fully_shard(
-        module,
-        make_optimizer("adam", module.parameters()),
-        fsdp_unit_modules=unit_classes(),
-        zero_dp_strategy=strategy,
-    )
+    model, opt = _skipping_model(strategy)
 
     def train() -> None:
         for step in range(STEPS):
@@ -609,13 +614,7 @@ def test_contradicting_changes_stop_every_rank() -> None:
 
 def _rank_extra_forward(rank: int, world: int, strategy: int) -> None:
     """In step 1 rank 0 runs two root forwards before its backward, rank 1 one."""
-    module = make_skipping()
-    model, opt = mf_fsdp.fully_shard(
-        module,
-        make_optimizer("adam", module.parameters()),
-        fsdp_unit_modules=unit_classes(),
-        zero_dp_strategy=strategy,
-    )
+    model, opt = _skipping_model(strategy)
 
     def train() -> None:
         for step in range(STEPS):
