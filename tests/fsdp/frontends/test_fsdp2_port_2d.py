@@ -41,7 +41,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs
 from mf_fsdp.fsdp2 import fully_shard as mf_fully_shard
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.fsdp._fsdp2_conformance import RANK_MODULES
-from tests.fsdp._fsdp2_port_common import full
+from tests.fsdp._fsdp2_port_common import NEWER_FSDP2, full
 
 preload_in_ranks(*RANK_MODULES, "tests.fsdp._fsdp2_port_common")
 
@@ -159,9 +159,15 @@ def _refused(world) -> None:
         model(torch.randn(2, 8))
 
 
+_BUILDS = (_mlp_stack, _transformer) if NEWER_FSDP2 else (_mlp_stack,)
+"""torch 2.11's DTensor has no sharding rule for the math attention's head-merging view of a
+tensor-parallel Transformer (``aten._unsafe_view`` of a ``Shard(1)`` input): tensor
+parallelism alone fails there, under either engine, so 2.11 runs the MLP stack only."""
+
+
 def _rank(rank: int, world_size: int, tmp: str) -> None:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for build in (_mlp_stack, _transformer):
+    for build in _BUILDS:
         for opt_name in ("sgd", "adamw"):
             label = f"{build.__name__} {opt_name}"
             ref, torch_model = _scenario(torch_fully_shard, build, world, opt_name)
