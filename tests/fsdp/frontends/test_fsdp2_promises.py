@@ -139,20 +139,15 @@ def test_every_keyword_of_torchs_fully_shard_is_taken() -> None:
 
 def test_dp_mesh_dims_without_the_storage_mesh_is_refused_in_one_line() -> None:
     """``dp_mesh_dims`` names dims of ``mesh``: without a named mesh it names nothing."""
-    dims = _mesh_dims()
+    dims = pytest.importorskip("torch.distributed.fsdp").__dict__.get("DataParallelMeshDims")
+    if dims is None:
+        pytest.skip(f"torch {torch.__version__} has no DataParallelMeshDims (it came in 2.15)")
+    dims = dims(shard="dp")
     with pytest.raises(ValueError, match=r"dp_mesh_dims=") as caught:
         fsdp2.fully_shard(make_model(), dp_mesh_dims=dims)
     message = str(caught.value)
     assert "\n" not in message
     assert "names dims of mesh, got mesh=None; expected the named SPMD storage mesh" in message
-
-
-def _mesh_dims() -> object:
-    try:
-        from torch.distributed.fsdp import DataParallelMeshDims
-    except ImportError:  # torch 2.11: any value but None is refused the same way
-        return "shard"
-    return DataParallelMeshDims(shard="dp")
 
 
 class _Stack(nn.Module):
