@@ -51,6 +51,8 @@ class SyncPolicy:
         outer_each_backward: every backward that waits also runs the dp_outer stage
             (HSDP), so ``.grad`` is fully reduced when ``backward()`` returns, as FSDP2
             gives it (``mf_fsdp.fsdp2``); else once per step.
+        manual_finalization: no backward's end waits; the caller finishes the grads
+            (FSDP2's ``set_manual_backward_finalization``, torch's pipeline stages).
     """
 
     shards_grads: bool
@@ -60,6 +62,7 @@ class SyncPolicy:
     microbatch_count: int = 0
     steps: int = 0
     outer_each_backward: bool = False
+    manual_finalization: bool = False
 
     def reduce_at_unit_end(self) -> bool:
         """Whether a unit's backward end launches its reduction (else grads stay local)."""
@@ -69,7 +72,7 @@ class SyncPolicy:
 
     def wait_at_backward_end(self) -> bool:
         """Whether the backward's end waits for the reductions and hands out the grads."""
-        return self.auto_sync and self.reduce_at_unit_end()
+        return self.auto_sync and not self.manual_finalization and self.reduce_at_unit_end()
 
     def outer_at_backward_end(self) -> bool:
         """Whether that wait also runs the dp_outer stage (the step's last backward, or each)."""

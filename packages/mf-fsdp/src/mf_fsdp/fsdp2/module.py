@@ -34,6 +34,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
 
+try:  # torch 2.15; torch 2.11 has no manual backward finalization
+    from torch.distributed.fsdp import GradientReductionHandle
+except ImportError:  # pragma: no cover - the floor of mf's torch range
+    GradientReductionHandle = object  # type: ignore[assignment,misc]
+
 from mf_fsdp.engine.assemble import reduce_spec_for
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.options import check_gradient_factor
@@ -351,6 +356,50 @@ class FSDPModule(_ModuleFSDPModule):
             )
         self._engine_and_record()[0].sync_policy.auto_sync = is_last_backward
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Leave the end of the backward to ``finalize_backward`` (True), as FSDP2's (root only).
+
+        While on, no backward's end waits for a reduction or hands a gradient out
+        (``set_is_last_backward`` has no effect): torch's pipeline stages run one
+        backward per micro-batch with gradient sync off, then finalize once.
+
+        Raises:
+            TypeError: if ``enabled`` is not a bool.
+            RuntimeError: on a module other than the root, as FSDP2.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                f"set_manual_backward_finalization: enabled must be a bool, got {enabled!r}"
+            )
+        engine, record = self._engine_and_record()
+        if not record.is_root:
+            raise RuntimeError(
+                f"set_manual_backward_finalization must be called on the root module, not on "
+                f"{type(self).__name__}"
+            )
+        engine.sync_policy.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> _FinishedReduction | None:
+        """Finish the backwards' gradient work now, as FSDP2's (root only).
+
+        With gradient sync on, every gradient still local is reduced (HSDP's replicate
+        dim included), waited for and handed out as each sharded parameter's
+        ``.grad``, and the units left gathered are released; with sync off the grads
+        stay local for a later backward with sync on. The work is done when this
+        returns, so the handle's ``wait()`` (``async_op=True``) has nothing left to do.
+
+        Raises:
+            RuntimeError: on a module other than the root, as FSDP2.
+        """
+        engine, record = self._engine_and_record()
+        if not record.is_root:
+            raise RuntimeError(
+                f"finalize_backward must be called on the root module, not on {type(self).__name__}"
+            )
+        if not engine.sync_policy.suppressed:
+            engine.finish_grad_sync()
+        return _FinishedReduction() if async_op else None
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce this call's gradients as their sum over the data-parallel ranks over ``factor``.
 
@@ -422,6 +471,13 @@ def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[U
         if other.unit is not None:
             units.append(other.unit)
     return units
+
+
+class _FinishedReduction(GradientReductionHandle):  # type: ignore[misc]
+    """FSDP2's ``GradientReductionHandle`` for a reduction mf finished before returning it."""
+
+    def wait(self) -> None:
+        """Nothing is left to wait for: ``finalize_backward`` reduced before returning."""
 
 
 class _Unshard(UnshardHandle):
