@@ -94,9 +94,9 @@ def _load(rank: int, world: int, folder: str, port: int, results: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from mf.train.model_folder import folder_of
-        from mf.train.options import parse_options
-        from mf.train.setup import bind_optimizers, load_folder_model, setup
+        from mf.train.rank.setup import bind_optimizers, load_folder_model, setup
+        from mf.train.run.options import parse_options
+        from mf.train.sources.model_folder import folder_of
 
         argv = ["--model", folder, "--device", "cpu", "--nproc", str(world)]
         argv += ["--zero", "3", "--precision", "fp32", "--seq-len", "64"]

@@ -2,8 +2,8 @@
 
 Multi-rank tests (marked ``multiprocess``) spawn gloo ranks. They run one
 after another within two groups, each on one xdist worker at a time: the
-launcher runs of ``tests/integration`` (``mf-train``, torchrun, the bench
-CLI, whole models) and the rest (``run_on_ranks`` bodies). In one group they
+launcher runs of ``tests/integration`` and ``tests/train`` (``mf-train``, torchrun,
+the bench CLI, whole models) and the rest (``run_on_ranks`` bodies). In one group they
 were the suite's critical path (13.3 of its 13.8 minutes, the other worker
 idle two thirds of the time); in two, at most two tests' ranks share the cores.
 
@@ -26,5 +26,5 @@ settings.load_profile("mf")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("multiprocess") is not None:
-            launches = item.nodeid.startswith("tests/integration/")
+            launches = item.nodeid.startswith(("tests/integration/", "tests/train/"))
             item.add_marker(pytest.mark.xdist_group("launches" if launches else "multiprocess"))

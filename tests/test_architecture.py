@@ -10,6 +10,10 @@ Inside mf-fsdp, its sub-packages form layers (``FSDP_LAYERS``) and a module
 imports only from its own layer or lower ones, type-only imports included: the
 engine never reaches up to the optimizer side or the checkpoints. The modules of
 ``mf_fsdp.fsdp2`` import one another one way (``FSDP2_ORDER``).
+
+``mf.train``'s rooms (its sub-packages, and ``settings.py``) sit on floors
+(``TRAIN_FLOORS``): a module imports its own room or the rooms of lower floors only,
+never a room of its own floor or above, type-only and function-local imports included.
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ FSDP2_ORDER = (
     "module",
     "entry",
 )
+TRAIN_SOURCE = ROOT / "src" / "mf" / "train"
+# mf.train's rooms, lowest floor first: the room (sub-package, or top-level module) -> its
+# floor. Rooms on one floor do not import each other (src/mf/train/__init__.py says why).
+TRAIN_FLOORS = {
+    "settings": 0,
+    "sources": 1,
+    "data": 2,
+    "reports": 2,
+    "adapters": 2,
+    "exports": 3,
+    "run": 3,
+    "rank": 4,
+}
 
 
 def _import_name(distribution: str) -> str:
@@ -208,6 +225,50 @@ def test_fsdp2_modules_import_one_way() -> None:
             for target in targets:
                 if target not in FSDP2_ORDER[:rank]:
                     problems.append(f"{where}:{node.lineno} ({name}) imports {target}")
+    assert not problems, "\n".join(problems)
+
+
+def _train_targets(node: ast.AST) -> list[str]:
+    """The rooms of mf.train an import statement reaches (its face named as such)."""
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "mf.train":
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0:
+        parts = (node.module or "").split(".")
+        return [parts[2]] if parts[:2] == ["mf", "train"] and len(parts) > 2 else []
+    if isinstance(node, ast.Import):
+        parts = [alias.name.split(".") for alias in node.names]
+        return [
+            p[2] if len(p) > 2 else "mf.train's face" for p in parts if p[:2] == ["mf", "train"]
+        ]
+    return []
+
+
+def test_mf_train_rooms_import_downward_only() -> None:
+    rooms = {p.name.removesuffix(".py") for p in TRAIN_SOURCE.iterdir()}
+    rooms -= {"__init__", "__pycache__", "py.typed"}
+    assert rooms == set(TRAIN_FLOORS), "give each room of mf/train/ a floor in TRAIN_FLOORS"
+    problems = []
+    for path in sorted(TRAIN_SOURCE.rglob("*.py")):
+        if path == TRAIN_SOURCE / "__init__.py":
+            continue  # the face re-exports what the rooms hold
+        where = path.relative_to(ROOT)
+        room = path.relative_to(TRAIN_SOURCE).parts[0].removesuffix(".py")
+        tree = ast.parse(path.read_text(), str(path))
+        if path.name == "__init__.py" and not ast.get_docstring(tree):
+            problems.append(f"{where} opens with no docstring saying what the room owns")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                problems.append(f"{where}:{node.lineno} uses a relative import")
+            for target in _train_targets(node):
+                if target == room:
+                    continue
+                if target not in TRAIN_FLOORS:
+                    problems.append(f"{where}:{node.lineno} imports {target} from mf.train's top")
+                elif TRAIN_FLOORS[target] >= TRAIN_FLOORS[room]:
+                    problems.append(
+                        f"{where}:{node.lineno} ({room}, floor {TRAIN_FLOORS[room]}) imports "
+                        f"{target} (floor {TRAIN_FLOORS[target]}): a room imports lower floors only"
+                    )
     assert not problems, "\n".join(problems)
 
 

@@ -91,7 +91,7 @@ def stop_with_launcher(sig: int = signal.SIGTERM, *, interval: float = 0.5) -> s
     A worker whose launcher was killed (SIGKILL, the OOM killer, a closed
     terminal) would otherwise train on as an orphan, holding its devices and
     writing into the run's folders, or wait out the rendezvous timeout on a dead
-    store. ``mf.train.worker`` stops on SIGTERM as on Ctrl-C: every rank saves a
+    store. ``mf.train.rank.worker`` stops on SIGTERM as on Ctrl-C: every rank saves a
     checkpoint and exits; before it joined the group, SIGTERM ends it at once.
 
     Call it first thing, before heavy imports: the parent is compared with the

@@ -24,7 +24,7 @@ from mf.bench.context_parallel import SavedBytes, cp_group_mesh, saved_activatio
 from mf.bench.engines import AUTOCAST, build_engine, gathers_float8
 from mf.launch import leave_process_group
 from mf.models import GPT, PRESETS, Block, GPTConfig
-from mf.train.sequence_shards import sequence_shards
+from mf.train.data.sequence_shards import sequence_shards
 
 __all__ = ["COMPILED", "RunResult", "RunSpec", "bytes_written", "run", "train_step"]
 

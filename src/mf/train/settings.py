@@ -1,4 +1,4 @@
-"""The settings of one ``mf-train`` run (``TrainOptions``), as ``mf.train.options`` parsed them.
+"""The settings of one ``mf-train`` run (``TrainOptions``), as ``mf.train.run.options`` parsed them.
 
 A frozen record every part of a run reads; parsing and checking the command line
 are ``options.py``'s, and what a resume compares is ``resume.py``'s.

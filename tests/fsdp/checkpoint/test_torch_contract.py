@@ -341,7 +341,7 @@ def test_param_groups_by_ndim_after_wrapping() -> None:
 
 def _rank_inner_module_calls(rank: int, world: int) -> None:
     # What HF ``generate`` does: it calls the wrapped module itself, not the wrapper.
-    from mf.train.export import sample_text
+    from mf.train.exports.export import sample_text
     from tests.fsdp._helpers import (
         batch,
         make_model,
