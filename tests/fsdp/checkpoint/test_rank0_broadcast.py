@@ -14,7 +14,8 @@ losses, so the optimizer state came along too. The layers' sizes (7, 9, 5, 11
 rows) do not split evenly, so mf's rows differ from ``torch.chunk``'s, as the test
 checks before it loads. With ``full_state_dict=True`` alone (every rank holds
 the full dicts) the same holds. A tensor of another shape stops every rank with
-one error naming the key and both shapes.
+one error naming the key and both shapes. A key missing from rank 0's dict stops
+``strict=True`` naming the key, and ``strict=False`` loads the rest, as FSDP2 does.
 
 Tolerance: parameters bit-exact; losses 1e-6 (the two engines reduce the
 gradients in another order).
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor
 import mf_fsdp
 from mf_fsdp import fsdp2
 from tests._multiprocess import cpu_mesh, run_on_ranks
+from tests.fsdp._helpers import full_params, optimizer_step
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 VOCAB = 11
@@ -88,16 +90,8 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
     """Train ``steps``; the global loss (mean over the ranks) of each."""
-    losses = []
-    for step in steps:
-        loss = model(*_batch(step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / dist.get_world_size())
-    return losses
+    world = dist.get_world_size()
+    return [optimizer_step(model(*_batch(step, rank)), opt, world) for step in steps]
 
 
 def _fsdp2_pair(opt_name: str, seed: int, shard=fully_shard):
@@ -126,13 +120,6 @@ def _pair(engine: str, opt_name: str, seed: int):
     if engine == "mf-fsdp2":
         return _fsdp2_pair(opt_name, seed, fsdp2.fully_shard)
     return _mf_pair(opt_name, seed, engine.removeprefix("mf-"))
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-        for name, p in model.named_parameters()
-    }
 
 
 def _local_rows(model: nn.Module) -> dict[str, int]:
@@ -170,8 +157,8 @@ def _rank_loads_like_fsdp2(
     if engine != "mf-zero1":  # ZeRO-1 parameters are whole (its optimizer state is not)
         rows = [results[name][2] for name in ("fsdp2", engine)]
         assert rows[0] != rows[1], f"{engine}'s rows are torch.chunk's: the test shows nothing"
-    expected = _full(results["fsdp2"][0])
-    for name, value in _full(results[engine][0]).items():
+    expected = full_params(results["fsdp2"][0])
+    for name, value in full_params(results[engine][0]).items():
         assert torch.equal(value, expected[name]), f"{engine} {name}"
     losses = {
         name: _steps(model, opt, rank, range(2, 4)) for name, (model, opt, _) in results.items()
@@ -214,6 +201,36 @@ def _rank_shape_mismatch(rank: int, world: int, engine: str) -> None:
 @pytest.mark.parametrize("engine", ["mf-zero3", "mf-fsdp2"])
 def test_broadcast_of_another_shape_names_the_key(engine: str) -> None:
     run_on_ranks(_rank_shape_mismatch, 2, engine, timeout=90)
+
+
+def _rank_strict(rank: int, world: int, engine: str) -> None:
+    """A key missing from rank 0's dict: ``strict=False`` loads the rest as FSDP2 does."""
+    full = _model(0).state_dict()
+    del full["head.bias"]
+    loaded = {}
+    for name, (model, _) in (("fsdp2", _fsdp2_pair("sgd", 1)), (engine, _pair(engine, "sgd", 1))):
+        for strict in (True, False):
+            options = StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=strict
+            )
+            sd = copy.deepcopy(full) if rank == 0 else {}
+            if strict:
+                with pytest.raises(RuntimeError, match="head.bias"):
+                    set_model_state_dict(model, sd, options=options)
+            else:
+                set_model_state_dict(model, sd, options=options)
+        loaded[name] = full_params(model)
+    kept = full_params(_model(1))["head.bias"]  # the missing key keeps the fresh model's value
+    for key, value in loaded["fsdp2"].items():
+        assert torch.equal(loaded[engine][key], value), key
+        assert torch.equal(value, kept if key == "head.bias" else full[key]), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["mf-zero3", "mf-fsdp2"])
+def test_strict_reports_a_missing_key_and_non_strict_loads_the_rest(engine: str) -> None:
+    run_on_ranks(_rank_strict, 2, engine, timeout=90)
 
 
 def _rank_wraps_once(rank: int, world: int) -> None:
