@@ -40,7 +40,15 @@ FSDP_LAYERS = {
 }
 # mf_fsdp.fsdp2's modules (all at the front-end layer), in the order they may import one
 # another: each only those before it, so the package has no import circle.
-FSDP2_ORDER = ("torch_state", "mixed_precision", "placement", "records", "module", "entry")
+FSDP2_ORDER = (
+    "torch_state",
+    "mixed_precision",
+    "placement",
+    "meshes",
+    "records",
+    "module",
+    "entry",
+)
 
 
 def _import_name(distribution: str) -> str:

@@ -21,22 +21,25 @@ the module's own.
 [Note: what is honoured] Every public method of torch's ``FSDPModule`` is
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``module.UNSUPPORTED``); nothing silently does nothing. Options FSDP2
-has and mf cannot honour yet (``dp_mesh_dims``, an int ``reshard_after_forward``
-other than 1 or the shard group's size, a mesh over part of the ranks other than
-the dp dim of a 2-D (dp, tp) world mesh, a group of modules nested with another
-unit, a ``param_dtype_override_fn`` that splits one call's parameters over two
-compute dtypes) raise naming the
-option. torch's free functions ``register_fsdp_forward_method`` and
-``share_comm_ctx`` work on these modules through ``_get_fsdp_state``
-(``torch_state``); ``load_state_dict(assign=True)`` loads the values into the
-engine's buffers, a meta-device model's included, and refuses another dtype.
+has and mf cannot honour yet (``dp_mesh_dims`` over a tensor-parallel storage
+dim, an int ``reshard_after_forward`` other than 1 or the shard group's size,
+DTensor parameters over more than one mesh, a group of modules nested with
+another unit, a ``param_dtype_override_fn`` that splits one call's parameters
+over two compute dtypes) raise naming the option. torch's free functions
+``register_fsdp_forward_method`` and ``share_comm_ctx`` work on these modules
+through ``_get_fsdp_state`` (``torch_state``); ``load_state_dict(assign=True)``
+loads the values into the engine's buffers, a meta-device model's included, and
+refuses another dtype.
 
 The package, one concept per module, each importing only those above it:
 
 - ``torch_state.py``: the part of FSDP2's per-module state torch's free
   functions read, answered by mf;
+- ``placement.py``: ``shard_placement_fn``'s answers, and the experts' mesh;
 - ``mixed_precision.py``: torch's ``MixedPrecisionPolicy`` as the casts around
   a forward and the engine's dtypes (``param_dtype_override_fn`` included);
+- ``meshes.py``: the mesh the engine runs over, from the call's mesh (or
+  ``dp_mesh_dims``) and the tp mesh of the model's DTensor parameters;
 - ``records.py``: what each call marked (a record on its modules) and the one
   engine built over a model at its first use;
 - ``module.py``: ``FSDPModule``, the class-swap mixin with torch's methods;

@@ -68,8 +68,9 @@ def fully_shard(
 
     Args:
         module: a module, or a list of modules forming one unit.
-        mesh: a 1-D mesh over every rank (shard), or a named 2-D one
-            ``(replicate, shard)`` for HSDP; None: a 1-D mesh over the world.
+        mesh: a 1-D mesh (shard), or a named 2-D one ``(replicate, shard)`` for
+            HSDP, over every rank or part of them; None: a 1-D mesh over the world.
+            DTensor parameters' tp mesh is joined to it (see ``meshes.py``).
         reshard_after_forward: True frees the unit's gathered weights after its
             forward (gathered again in backward); False keeps them until the
             backward. None means True. The root always keeps its own (as FSDP2's).
@@ -98,9 +99,11 @@ def fully_shard(
             on every rank, never gathered or reduced (their grads are each rank's
             own; syncing them, e.g. with DDP, is the caller's). The calls on one
             model may each pass some; the engine ignores all of them.
-        dp_mesh_dims: must be None (torch 2.15's full SPMD mesh, whose parameters are
-            DTensors over every dim, is not supported): pass the data-parallel mesh as
-            ``mesh`` and tensor-parallel parameters as DTensors over their own tp mesh.
+        dp_mesh_dims: torch 2.15's ``DataParallelMeshDims``: ``mesh`` is then the whole
+            SPMD storage mesh and this names its shard dims (joined into one) and its
+            replicate dim. Served for plain parameters with every other dim of the mesh of
+            one rank (torchtitan's default backend for FSDP and HSDP); a tensor-parallel
+            storage dim raises when the engine is built (see ``meshes.py``).
 
     Returns:
         ``module``, now an ``FSDPModule`` (each module of a list).
@@ -141,6 +144,7 @@ def fully_shard(
     record.ignored_params = ignored
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
     record.shard_placement_fn = shard_placement_fn
+    record.dp_mesh_dims = dp_mesh_dims
     registry_item = RegistryItem()  # one per call, as torch's composable contract shares it
     for item in modules:
         item.__dict__[RECORD_ATTR] = record
@@ -260,12 +264,12 @@ def _check_options(
     """Raise naming the first option mf cannot honour (see [Note: what is honoured])."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {mesh!r}")
-    if mesh is not None and mesh.ndim not in (1, 2):
+    if mesh is not None and dp_mesh_dims is None and mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim} dims); "
             "expected a 1-D mesh (shard) or a 2-D one (replicate, shard)"
         )
-    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+    if mesh is not None and dp_mesh_dims is None and mesh.ndim == 2 and not mesh.mesh_dim_names:
         # FSDP2's type for this mistake; mf's line names what to pass.
         raise AssertionError(
             "fully_shard: mesh is 2-D without mesh_dim_names; expected init_device_mesh(..., "
@@ -273,12 +277,7 @@ def _check_options(
             "mesh_dim_names specified"
         )
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (parameters as DTensors over a full "
-            "SPMD mesh) is not supported by mf_fsdp.fsdp2; expected None, the data-parallel "
-            "mesh as mesh (1-D shard, or 2-D (replicate, shard)) and tensor-parallel "
-            "parameters as DTensors over their own tp mesh"
-        )
+        _check_mesh_dims(mesh, dp_mesh_dims)
     check_placement_fn(shard_placement_fn)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
@@ -333,3 +332,17 @@ def reshard_flag(reshard_after_forward: object, mesh: DeviceMesh | None) -> bool
         f"{reshard_after_forward} of the {size} shard ranks) is not supported by mf_fsdp.fsdp2; "
         f"expected True, False, {size} or 1"
     )
+
+
+def _check_mesh_dims(mesh: DeviceMesh | None, dp_mesh_dims: object) -> None:
+    """Refuse a ``dp_mesh_dims`` of another type, or without a named ``mesh`` to name dims of."""
+    if not hasattr(dp_mesh_dims, "shard") or not hasattr(dp_mesh_dims, "replicate"):
+        raise TypeError(
+            f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims or None, got "
+            f"{dp_mesh_dims!r}"
+        )
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} names dims of mesh, got mesh={mesh}; "
+            "expected the named SPMD storage mesh"
+        )

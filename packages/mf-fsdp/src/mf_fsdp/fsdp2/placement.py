@@ -14,8 +14,9 @@ the mesh to shard over. mf serves both halves of that answer on its flat buckets
   here on the parameter): its buckets are sharded and reduced over that mesh's
   group, and averaged over it (FSDP2's rule). That mesh plus the mesh the
   parameter is a DTensor over (torchtitan: experts ``Shard(0)`` over ``ep``, on
-  the ``efsdp`` mesh) must cover every rank: joined, they are the engine's expert
-  mesh. One such mesh per model; anything else stops with one line.
+  the ``efsdp`` mesh) must cover the ranks of the engine's dense mesh
+  (``meshes.py``): joined, they are the engine's expert mesh. One such mesh per
+  model; anything else stops with one line.
 
 torch 2.11 has ``shard_placement_fn`` with ``Shard`` answers only; torch 2.15 adds
 ``ShardPlacementResult``. The function runs when the engine is built (the model's
@@ -29,7 +30,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -155,7 +155,7 @@ def _expert_mesh(name: str, param: nn.Parameter, mesh: DeviceMesh) -> ExpertMesh
     if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or mesh.ndim != 1:
         raise NotImplementedError(
             f"{where}; mf_fsdp.fsdp2 serves another 1-D mesh for a DTensor parameter over "
-            "a 1-D mesh (experts over ep) that together cover every rank"
+            "a 1-D mesh (experts over ep) that together cover the dense mesh's ranks"
         )
     if not mesh.mesh_dim_names or not param.device_mesh.mesh_dim_names:
         raise NotImplementedError(f"{where}; expected named meshes (init_device_mesh names)")
@@ -166,11 +166,6 @@ def _expert_mesh(name: str, param: nn.Parameter, mesh: DeviceMesh) -> ExpertMesh
             f"{where}, and it is a DTensor over {param.device_mesh}; expected both sliced "
             f"from one device mesh ({error})"
         ) from None
-    if joined.size() != dist.get_world_size():
-        raise NotImplementedError(
-            f"{where}, a DTensor over {param.device_mesh}; together they cover "
-            f"{joined.size()} of {dist.get_world_size()} ranks, expected every rank"
-        )
     return ExpertMesh(joined, mesh.mesh_dim_names[0], param.device_mesh.mesh_dim_names[0])
 
 

@@ -39,22 +39,19 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from torch import nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed._composable.contract import _get_registry
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from mf_fsdp.config import DistributedDataParallelConfig
-from mf_fsdp.distributed_index import FSDPDistributedIndex
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.unit import Unit
+from mf_fsdp.fsdp2.meshes import call_mesh, dist_index, mesh_roles
 from mf_fsdp.fsdp2.mixed_precision import engine_policy, own_dtypes, resolve_policies
-from mf_fsdp.fsdp2.placement import ExpertMesh, place_params
+from mf_fsdp.fsdp2.placement import place_params
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
-from mf_utils import get_group_device
 
 if TYPE_CHECKING:
     from mf_fsdp.fsdp2.torch_state import TorchStateView
@@ -88,6 +85,7 @@ class CallRecord:
     hooks: list[Any] = field(default_factory=list)
     ignored_params: tuple[nn.Parameter, ...] = ()
     offload: bool = False  # CPUOffloadPolicy
+    dp_mesh_dims: Any = None  # torch 2.15's DataParallelMeshDims (see meshes.py)
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # asked at the build
     hook_ids: AbstractSet[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
     state_view: TorchStateView | None = None  # what torch's free functions read (torch_state)
@@ -216,16 +214,18 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     )
     hooks_before = _forward_hook_ids(module)
     root_engine_policy = engine_policy(module, root_policy)
-    mesh, tp_dim = _dense_mesh(root.mesh, module)
+    mesh = call_mesh(root.mesh)
     asked = [
         (r.shard_placement_fn, _call_params(r, ignored.keys()))
         for r in (root, *units)
         if r.shard_placement_fn is not None
     ]
     experts = place_params(asked, mesh)
+    managed = (p for p in nn.Module.parameters(module) if id(p) not in ignored)
+    roles = mesh_roles(mesh, managed, root.dp_mesh_dims)
     engine = MegatronFSDP(
         module,
-        _dist_index(mesh, experts, tp_dim),
+        dist_index(roles, experts),
         DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             offload_optimizer_state=root.offload,
@@ -311,84 +311,3 @@ def _forward_hook_ids(module: nn.Module) -> set[int]:
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks)
         for hook_id in hooks
     }
-
-
-def _dense_mesh(mesh: DeviceMesh | None, module: nn.Module) -> tuple[DeviceMesh, str | None]:
-    """FSDP2's mesh (None: a 1-D one over the world), named, and the tp dim beside it.
-
-    A mesh over every rank is FSDP2's 1-D shard or 2-D (replicate, shard) mesh (no
-    tp dim). A 1-D mesh over part of the ranks is served when it is the dp dim of a
-    2-D world mesh whose other dim is the tp mesh of the model's DTensor parameters
-    (``parallelize_module`` first): the engine then runs over the whole 2-D mesh.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first"
-        )
-    world = dist.get_world_size()
-    if mesh is None:
-        mesh = init_device_mesh(get_group_device(None).type, (world,), mesh_dim_names=("dp_shard",))
-    if mesh.size() != world:
-        return _tp_world_mesh(mesh, module, world)
-    if mesh.mesh_dim_names is None:
-        if mesh.ndim != 1:
-            raise ValueError("fully_shard: a 2-D mesh needs dim names (replicate, shard)")
-        mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=("dp_shard",))
-    return mesh, None
-
-
-def _tp_world_mesh(mesh: DeviceMesh, module: nn.Module, world: int) -> tuple[DeviceMesh, str]:
-    """The 2-D (dp, tp) world mesh ``mesh`` is the dp dim of, and its tp dim's name.
-
-    Served only when every DTensor parameter of ``module`` lies on the world mesh's
-    other dim (and there is at least one): the engine shards over ``mesh``'s dim and
-    reads each parameter's tp placement from that dim. Anything else (pipeline
-    stages, a dp mesh beside parameters that are not tp DTensors over the rest)
-    stops here.
-    """
-    root = mesh._get_root_mesh()
-    names = root.mesh_dim_names
-    refused = (
-        f"fully_shard: mesh {mesh} covers {mesh.size()} of {world} ranks; mf_fsdp.fsdp2 needs "
-        "a mesh over every rank, or the dp dim of a 2-D (dp, tp) world mesh whose tp dim "
-        "the model's DTensor parameters (parallelize_module) lie on"
-    )
-    if mesh.ndim != 1 or root.ndim != 2 or root.size() != world or not names:
-        raise NotImplementedError(refused)
-    own = mesh.mesh_dim_names
-    if own is None or own[0] not in names:
-        raise NotImplementedError(refused)
-    tp_dim = names[1 - names.index(own[0])]
-    tp_mesh = root[tp_dim]
-    meshes = [p.device_mesh for p in nn.Module.parameters(module) if isinstance(p, DTensor)]
-    if not meshes or any(m != tp_mesh for m in meshes):
-        raise NotImplementedError(
-            f"{refused}: found {len(meshes)} DTensor parameters, "
-            f"{sum(m != tp_mesh for m in meshes)} of them not over {tp_dim!r}"
-        )
-    return root, tp_dim
-
-
-def _dist_index(
-    mesh: DeviceMesh, experts: ExpertMesh | None, tp_dim: str | None
-) -> FSDPDistributedIndex:
-    """The engine's index for FSDP2's mesh (1-D: shard; 2-D: replicate, shard), and experts'.
-
-    With ``tp_dim`` the mesh is a (dp, tp) world mesh: shard over the other dim.
-    """
-    names = mesh.mesh_dim_names
-    assert names is not None  # _dense_mesh names it
-    expert_args: dict[str, Any] = {}
-    if experts is not None:
-        expert_args = {
-            "expt_device_mesh": experts.mesh,
-            "expt_dp_shard_dim": experts.shard_dim,
-            "expt_tp_dim": experts.tp_dim,
-        }
-    if tp_dim is not None:
-        shard = next(name for name in names if name != tp_dim)
-        return FSDPDistributedIndex(mesh, dp_shard_dim=shard, tp_dim=tp_dim, **expert_args)
-    if mesh.ndim == 1:
-        return FSDPDistributedIndex(mesh, dp_shard_dim=names[0], **expert_args)
-    return FSDPDistributedIndex(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0], **expert_args)

@@ -1,0 +1,140 @@
+"""``mf_fsdp.fsdp2.fully_shard`` on meshes as torch builds them (``fsdp2/meshes.py``).
+
+- A dp mesh over part of the ranks: world 4 as ``(rest, dp)`` = ``(2, 2)``, each
+  half training its own copy of the tiny GPT over its own ``dp`` slice (the
+  halves start from other weights and read other batches); each equals one
+  process on its half's global batch over 3 SGD steps, so the engine used that
+  half's groups alone. The same with the world mesh unflattened from 1-D
+  (torchtitan's way), where the slice's root is the 1-D world mesh.
+- The mesh object: the sharded parameters' DTensors carry the mesh the user
+  passed, named or not (it was a renamed copy).
+- ``dp_mesh_dims`` given what FSDP2 refuses: another type, an unnamed mesh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from mf_fsdp import fsdp2
+from tests._multiprocess import run_on_ranks
+from tests.fsdp._helpers import batch, make_model, reference_run
+
+STEPS = 3
+
+
+def _wrapped(mesh, seed: int):
+    model = make_model(seed)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _split_world(unflattened: bool):
+    """World 4 as ``(rest, dp)`` = ``(2, 2)``: built 2-D, or unflattened from 1-D."""
+    if not unflattened:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("rest", "dp"))
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    return world._unflatten(0, (2, 2), ("rest", "dp"))
+
+
+def _rank_part(rank: int, world: int, unflattened: bool) -> None:
+    mesh = _split_world(unflattened)
+    dp = mesh["dp"]
+    half = mesh.get_local_rank("rest")
+    model = _wrapped(dp, seed=half)
+    assert all(p.device_mesh is dp for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    dp_rank, dp_size = dp.get_local_rank(), dp.size()
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = batch(step, 10 * half + dp_rank)
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp.get_group())
+        losses.append(total.item() / dp_size)
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+
+    ref_losses, ref_params = _half_reference(half, dp_size)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _half_reference(half: int, dp_size: int):
+    """One process on one half's global batch (its ranks' batches, averaged)."""
+
+    def make():
+        return make_model(half)
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for dp_rank in range(dp_size):
+            loss = model(*batch(step, 10 * half + dp_rank)) / dp_size
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("unflattened", [False, True], ids=["nd", "unflattened"])
+def test_a_dp_mesh_over_part_of_the_ranks_trains_that_half_alone(unflattened: bool) -> None:
+    run_on_ranks(_rank_part, 4, unflattened, timeout=180)
+
+
+def _rank_unnamed(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = _wrapped(mesh, seed=0)
+    assert all(p.device_mesh is mesh for p in model.parameters())
+    assert mesh.mesh_dim_names is None
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    ref_losses, _ = reference_run("sgd", world, STEPS)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_unnamed_mesh_is_the_parameters_mesh() -> None:
+    run_on_ranks(_rank_unnamed, 2, timeout=100)
+
+
+def _rank_bad_dims(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    with pytest.raises(TypeError, match=r"dp_mesh_dims must be a DataParallelMeshDims or None"):
+        fsdp2.fully_shard(make_model(), mesh=mesh, dp_mesh_dims="dp_shard")
+    dims = pytest.importorskip("torch.distributed.fsdp").__dict__.get("DataParallelMeshDims")
+    if dims is None:  # torch 2.11 has no DataParallelMeshDims
+        return
+    with pytest.raises(ValueError, match=r"names dims of mesh, got mesh=None"):
+        fsdp2.fully_shard(make_model(), dp_mesh_dims=dims(shard="dp_shard"))
+    model = fsdp2.fully_shard(make_model(), mesh=mesh, dp_mesh_dims=dims(shard="nope"))
+    with pytest.raises(ValueError, match=r"\['nope'\] not among the mesh's dims \('dp_shard',\)"):
+        list(model.parameters())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_dp_mesh_dims_bad_input_is_one_line() -> None:
+    run_on_ranks(_rank_bad_dims, 2, timeout=100)

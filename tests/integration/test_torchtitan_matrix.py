@@ -1,0 +1,266 @@
+"""torchtitan's parallelism matrix on ``mf_fsdp.fsdp2``, beside torch's FSDP2 in the same ranks.
+
+A torchtitan user keeps torchtitan's own code (``ParallelDims.build_mesh``, the
+Llama 3 sharding config and ``parallelize_llama``) and swaps the one name
+``fully_shard`` where ``torchtitan.distributed.fsdp`` imports it. torchtitan
+builds every mesh by unflattening one 1-D world mesh, so the ``fsdp`` mesh it
+hands over is a slice over part of the ranks and the tp mesh a slice of another
+view of the same root; its default backend (``spmd_types``) passes
+``dp_mesh_dims`` instead, even for plain FSDP.
+
+Each configuration runs in the same ranks: torch's FSDP2 and mf through
+torchtitan's code, from one process's initial weights, and one process on the
+global batch. Three steps of SGD or AdamW; the per-step losses, the first
+step's full gradients and the full weights after the steps are compared with
+one process to 1e-5 (AdamW's first steps move a weight whose gradient is near
+zero by about its learning rate whatever that gradient's rounding, so its rate
+is 1e-3), and torchtitan's own ``clip_grad_norm_`` (the total grad norm, taken
+each step) between the engines. (That norm over the sharded DTensor gradients
+differs from one process's ``clip_grad_norm_`` by about 5e-5 relative under
+both engines alike, while every gradient agrees to 1e-6.) The model is
+torchtitan's Llama 3 debugmodel cut to two blocks (SDPA attention for the CPU);
+the tp ranks of one dp rank read its batch, as torchtitan's dataloader gives
+them.
+
+Two loss scalings: torchtitan's own (FSDP's division off, each dp rank's loss
+over the dp size), and FSDP's mean (torchtitan's ``disable_fsdp_gradient_division``
+skipped), where the engine must divide by the data-parallel size, not the world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mf_fsdp import fsdp2
+from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
+
+try:
+    import torchtitan.distributed.fsdp as titan_fsdp
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
+    pytest.skip(
+        f"torchtitan does not import with torch {torch.__version__}: {error}",
+        allow_module_level=True,
+    )
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete"),
+    pytest.mark.filterwarnings("ignore:While redistributing from"),
+]
+preload_in_ranks(__name__)
+
+VOCAB, SEQ, BATCH, STEPS = 2048, 16, 2, 3
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One torchtitan configuration: its degrees and backend."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    backend: str = "partial_dtensor"
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def _model_config():
+    """The debugmodel's first two blocks, SDPA attention, with torchtitan's TP plan."""
+    config = _config()
+    config = dataclasses.replace(config, layers=config.layers[:2])
+    set_llama3_sharding_config(config, enable_sp=True)
+    return config
+
+
+def _one_process():
+    with torch.device("meta"):
+        model = _model_config().build()
+    return _initialised(model)
+
+
+def _parallelized(shard, case: Case, divide: bool):
+    """torchtitan's mesh and ``parallelize_llama`` with ``fully_shard`` being ``shard``."""
+    dims = ParallelDims(
+        dp_replicate=case.dp_replicate,
+        dp_shard=case.dp_shard,
+        cp=1,
+        tp=case.tp,
+        pp=1,
+        ep=1,
+        world_size=case.world,
+        spmd_backend=case.backend,
+    )
+    with torch.device("meta"):
+        model = _model_config().build()
+    patches = [
+        mock.patch.object(titan_dims, "device_type", "cpu"),
+        mock.patch.object(titan_fsdp, "fully_shard", shard),
+    ]
+    if divide:  # FSDP's own mean over the data-parallel ranks
+        patches.append(mock.patch.object(titan_fsdp, "disable_fsdp_gradient_division", id))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        dims.build_mesh()
+        parallelize_llama(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32"),
+            parallelism=ParallelismConfig(spmd_backend=case.backend),
+            compile_config=CompileConfig(enable=False, components=["model"]),
+            ac_config=None,
+            dump_folder="unused",
+        )
+    if shard is torch_fully_shard:  # gloo has no PREMUL_SUM, which torch's division asks
+        for module in model.modules():
+            if isinstance(module, TorchFSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return _initialised(model)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _start_from(model, plain) -> None:
+    """Give ``model`` one process's initial weights (torch's FSDP2 draws others under TP)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = plain.get_parameter(name).detach()
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(_full(model(tokens)).flatten(0, 1).float(), targets.flatten())
+
+
+def _train(model, case: Case, optim: str, rank: int, divide: bool):
+    """Three steps on this dp rank's batches; the global loss and grad norm per step."""
+    opt = _optimizer(optim, model.parameters())
+    dp_rank = rank // case.tp  # torchtitan's mesh order: (pp, dp_replicate, dp_shard, tp)
+    scale = 1.0 if divide else 1.0 / case.dp
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        loss = _loss(model, *_batch(step, dp_rank)) * scale
+        loss.backward()
+        if step == 0:
+            grads = {name: _full(param.grad).clone() for name, param in model.named_parameters()}
+        norms.append(clip_grad_norm_(list(model.parameters()), 1e9).item())
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone() / case.tp  # each tp rank holds its dp rank's loss
+        dist.all_reduce(total)
+        losses.append(total.item() * (1.0 / case.dp if divide else 1.0))
+    weights = {name: _full(param).detach().clone() for name, param in model.named_parameters()}
+    return losses, norms, weights, grads
+
+
+def _reference(case: Case, optim: str):
+    """One process on the global batch: each dp rank's part over the dp size."""
+    model = _one_process()
+    opt = _optimizer(optim, model.parameters())
+    losses, grads = [], {}
+    for step in range(STEPS):
+        total = 0.0
+        for dp_rank in range(case.dp):
+            loss = _loss(model, *_batch(step, dp_rank)) / case.dp
+            loss.backward()
+            total += loss.item()
+        if step == 0:
+            grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, grads, dict(model.named_parameters())
+
+
+def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) -> None:
+    plain = _one_process()
+    runs = {}
+    for name, shard in (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard)):
+        model = _parallelized(shard, case, divide)
+        if name == "torch":
+            _start_from(model, plain)
+        else:  # mf's engine draws one process's initial weights itself
+            for key, param in model.named_parameters():
+                torch.testing.assert_close(_full(param), plain.get_parameter(key), msg=key)
+        runs[name] = _train(model, case, optim, rank, divide)
+    losses, grads, weights = _reference(case, optim)
+    for name, (got_losses, _, got_weights, got_grads) in runs.items():
+        torch.testing.assert_close(got_losses, losses, rtol=RTOL, atol=ATOL, msg=f"{name} loss")
+        for key, value in got_grads.items():
+            torch.testing.assert_close(value, grads[key], rtol=RTOL, atol=ATOL, msg=key)
+        for key, value in got_weights.items():
+            torch.testing.assert_close(value, weights[key], rtol=RTOL, atol=1e-5, msg=key)
+    torch.testing.assert_close(runs["mf"][1], runs["torch"][1], rtol=RTOL, atol=ATOL)  # norms
+    assert losses[0] != losses[-1]
+    moved = [
+        key for key in weights if not torch.equal(runs["mf"][2][key], plain.get_parameter(key))
+    ]
+    assert moved, "the model did not train"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("case", "optim", "divide"),
+    [
+        pytest.param(Case(1, 2, 2), "sgd", False, id="fsdp2-tp2-sgd"),
+        pytest.param(Case(1, 2, 2), "adamw", True, id="fsdp2-tp2-adamw-mean"),
+        pytest.param(Case(2, 2, 2), "sgd", True, id="hsdp2x2-tp2-sgd-mean"),
+        pytest.param(Case(1, 4, 1, "spmd_types"), "adamw", False, id="default-fsdp4-adamw"),
+        pytest.param(Case(2, 2, 1, "spmd_types"), "sgd", True, id="default-hsdp2x2-sgd-mean"),
+    ],
+)
+def test_torchtitan_configuration_trains_as_torch_fsdp2_and_one_process(
+    case: Case, optim: str, divide: bool
+) -> None:
+    run_on_ranks(_rank_matrix, case.world, case, optim, divide, timeout=280)
+
+
+def _rank_refused(rank: int, world: int, case: Case) -> None:
+    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*tensor parallelism") as info:
+        _parallelized(fsdp2.fully_shard, case, divide=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_default_backend_with_tp_is_refused_in_one_line() -> None:
+    """torchtitan's default backend under TP hands over an SPMD storage mesh with a tp dim."""
+    run_on_ranks(_rank_refused, 4, Case(1, 2, 2, "spmd_types"), timeout=180)
