@@ -123,6 +123,7 @@ def _pair(engine: str, opt_name: str, seed: int):
 
 
 def _local_rows(model: nn.Module) -> dict[str, int]:
+    """Each parameter's rows on this rank (FSDP2's are torch.chunk's)."""
     return {
         name: p.to_local().shape[0] if isinstance(p, DTensor) else p.shape[0]
         for name, p in model.named_parameters()
