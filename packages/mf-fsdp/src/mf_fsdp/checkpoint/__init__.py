@@ -4,9 +4,12 @@ The FQN-keyed state-dict form of a model and its optimizers, crash-safe
 verified DCP checkpoint folders, their record and integrity checks, and a
 reader that never runs code from a file. The top layer below the entry points:
 imports the engine and the optimizer side. Its ``__all__`` is the public
-checkpoint API (``mf_fsdp.checkpoint.save_checkpoint``, ...).
+checkpoint API (``mf_fsdp.checkpoint.save_checkpoint``, ...). Importing it also
+lines up, for the first engine built, the wrap that lets torch's DSD load a
+broadcast from rank 0 into uneven DTensors (``rank0_broadcast``).
 """
 
+import mf_fsdp.checkpoint.rank0_broadcast  # noqa: F401  (joins ENGINE_BUILT)
 from mf_fsdp.checkpoint.convert import (
     checkpoint_to_full_state_dict,
     full_state_dict_to_checkpoint,
