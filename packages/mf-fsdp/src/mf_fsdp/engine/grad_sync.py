@@ -32,6 +32,7 @@ from mf_fsdp.config import DistributedDataParallelConfig
 from mf_fsdp.engine.backward_step import BackwardStep, run_post_accumulate_grad_hooks
 from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.sync_policy import SyncPolicy
+from mf_fsdp.engine.weight_reach import WeightReach
 
 __all__ = ["GradSync"]
 
@@ -56,6 +57,7 @@ class GradSync:
         "_optimizers",
         "_policy",
         "_pool",
+        "_reach",
         "_zeroed_by",
         "backward_step",
         "fsdp_params",
@@ -88,10 +90,15 @@ class GradSync:
         self.zero_pending = False  # an optimizer's zero_grad waits for the others'
         self.zero_releases = True  # every zero_grad since the last zeroing set grads to None
         self.grads_final = False  # see finish()
+        self._reach = WeightReach()  # refuses a step whose backwards reached no weight
 
     # ------------------------------------------------------------------ the backward
     def on_backward_start(self) -> None:
-        """Register the compute forms; run the zeroing deferred by ``request_zero``."""
+        """Register the compute forms; run the zeroing deferred by ``request_zero``.
+
+        Whether it reaches a trainable parameter is noted (``weight_reach.py``).
+        """
+        self._reach.note_backward(self.groups)
         self.grads_final = False
         self._forms.register_compute()
         if self.backward_step is not None:
@@ -186,6 +193,7 @@ class GradSync:
         grads are final: nothing is reduced, waited or handed out again, and a
         ``.grad`` the user replaced since stays replaced, as torch leaves it.
         """
+        self._reach.check_step()
         release_held()
         if not self.grads_final:
             self.start()
