@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from mf_fsdp.buckets.bucket import Bucket
+from mf_fsdp.engine.rank_paths import default_store, stop_every_rank
 
 __all__ = ["WeightReach"]
 
@@ -58,20 +59,24 @@ class WeightReach:
         """Before the step's gradients are finished: refuse gradients that never came.
 
         Raises:
-            RuntimeError: one line naming the kind of backward and what is served,
-                when backwards ran since the last step and none reached a weight.
+            UnitOrderError: one line naming the kind of backward and what is served,
+                when backwards ran since the last step and none reached a weight; the
+                line is posted and this rank's groups torn down first
+                (``rank_paths.stop_every_rank``), so peers waiting on it in a pipeline's
+                collectives fail instead of waiting for it.
         """
         missed, self._missed = self._missed and not self._reached, False
         self._reached = False
         if not missed:
             return
-        raise RuntimeError(
+        stop_every_rank(
+            default_store(),
             "mf_fsdp: the backwards since the last step computed no gradient of any trainable "
             "parameter (torch.autograd.grad(..., inputs=...) calls, or the input-only passes of "
             "a zero-bubble pipeline schedule such as ZBVZeroBubble or InterleavedZeroBubble, "
             "whose weight passes mf cannot serve); the engine reduces the gradients autograd "
             "accumulates into its buffers: use loss.backward(), or a schedule without a split "
-            "backward (GPipe, 1F1B, Interleaved1F1B)"
+            "backward (GPipe, 1F1B, Interleaved1F1B)",
         )
 
     def _accumulators(self, groups: Sequence[Bucket]) -> list[torch.autograd.graph.Node]:

@@ -1,0 +1,260 @@
+"""torchtitan's pipeline parallelism on ``mf_fsdp.fsdp2``, beside torch's FSDP2 in the same ranks.
+
+torchtitan's own ``pipeline_llm`` splits its Llama 3 debugmodel (cut to four
+blocks, SDPA attention) into stages, applies ``parallelize_llama`` to each model
+part with ``fully_shard`` swapped for mf's, and builds torch's schedule
+(``torch.distributed.pipelining``: mf writes none). Each stage's part is its own
+root; the looped schedule (Interleaved1F1B) puts two roots on one rank. torch's
+stages drive the FSDP modules themselves: gradient sync off for each
+micro-batch's backward, ``set_manual_backward_finalization`` and one
+``finalize_backward`` at the end.
+
+Both engines start from one process's initial weights (loaded into mf's parts
+through ``load_state_dict``, copied into torch's as DTensors). Three steps: each
+step's loss (torchtitan's global token normalisation, a sum over every
+micro-batch and dp rank) and the full weights after the steps equal one process
+on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
+same norm under both engines. (A zero-bubble schedule, whose split backward mf
+cannot serve, stops at its first ``finalize_backward`` with one line:
+``tests/fsdp/engine/test_weight_reach.py``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mf_fsdp import fsdp2
+from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
+
+try:
+    import torchtitan.distributed.fsdp as titan_fsdp
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
+    pytest.skip(
+        f"torchtitan does not import with torch {torch.__version__}: {error}",
+        allow_module_level=True,
+    )
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete"),
+    pytest.mark.filterwarnings("ignore:While redistributing from"),
+]
+preload_in_ranks(__name__)
+
+LAYERS, VOCAB, SEQ, LOCAL_BATCH, STEPS = 4, 2048, 16, 4, 3
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One pipelined configuration: the degrees and torch's schedule."""
+
+    pp: int
+    dp_shard: int
+    tp: int
+    schedule: str
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_shard * self.tp
+
+    @property
+    def tokens(self) -> float:
+        """The global batch's tokens: torchtitan's loss is each sum over them."""
+        return float(LOCAL_BATCH * SEQ * self.dp_shard)
+
+
+def _model_config():
+    config = _config()
+    config = dataclasses.replace(config, layers=config.layers[:LAYERS])
+    set_llama3_sharding_config(config, enable_sp=True)
+    return config
+
+
+def _one_process():
+    with torch.device("meta"):
+        model = _model_config().build()
+    return _initialised(model)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _pipelined(shard, case: Case):
+    """torchtitan's mesh, ``pipeline_llm`` and per-part ``parallelize_llama`` with ``shard``."""
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=case.dp_shard,
+        cp=1,
+        tp=case.tp,
+        pp=case.pp,
+        ep=1,
+        world_size=case.world,
+        spmd_backend="partial_dtensor",
+    )
+    parallelism = ParallelismConfig(
+        spmd_backend="partial_dtensor",
+        pipeline_parallel_degree=case.pp,
+        pipeline_parallel_schedule=case.schedule,
+        pipeline_parallel_microbatch_size=1,
+    )
+
+    def loss_fn(pred, labels, **_):
+        loss = F.cross_entropy(_full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return loss / case.tokens, None
+
+    with torch.device("meta"):
+        model = _model_config().build()
+    with (
+        mock.patch.object(titan_dims, "device_type", "cpu"),
+        mock.patch.object(titan_fsdp, "fully_shard", shard),
+    ):
+        dims.build_mesh()
+        schedule, parts, has_first, has_last = pipeline_llm(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32", local_batch_size=LOCAL_BATCH),
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=False, components=["model"]),
+            ac_config=None,
+            dump_folder="unused",
+            device=torch.device("cpu"),
+            model_config=_model_config(),
+            parallelize_fn=parallelize_llama,
+            loss_fn=loss_fn,
+        )
+    for part in parts:  # torchtitan's trainer: to_empty and init_weights per part
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=torch.device("cpu"))
+        if shard is torch_fully_shard:  # gloo has no PREMUL_SUM
+            for module in part.modules():
+                if isinstance(module, TorchFSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+    return dims, schedule, parts, has_first, has_last
+
+
+def _start_from(parts, plain, shard) -> None:
+    """One process's initial weights in every part (mf: its own load path)."""
+    state = plain.state_dict()
+    for part in parts:
+        if shard is torch_fully_shard:
+            with torch.no_grad():
+                for name, param in part.named_parameters():
+                    full = plain.get_parameter(name).detach()
+                    param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+        else:
+            keys = part.state_dict().keys()
+            part.load_state_dict({key: state[key] for key in keys}, strict=True)
+        for name, param in part.named_parameters():
+            assert torch.equal(_full(param), plain.get_parameter(name)), name
+
+
+def _batch(step: int, dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g)
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _train(shard, case: Case, optim: str, plain):
+    dims, schedule, parts, has_first, has_last = _pipelined(shard, case)
+    _start_from(parts, plain, shard)
+    params = [param for part in parts for param in part.parameters()]
+    opt = _optimizer(optim, params)
+    dp_rank = dims.get_mesh("batch").get_local_rank() if case.dp_shard > 1 else 0
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens = _batch(step, dp_rank)
+        stage_losses: list[torch.Tensor] | None = [] if has_last else None
+        schedule.step(
+            tokens[:, :-1] if has_first else None,
+            target=tokens[:, 1:] if has_last else None,
+            losses=stage_losses,
+        )
+        pp_mesh = dims.get_mesh("pp")
+        norms.append(clip_grad_norm_(params, 1e9, pp_mesh=pp_mesh).item())
+        opt.step()
+        opt.zero_grad()
+        total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
+        dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
+        losses.append(total.item() / case.tp)
+    weights = {
+        name: _full(param).detach().clone()
+        for part in parts
+        for name, param in part.named_parameters()
+    }
+    return losses, norms, weights
+
+
+def _reference(case: Case, optim: str):
+    model = _one_process()
+    opt = _optimizer(optim, model.parameters())
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for dp_rank in range(case.dp_shard):
+            tokens = _batch(step, dp_rank)
+            logits = model(tokens[:, :-1]).flatten(0, 1).float()
+            loss = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="sum") / case.tokens
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, dict(model.named_parameters())
+
+
+def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
+    plain = _one_process()
+    runs = {name: _train(shard, case, optim, plain) for name, shard in _ENGINES}
+    losses, weights = _reference(case, optim)
+    for name, (got_losses, _, got_weights) in runs.items():
+        torch.testing.assert_close(got_losses, losses, rtol=RTOL, atol=ATOL, msg=f"{name} loss")
+        for key, value in got_weights.items():
+            torch.testing.assert_close(value, weights[key], rtol=RTOL, atol=1e-5, msg=key)
+    torch.testing.assert_close(runs["mf"][1], runs["torch"][1], rtol=RTOL, atol=ATOL)
+    assert losses[0] != losses[-1]
+    moved = [
+        key for key in runs["mf"][2] if not torch.equal(weights[key], plain.get_parameter(key))
+    ]
+    assert moved, "the model did not train"
+
+
+_ENGINES = (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("case", "optim"),
+    [
+        pytest.param(Case(2, 2, 1, "1F1B"), "sgd", id="pp2-fsdp2-1f1b-sgd"),
+        pytest.param(Case(2, 2, 1, "Interleaved1F1B"), "adamw", id="pp2-fsdp2-interleaved-adamw"),
+        pytest.param(Case(2, 1, 2, "GPipe"), "sgd", id="pp2-tp2-gpipe-sgd"),
+        pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
+    ],
+)
+def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:
+    run_on_ranks(_rank_pipeline, case.world, case, optim, timeout=380)
