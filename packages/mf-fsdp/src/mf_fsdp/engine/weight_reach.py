@@ -97,5 +97,6 @@ def _accumulator(param: torch.Tensor) -> torch.autograd.graph.Node:
     """The ``AccumulateGrad`` node of leaf ``param`` (the first input of a view's backward)."""
     with torch.enable_grad():  # a backward runs its hooks with grad mode off
         grad_fn = param.view_as(param).grad_fn
-    assert grad_fn is not None  # a leaf that requires grad has a view with a backward
-    return grad_fn.next_functions[0][0]
+    node = None if grad_fn is None else grad_fn.next_functions[0][0]
+    assert node is not None  # a leaf that requires grad: its view's backward feeds it
+    return node

@@ -379,7 +379,9 @@ class FSDPModule(_ModuleFSDPModule):
             )
         engine.sync_policy.manual_finalization = enabled
 
-    def finalize_backward(self, *, async_op: bool = False) -> _FinishedReduction | None:
+    def finalize_backward(  # type: ignore[override]  # torch's overloads on async_op
+        self, *, async_op: bool = False
+    ) -> GradientReductionHandle | None:
         """Finish the backwards' gradient work now, as FSDP2's (root only).
 
         With gradient sync on, every gradient still local is reduced (HSDP's replicate
@@ -473,7 +475,7 @@ def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[U
     return units
 
 
-class _FinishedReduction(GradientReductionHandle):  # type: ignore[misc]
+class _FinishedReduction(GradientReductionHandle):
     """FSDP2's ``GradientReductionHandle`` for a reduction mf finished before returning it."""
 
     def wait(self) -> None:
