@@ -277,6 +277,27 @@ class FSDPModule(_ModuleFSDPModule):
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Gather (True, the default) or not (False) this module's unit for its backward.
+
+        As FSDP2's: ``False`` is for a unit none of whose weights its backward reads
+        (embeddings: their weight gradient needs only the indices), so the backward
+        skips the unit's all-gather (and its prefetch); its gradients are accumulated
+        and reduced as always. A unit still gathered then (``reshard_after_forward=
+        False``) is used as it is. A weight the backward does read has no storage
+        then, so autograd stops with an error, as with FSDP2.
+        """
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(
+                "set_unshard_in_backward: unshard_in_backward must be a bool, got "
+                f"{unshard_in_backward!r}"
+            )
+        record = self.__dict__[RECORD_ATTR]
+        record.unshard_in_backward = unshard_in_backward  # the engine's build reads it
+        if record.engine is not None:  # FSDP2's tests set it between the calls: no build here
+            for unit in self._units(recurse=False):
+                unit.unshard_in_backward = unshard_in_backward
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's unit now (not recursive), as FSDP2's ``unshard``.
 
