@@ -257,6 +257,9 @@ class MegatronFSDP(WrappedModule):
                 [g for u in units for g in u.groups]
             ),
         )
+        self._unit_hooks.held.show = lambda unit, compute: self._forms.show_unit(
+            [fp for group in unit.groups for fp in group.fsdp_params], compute
+        )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
         module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True)
