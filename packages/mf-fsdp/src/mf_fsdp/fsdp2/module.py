@@ -182,14 +182,39 @@ class FSDPModule(_ModuleFSDPModule):
         return self
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        """``.to()`` / ``.float()`` and the like: only before the parameters are sharded."""
-        if self.__dict__[RECORD_ATTR].engine is not None:
+        """``.to()`` / ``.float()`` and the like: any before the engine is built; after, a no-op.
+
+        After the build (the model's first ``parameters()``, ``state_dict()`` or
+        forward) a conversion that leaves every parameter as it is (a move to the
+        device the buckets are on, a cast to the parameters' own dtype: what
+        training scripts do after wrapping) converts the buffers, as ``nn.Module``
+        would. One that changes a parameter is refused: the engine allocated each
+        unit's flat buffers (shard, main weights, gather and gradient buffers) in
+        the parameters' dtype on its device, and every sharded parameter is a view
+        of them, so a new dtype or device would mean building them all again.
+
+        Raises:
+            NotImplementedError: after the build, for a conversion that changes a parameter.
+        """
+        engine = self.__dict__[RECORD_ATTR].engine
+        if engine is None:
+            return nn.Module._apply(self, fn, recurse)
+        with engine._forms.sharded():  # as FSDP2's _apply reshards first
+            params = nn.Module.named_parameters(self, recurse=recurse)
+            changed = next((name for name, param in params if fn(param) is not param), None)
+        if changed is not None:
             raise NotImplementedError(
-                "module.to() / .cuda() / .float() after mf_fsdp.fsdp2 sharded the model "
-                "(its first parameters(), state_dict() or forward) is not supported; move or "
-                "convert the model before"
+                f"{type(self).__name__}.to() / .double() / .cuda() after mf_fsdp.fsdp2 built "
+                f"its buckets (the model's first parameters(), state_dict() or forward) would "
+                f"change parameter {changed!r}, which mf cannot; call it right after "
+                "fully_shard, before the first use (for a compute dtype: "
+                "MixedPrecisionPolicy(param_dtype=...))"
             )
-        return nn.Module._apply(self, fn, recurse)
+        for module in nn.Module.modules(self) if recurse else (self,):
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = fn(buffer)
+        return self
 
     # -- FSDPModule's methods
     def _engine_and_record(self) -> tuple[MegatronFSDP, CallRecord]:
