@@ -427,6 +427,7 @@ PASSING = (
     _all_gather_extension_hsdp_mesh,
     _extension_set_after_wrap_trains,
     _unshard_no_param_group,
+    _unshard_without_lazy_init,
     _unshard_async,
     _replicate_below_fully_shard,
     _post_acc_grad_hook_runs,
@@ -436,9 +437,6 @@ PASSING = (
 NOT_YET = {
     _fsdp_logging: "by design: mf logs nothing under TORCH_LOGS=fsdp (FSDP2's FSDP::<hook> "
     "(<unit>) lines): its hooks carry no logging call, and no value differs",
-    _unshard_without_lazy_init: "by design: mf's modules register the sharded parameters "
-    "(DTensors) between passes, also after unshard(); FSDP2 registers the unsharded ones "
-    "(as test_param_registration_after_forward)",
 }
 
 

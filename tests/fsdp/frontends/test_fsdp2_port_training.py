@@ -126,6 +126,7 @@ def _rank_ac(rank: int, world: int, cases) -> None:
     [
         pytest.param([(True, "wrapper", "block")], id="block"),
         pytest.param([(True, "composable", "mem_eff_weight_tied")], id="weight-tied-ends"),
+        pytest.param([(True, "composable", "mem_eff")], id="embeddings-not-unsharded"),
     ],
 )
 def test_train_parity_with_activation_checkpointing(cases) -> None:
@@ -134,8 +135,8 @@ def test_train_parity_with_activation_checkpointing(cases) -> None:
     Kept for time, 1 of its 18 subtests: the ``block`` grouping with the wrapper
     (``reshard_after_forward`` True); the composable checkpoint over blocks runs in
     ``test_fsdp2_conformance``'s shared-params test.
-    ``mem_eff_weight_tied`` (one unit over the embedding and the tied output) runs;
-    ``mem_eff`` needs ``set_unshard_in_backward``, not run.
+    ``mem_eff_weight_tied`` (one unit over the embedding and the tied output) runs,
+    and ``mem_eff`` (the embeddings' unit with ``set_unshard_in_backward(False)``).
     """
     run_on_ranks(_rank_ac, WORLD, cases)
 

@@ -60,6 +60,7 @@ from mf_fsdp.buckets.tp_params import (
     set_local_data,
     wrap_grad,
 )
+from mf_fsdp.buckets.transforms import outside_transforms
 from mf_fsdp.buckets.unused_grads import OwnedSpans, UnusedGrads
 from mf_fsdp.buckets.weight_storage import BucketGeometry, WeightStorage, weight_storage_for
 from mf_fsdp.config import ZeroDPStrategy
@@ -418,10 +419,12 @@ class Bucket(BucketReduction, UnusedGrads):
         return self.weights.owned_view(fp, buffer)
 
     # ------------------------------------------------------------------ ZeRO-3 gather
+    @outside_transforms
     def unshard(self, async_op: bool) -> None:
         """Start (or do) the all-gather of the bucket's weights; no-op when gathered."""
         self.weights.unshard(async_op)
 
+    @outside_transforms
     def wait_unshard(self) -> None:
         """Finish the all-gather; the parameters' views now hold the whole weights."""
         self.weights.wait_unshard()
@@ -535,6 +538,7 @@ class Bucket(BucketReduction, UnusedGrads):
         self.buffers.scale_local(factor)
 
     # ------------------------------------------------------------------ weights
+    @outside_transforms
     def install_main_weights(self, async_op: bool) -> collectives.Handle | None:
         """Copy updated main weights into the compute weights (all-gather for ZeRO-1/2)."""
         return self.weights.install(async_op)

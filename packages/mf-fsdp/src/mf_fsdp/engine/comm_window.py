@@ -99,7 +99,8 @@ class CommWindow:
         """
         listed = unit.prefetch_forward if step > 0 else unit.prefetch_backward
         if listed is not None:
-            self.start_gathers(None, listed, 0, +1, room=math.inf)
+            wanted = [u for u in listed if step > 0 or u.unshard_in_backward]
+            self.start_gathers(None, wanted, 0, +1, room=math.inf)
             return
         try:
             position = order.index(unit) + step
@@ -119,10 +120,17 @@ class CommWindow:
 
     @staticmethod
     def window_of(order: list[Unit], position: int, step: int, room: float) -> list[Unit]:
-        """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1."""
+        """The units of ``order`` from ``position`` on (by ``step``) that fit in ``room``; >= 1.
+
+        Backwards (``step`` < 0) it passes over the units that are not gathered for
+        their backward (``unshard_in_backward`` off), so it may choose none.
+        """
         chosen: list[Unit] = []
         while 0 <= position < len(order):
             unit = order[position]
+            if step < 0 and not unit.unshard_in_backward:
+                position += step
+                continue
             if chosen and unit.numel > room:
                 break
             chosen.append(unit)

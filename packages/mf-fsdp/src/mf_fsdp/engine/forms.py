@@ -8,6 +8,11 @@ all at once; a swap is one store per registration, four times the parameters
 every step, so it must not cost more. A plain slots class, not an
 ``nn.Module`` attribute: its flag changes several times a step.
 
+Outside a pass, FSDP2's ``unshard()`` lets the unit's modules hold their
+compute forms until ``reshard()`` (``show_unit``), as FSDP2 registers the
+unsharded parameters then; every whole swap (a pass starting or ending, a state
+dict read or loaded: FSDP2's pre-hooks register the sharded ones too) ends that.
+
 It also maps the parameters the user may still hold back to their records: a
 compute form, and an original that an extension parameter's compute form
 replaced (held weakly; see ``Bucket._adopt``), which an optimizer built
@@ -36,10 +41,11 @@ class ParamForms:
         groups: the engine's buckets (for the originals extension parameters replaced).
     """
 
-    __slots__ = ("_by_compute", "_replaced", "_slots", "sharded_registered")
+    __slots__ = ("_by_compute", "_replaced", "_shown", "_slots", "sharded_registered")
 
     def __init__(self, fsdp_params: list[FSDPParam], groups: list[Bucket]) -> None:
         self.sharded_registered = False
+        self._shown = False  # some unit's compute forms are registered between passes
         self.rebuild(fsdp_params, groups)
 
     def rebuild(self, fsdp_params: list[FSDPParam], groups: list[Bucket]) -> None:
@@ -59,17 +65,31 @@ class ParamForms:
 
     def register_sharded(self) -> None:
         """Let every owning module hold the sharded form (between passes)."""
-        if not self.sharded_registered:
+        if not self.sharded_registered or self._shown:
             for parameters, attr, _, sharded in self._slots:
                 parameters[attr] = sharded
-            self.sharded_registered = True
+            self.sharded_registered, self._shown = True, False
 
     def register_compute(self) -> None:
         """Let every owning module hold the compute form (forward and backward)."""
         if self.sharded_registered:
             for parameters, attr, compute, _ in self._slots:
                 parameters[attr] = compute
-            self.sharded_registered = False
+            self.sharded_registered, self._shown = False, False
+
+    def show_unit(self, fsdp_params: list[FSDPParam], compute: bool) -> None:
+        """Between passes, let ``fsdp_params``' modules hold their compute (or sharded) forms.
+
+        FSDP2's ``unshard()`` registers a unit's unsharded parameters until its
+        ``reshard()``; during a pass the modules hold the compute forms already.
+        """
+        if not self.sharded_registered:
+            return
+        for fp in fsdp_params:
+            if fp.sharded is not fp.compute:
+                for module, attr in fp.slots:
+                    module._parameters[attr] = fp.compute if compute else fp.sharded
+        self._shown = self._shown or compute
 
     @contextlib.contextmanager
     def sharded(self) -> Iterator[None]:

@@ -3,8 +3,11 @@
 A unit stays gathered after its backward with ``reshard_after_backward=False``,
 and after an explicit ``unshard`` (FSDP2's ``FSDPModule.unshard``) until its next
 release. ``HeldUnits`` remembers them, so that the optimizer step, which changes
-their shards, releases them first (``release_held``). No collective of its own:
-releases and gathers are the buckets'.
+their shards, releases them first (``release_held``). Between the explicit
+``unshard`` (once its gather is done) and the unit's release the unit's modules
+hold its compute forms, as FSDP2's hold the unsharded parameters then
+(``show``: ``ParamForms.show_unit``). No collective of its own: releases and
+gathers are the buckets'.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ __all__ = ["HeldUnits"]
 class HeldUnits:
     """The units left gathered after a pass, or by an explicit ``unshard``."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "show")
 
     def __init__(self) -> None:
         self._held: list[Unit] = []
+        # Let a unit's modules hold its compute forms (True) or sharded ones; the engine's.
+        self.show: Callable[[Unit, bool], None] = lambda unit, compute: None
 
     def unshard(self, unit: Unit, async_op: bool) -> Callable[[], None]:
         """Gather ``unit`` now (FSDP2's ``unshard``); returns what waits for the gather.
@@ -39,6 +44,8 @@ class HeldUnits:
         def wait() -> None:
             for group in unit.groups:
                 group.wait_unshard()
+            if all(group.gathered for group in unit.groups):  # not released since
+                self.show(unit, True)
 
         if not async_op:
             wait()
@@ -54,6 +61,7 @@ class HeldUnits:
         for group in unit.groups:
             group.reshard()
         self._held = [u for u in self._held if u is not unit]
+        self.show(unit, False)
 
     def hold(self, unit: Unit) -> None:
         """Remember ``unit`` as gathered until ``release_held`` or its ``reshard``."""
@@ -69,6 +77,7 @@ class HeldUnits:
             if unit.state is TrainingState.IDLE:
                 for group in unit.groups:
                     group.reshard()
+                self.show(unit, False)
 
     def release_after_backward(self, unit: Unit) -> None:
         """Release ``unit`` after its backward, or keep it (``reshard_after_backward=False``)."""

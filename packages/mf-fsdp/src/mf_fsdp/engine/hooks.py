@@ -7,7 +7,8 @@ Hooks (per unit, registered once):
   its inputs through ``RegisterFSDPBackwardFunction`` (its backward end observed);
 - forward post-hook: release the bucket (ZeRO-3; not the units the backward starts
   with: the last unit, and those before it in its communication window) and hook
-  the outputs' grads (pre-backward: gather, prefetch the previous units, grad buffer);
+  the outputs' grads (pre-backward: gather unless ``unit.unshard_in_backward`` is off,
+  prefetch the previous units that gather there, grad buffer);
 - post-backward (the identity's backward, or under ZeRO-2/3 the pre-backward of the
   unit before it, [Note: where a unit's backward ends]): reduce the unit's grads
   (overlapped with the rest of backward) and release its bucket;
@@ -19,10 +20,9 @@ Ranks may skip units (see [Note: ranks that skip units] in ``engine/unit_order.p
 every rank walks the units in one order and issues a skipped unit's collectives in its
 place, in the forward (``_stand_in_forward``) and in the backward (``_finish_before``).
 Units nested in one another follow [Note: nested units in the walk] (``engine/nesting.py``).
-The order starts as
-the registration order; a unit called before units the walk has passed makes the ranks
-agree on a new one (``_reorder``, ``engine/unit_order.py``); an order they cannot agree
-on stops every rank (``engine/rank_paths.py``).
+The order starts as the registration order; a unit called before units the walk has
+passed makes the ranks agree on a new one (``_reorder``, ``engine/unit_order.py``); an
+order they cannot agree on stops every rank (``engine/rank_paths.py``).
 
 [Note: where a unit's backward ends] Under ZeRO-2/3 a unit's backward ends
 where the backward reaches the unit before it in the walk (that unit's
@@ -86,9 +86,8 @@ class UnitHooks:
 
     Args:
         root: the root unit (parameters outside every unit); driven by ``forward``.
-        units: the FSDP units, in registration order (the walk's first order, see
-            [Note: ranks that skip units], ``unit_order.py``); a forward pre-hook and post-hook is
-            registered on each.
+        units: the FSDP units, in registration order (the walk's first order, see [Note:
+            ranks that skip units], ``unit_order.py``); a forward pre- and post-hook on each.
         groups: every bucket of the engine (ZeRO-0/1 accumulate all at the root).
         strategy: the engine's ZeRO strategy.
         ddp_config: overlap options (read at each use, so later edits take effect).
@@ -393,7 +392,7 @@ class UnitHooks:
             return  # another call's backward started it
         self._solo.append(unit)
         self._on_backward_start()
-        self._gather(unit, async_op=False)
+        self._gather(unit, async_op=False, backward=True)
         for group in unit.groups:
             group.begin_accumulate()
 
@@ -425,7 +424,9 @@ class UnitHooks:
             self._on_solo_end(reduced)
         self._on_idle()
 
-    def _gather(self, unit: Unit, async_op: bool) -> None:
+    def _gather(self, unit: Unit, async_op: bool, backward: bool = False) -> None:
+        if backward and not unit.unshard_in_backward:
+            return  # FSDP2's set_unshard_in_backward(False): autograd needs none of its weights
         for group in unit.groups:
             group.unshard(async_op=async_op)
         for group in unit.groups:
@@ -446,7 +447,7 @@ class UnitHooks:
         self._pass_backward = True
         self._back = 0
         self._root.state = TrainingState.PRE_BACKWARD
-        self._gather(self._root, async_op=False)
+        self._gather(self._root, async_op=False, backward=True)
         accumulate = self._groups if not self._strategy.shards_grads else self._root.groups
         for group in accumulate:
             group.begin_accumulate()
@@ -493,7 +494,7 @@ class UnitHooks:
         self._agree(unit, "started its backward again after the backward had passed it")
         unit.state = TrainingState.PRE_BACKWARD
         unit.forwarded = unit.ran = True
-        self._gather(unit, async_op=False)
+        self._gather(unit, async_op=False, backward=True)
         for group in unit.groups:
             group.begin_accumulate()
         self._again.append(unit)
@@ -508,7 +509,7 @@ class UnitHooks:
                         group.mark_unused()
         unit.state = TrainingState.PRE_BACKWARD
         if self._strategy.shards_params:
-            self._gather(unit, async_op=False)
+            self._gather(unit, async_op=False, backward=True)
             if self._comm.prefetching:
                 self._comm.prefetch(unit, self._fwd_order, -1)
         if self._strategy.shards_grads:
@@ -524,14 +525,13 @@ class UnitHooks:
     def _finish_before(self, place: int) -> None:
         """Finish every unit before ``place`` in the reversed order that is not finished yet.
 
-        A unit this rank skipped, or whose backward did not reach it (its output
-        was unused), is stood in for: gathered, given zero grads, reduced and
-        released where a rank that ran it does that (see [Note: ranks that skip
-        units]). A unit whose backward started and whose post-backward has not
-        fired (none is threaded, or no input requires grad) is finished here on
-        every rank alike: its grads are complete, since autograd runs a later
-        unit's backward before an earlier unit's (see [Note: where a unit's
-        backward ends]).
+        A unit this rank skipped, or whose backward did not reach it (its output was
+        unused), is stood in for: gathered, given zero grads, reduced and released where
+        a rank that ran it does that (see [Note: ranks that skip units]). A unit whose
+        backward started and whose post-backward has not fired (none is threaded, or no
+        input requires grad) is finished here on every rank alike: its grads are
+        complete, since autograd runs a later unit's backward before an earlier unit's
+        (see [Note: where a unit's backward ends]).
         """
         while self._back < place:
             unit = self._reversed[self._back]

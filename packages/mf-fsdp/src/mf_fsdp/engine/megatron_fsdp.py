@@ -54,7 +54,7 @@ from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.grad_sync import GradSync
 from mf_fsdp.engine.hooks import UnitHooks
 from mf_fsdp.engine.load_hooks import register_load_hooks
-from mf_fsdp.engine.meta_init import describe_meta_init
+from mf_fsdp.engine.meta_init import describe_meta_init, unready_error
 from mf_fsdp.engine.module_contract import WrappedModule, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
@@ -257,6 +257,9 @@ class MegatronFSDP(WrappedModule):
                 [g for u in units for g in u.groups]
             ),
         )
+        self._unit_hooks.held.show = lambda unit, compute: self._forms.show_unit(
+            [fp for group in unit.groups for fp in group.fsdp_params], compute
+        )
         # The root's gather and release run around every call of the wrapped module,
         # also one the wrapper does not make (HF ``generate`` calls the module itself).
         module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True)
@@ -327,18 +330,14 @@ class MegatronFSDP(WrappedModule):
 
     def _refuse_unready(self) -> None:
         """Stop a forward of a meta-device model whose values are not all given yet."""
-        if self._awaiting_to_empty:
-            raise RuntimeError(
-                f"{type(self.module).__name__} was wrapped on the meta device: call "
-                "model.to_empty(device=...) and then the model's own init method before the "
-                "first forward (or wrap with init_model_with_meta_device=True)"
-            )
-        first = min(self._unassigned)
-        raise RuntimeError(
-            f"{type(self.module).__name__} was built on the meta device and "
-            f"load_state_dict(assign=True, strict=False) has not given {first!r} a value yet "
-            f"({len(self._unassigned)} tensors without one); expected every parameter and "
-            "buffer loaded before the first forward"
+        raise unready_error(
+            type(self.module).__name__,
+            (
+                [fp.fqns[0] for group in unit.groups for fp in group.fsdp_params]
+                for unit in (self._root, *self._units)
+            ),
+            self._awaiting_to_empty,
+            self._unassigned,
         )
 
     def _root_post_forward(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:

@@ -30,12 +30,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["allocate_meta_params", "describe_meta_init", "materialize_meta_params"]
+__all__ = [
+    "allocate_meta_params",
+    "describe_meta_init",
+    "materialize_meta_params",
+    "unready_error",
+]
 
 
 def _initialisers(model: nn.Module, module: nn.Module) -> list[Callable[[], object]]:
@@ -126,3 +132,51 @@ def materialize_meta_params(
         with torch.no_grad():
             for init in initialisers:
                 init()
+
+
+def unready_error(
+    model: str, unit_fqns: Iterable[Iterable[str]], awaiting: bool, unassigned: AbstractSet[str]
+) -> RuntimeError:
+    """The error for a forward of a meta-device model whose values have not all arrived.
+
+    Its first two lines are FSDP2's own (code that matches on them keeps working):
+    the parameters still without a value of the first unit that has any, the root's
+    first, then the units in module order, which is the order FSDP2 checks its groups
+    in. A third line says what mf saw: the model was wrapped on the meta device and
+    ``to_empty`` has not run (``awaiting``), or ``load_state_dict(assign=True,
+    strict=False)`` has not given ``unassigned`` (parameters and buffers) a value yet.
+
+    Args:
+        model: the wrapped model's class name.
+        unit_fqns: each unit's parameter names, the root's first.
+        awaiting: ``to_empty`` has not run yet (every parameter lacks a value).
+        unassigned: the tensors a partial ``load_state_dict(assign=True)`` left out.
+    """
+    names = next(
+        (
+            found
+            for fqns in unit_fqns
+            if (found := [fqn for fqn in fqns if awaiting or fqn in unassigned])
+        ),
+        sorted(unassigned),  # buffers alone are left: name them
+    )
+    if awaiting:
+        seen = (
+            f"mf_fsdp: {model} was wrapped on the meta device; after model.to_empty(device=...) "
+            "run the model's own init method (any name) or load every tensor with "
+            "load_state_dict(assign=True); mf_fsdp.fully_shard can also initialise it "
+            "(init_model_with_meta_device=True)"
+        )
+    else:
+        seen = (
+            f"mf_fsdp: {model} was built on the meta device and load_state_dict(assign=True, "
+            f"strict=False) has not given {min(unassigned)!r} a value yet ({len(unassigned)} "
+            "tensors without one); expected every parameter and buffer loaded before the "
+            "first forward"
+        )
+    return RuntimeError(
+        "FSDP parameters should be materialized from meta device before training, but the "
+        f"following were still on meta device: {names}\n"
+        "For example, call module.to_empty(device) to materialize to device and call "
+        f"module.reset_parameters() on each module to initialize values.\n{seen}"
+    )

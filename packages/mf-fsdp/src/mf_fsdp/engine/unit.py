@@ -69,7 +69,9 @@ class Unit:
     grad. ``reshard_after_forward=False`` keeps the unit gathered from
     its forward to its backward, ``reshard_after_backward=False`` after its
     backward, and ``requires_gradient_sync=False`` keeps its grads local
-    (unreduced, accumulating) across backwards (FSDP2's per-module options).
+    (unreduced, accumulating) across backwards, and ``unshard_in_backward=False``
+    never gathers it for its backward, where autograd needs no weight of it
+    (an embedding's; FSDP2's per-module options).
     ``solo_pending`` counts its calls by itself whose backward has not run (see
     [Note: a unit called by itself]). ``prefetch_forward`` / ``prefetch_backward``,
     when set, are the units its forward / backward prefetches instead of the
@@ -98,6 +100,7 @@ class Unit:
         "reshard_after_forward",
         "solo_pending",
         "state",
+        "unshard_in_backward",
     )
 
     def __init__(
@@ -119,6 +122,7 @@ class Unit:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.unshard_in_backward = True
         self.solo_pending = 0
         self.prefetch_forward: list[Unit] | None = None  # None: the recorded order's window
         self.prefetch_backward: list[Unit] | None = None

@@ -182,14 +182,39 @@ class FSDPModule(_ModuleFSDPModule):
         return self
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        """``.to()`` / ``.float()`` and the like: only before the parameters are sharded."""
-        if self.__dict__[RECORD_ATTR].engine is not None:
+        """``.to()`` / ``.float()`` and the like: any before the engine is built; after, a no-op.
+
+        After the build (the model's first ``parameters()``, ``state_dict()`` or
+        forward) a conversion that leaves every parameter as it is (a move to the
+        device the buckets are on, a cast to the parameters' own dtype: what
+        training scripts do after wrapping) converts the buffers, as ``nn.Module``
+        would. One that changes a parameter is refused: the engine allocated each
+        unit's flat buffers (shard, main weights, gather and gradient buffers) in
+        the parameters' dtype on its device, and every sharded parameter is a view
+        of them, so a new dtype or device would mean building them all again.
+
+        Raises:
+            NotImplementedError: after the build, for a conversion that changes a parameter.
+        """
+        engine = self.__dict__[RECORD_ATTR].engine
+        if engine is None:
+            return nn.Module._apply(self, fn, recurse)
+        with engine._forms.sharded():  # as FSDP2's _apply reshards first
+            params = nn.Module.named_parameters(self, recurse=recurse)
+            changed = next((name for name, param in params if fn(param) is not param), None)
+        if changed is not None:
             raise NotImplementedError(
-                "module.to() / .cuda() / .float() after mf_fsdp.fsdp2 sharded the model "
-                "(its first parameters(), state_dict() or forward) is not supported; move or "
-                "convert the model before"
+                f"{type(self).__name__}.to() / .double() / .cuda() after mf_fsdp.fsdp2 built "
+                f"its buckets (the model's first parameters(), state_dict() or forward) would "
+                f"change parameter {changed!r}, which mf cannot; call it right after "
+                "fully_shard, before the first use (for a compute dtype: "
+                "MixedPrecisionPolicy(param_dtype=...))"
             )
-        return nn.Module._apply(self, fn, recurse)
+        for module in nn.Module.modules(self) if recurse else (self,):
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = fn(buffer)
+        return self
 
     # -- FSDPModule's methods
     def _engine_and_record(self) -> tuple[MegatronFSDP, CallRecord]:
@@ -276,6 +301,27 @@ class FSDPModule(_ModuleFSDPModule):
             )
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Gather (True, the default) or not (False) this module's unit for its backward.
+
+        As FSDP2's: ``False`` is for a unit none of whose weights its backward reads
+        (embeddings: their weight gradient needs only the indices), so the backward
+        skips the unit's all-gather (and its prefetch); its gradients are accumulated
+        and reduced as always. A unit still gathered then (``reshard_after_forward=
+        False``) is used as it is. A weight the backward does read has no storage
+        then, so autograd stops with an error, as with FSDP2.
+        """
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(
+                "set_unshard_in_backward: unshard_in_backward must be a bool, got "
+                f"{unshard_in_backward!r}"
+            )
+        record = self.__dict__[RECORD_ATTR]
+        record.unshard_in_backward = unshard_in_backward  # the engine's build reads it
+        if record.engine is not None:  # FSDP2's tests set it between the calls: no build here
+            for unit in self._units(recurse=False):
+                unit.unshard_in_backward = unshard_in_backward
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's unit now (not recursive), as FSDP2's ``unshard``.

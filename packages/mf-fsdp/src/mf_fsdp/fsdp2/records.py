@@ -79,6 +79,7 @@ class CallRecord:
     mesh: DeviceMesh | None
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy
+    unshard_in_backward: bool = True  # set_unshard_in_backward, given to the unit at the build
     engine: MegatronFSDP | None = None
     unit: Unit | None = None  # the engine's unit (None for the root, or a unit left no weight)
     is_root: bool = False
@@ -253,6 +254,8 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
         record.unit = by_module.get(id(record.modules[0]))
         if record.unit is not None:
             record.unit.reshard_after_forward = record.reshard_after_forward
+            record.unit.unshard_in_backward = record.unshard_in_backward
+    engine._root.unshard_in_backward = root.unshard_in_backward
     # FSDP2's .grad is fully reduced when backward() returns, HSDP's replicate dim included.
     engine.sync_policy.outer_each_backward = True
     module.__dict__[_ENGINE_ATTR] = engine  # kept alive with the model
