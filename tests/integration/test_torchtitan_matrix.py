@@ -37,13 +37,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
-from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
+from tests.integration.test_torchtitan_llama import _initialised  # skips where it does
 
 try:
     import torchtitan.distributed.fsdp as titan_fsdp
@@ -52,7 +50,14 @@ try:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.parallelize import parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    from tests.integration._torchtitan_llama_parts import (
+        ENGINES,
+        force_sum,
+        full,
+        model_config,
+        one_process,
+    )
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -87,20 +92,6 @@ class Case:
         return self.dp_replicate * self.dp_shard
 
 
-def _model_config():
-    """The debugmodel's first two blocks, SDPA attention, with torchtitan's TP plan."""
-    config = _config()
-    config = dataclasses.replace(config, layers=config.layers[:2])
-    set_llama3_sharding_config(config, enable_sp=True)
-    return config
-
-
-def _one_process():
-    with torch.device("meta"):
-        model = _model_config().build()
-    return _initialised(model)
-
-
 def _parallelized(shard, case: Case, divide: bool):
     """torchtitan's mesh and ``parallelize_llama`` with ``fully_shard`` being ``shard``."""
     dims = ParallelDims(
@@ -114,7 +105,7 @@ def _parallelized(shard, case: Case, divide: bool):
         spmd_backend=case.backend,
     )
     with torch.device("meta"):
-        model = _model_config().build()
+        model = model_config(2).build()
     patches = [
         mock.patch.object(titan_dims, "device_type", "cpu"),
         mock.patch.object(titan_fsdp, "fully_shard", shard),
@@ -134,23 +125,16 @@ def _parallelized(shard, case: Case, divide: bool):
             ac_config=None,
             dump_folder="unused",
         )
-    if shard is torch_fully_shard:  # gloo has no PREMUL_SUM, which torch's division asks
-        for module in model.modules():
-            if isinstance(module, TorchFSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
+    force_sum(model, shard)
     return _initialised(model)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _start_from(model, plain) -> None:
     """Give ``model`` one process's initial weights (torch's FSDP2 draws others under TP)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = plain.get_parameter(name).detach()
-            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+            whole = plain.get_parameter(name).detach()
+            param.copy_(distribute_tensor(whole, param.device_mesh, param.placements))
 
 
 def _optimizer(name: str, params):
@@ -166,7 +150,7 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(_full(model(tokens)).flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(full(model(tokens)).flatten(0, 1).float(), targets.flatten())
 
 
 def _train(model, case: Case, optim: str, rank: int, divide: bool):
@@ -179,20 +163,20 @@ def _train(model, case: Case, optim: str, rank: int, divide: bool):
         loss = _loss(model, *_batch(step, dp_rank)) * scale
         loss.backward()
         if step == 0:
-            grads = {name: _full(param.grad).clone() for name, param in model.named_parameters()}
+            grads = {name: full(param.grad).clone() for name, param in model.named_parameters()}
         norms.append(clip_grad_norm_(list(model.parameters()), 1e9).item())
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone() / case.tp  # each tp rank holds its dp rank's loss
         dist.all_reduce(total)
         losses.append(total.item() * (1.0 / case.dp if divide else 1.0))
-    weights = {name: _full(param).detach().clone() for name, param in model.named_parameters()}
+    weights = {name: full(param).detach().clone() for name, param in model.named_parameters()}
     return losses, norms, weights, grads
 
 
 def _reference(case: Case, optim: str):
     """One process on the global batch: each dp rank's part over the dp size."""
-    model = _one_process()
+    model = one_process(2)
     opt = _optimizer(optim, model.parameters())
     losses, grads = [], {}
     for step in range(STEPS):
@@ -210,15 +194,15 @@ def _reference(case: Case, optim: str):
 
 
 def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) -> None:
-    plain = _one_process()
+    plain = one_process(2)
     runs = {}
-    for name, shard in (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard)):
+    for name, shard in ENGINES:
         model = _parallelized(shard, case, divide)
         if name == "torch":
             _start_from(model, plain)
         else:  # mf's engine draws one process's initial weights itself
             for key, param in model.named_parameters():
-                torch.testing.assert_close(_full(param), plain.get_parameter(key), msg=key)
+                torch.testing.assert_close(full(param), plain.get_parameter(key), msg=key)
         runs[name] = _train(model, case, optim, rank, divide)
     losses, grads, weights = _reference(case, optim)
     for name, (got_losses, _, got_weights, got_grads) in runs.items():

@@ -14,7 +14,9 @@ through ``load_state_dict``, copied into torch's as DTensors). Three steps: each
 step's loss (torchtitan's global token normalisation, a sum over every
 micro-batch and dp rank) and the full weights after the steps equal one process
 on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
-same norm under both engines. (A zero-bubble schedule, whose split backward mf
+same norm under both engines. A DCP checkpoint of the PP x FSDP x TP run loads
+into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
+loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
 cannot serve, stops at its first ``finalize_backward`` with one line:
 ``tests/fsdp/engine/test_weight_reach.py``.)
 """
@@ -27,14 +29,14 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
-from tests.integration.test_torchtitan_llama import _config, _initialised  # skips where it does
+from tests.integration.test_torchtitan_llama import _initialised  # skips where it does
 
 try:
     import torchtitan.distributed.fsdp as titan_fsdp
@@ -44,7 +46,14 @@ try:
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.parallelize import parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    from tests.integration._torchtitan_llama_parts import (
+        ENGINES,
+        force_sum,
+        full,
+        model_config,
+        one_process,
+    )
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -80,23 +89,6 @@ class Case:
         return float(LOCAL_BATCH * SEQ * self.dp_shard)
 
 
-def _model_config():
-    config = _config()
-    config = dataclasses.replace(config, layers=config.layers[:LAYERS])
-    set_llama3_sharding_config(config, enable_sp=True)
-    return config
-
-
-def _one_process():
-    with torch.device("meta"):
-        model = _model_config().build()
-    return _initialised(model)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _pipelined(shard, case: Case):
     """torchtitan's mesh, ``pipeline_llm`` and per-part ``parallelize_llama`` with ``shard``."""
     dims = ParallelDims(
@@ -117,11 +109,11 @@ def _pipelined(shard, case: Case):
     )
 
     def loss_fn(pred, labels, **_):
-        loss = F.cross_entropy(_full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        loss = F.cross_entropy(full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
         return loss / case.tokens, None
 
     with torch.device("meta"):
-        model = _model_config().build()
+        model = model_config(LAYERS).build()
     with (
         mock.patch.object(titan_dims, "device_type", "cpu"),
         mock.patch.object(titan_fsdp, "fully_shard", shard),
@@ -136,7 +128,7 @@ def _pipelined(shard, case: Case):
             ac_config=None,
             dump_folder="unused",
             device=torch.device("cpu"),
-            model_config=_model_config(),
+            model_config=model_config(LAYERS),
             parallelize_fn=parallelize_llama,
             loss_fn=loss_fn,
         )
@@ -144,10 +136,7 @@ def _pipelined(shard, case: Case):
         part.to_empty(device="cpu")
         with torch.no_grad():
             part.init_weights(buffer_device=torch.device("cpu"))
-        if shard is torch_fully_shard:  # gloo has no PREMUL_SUM
-            for module in part.modules():
-                if isinstance(module, TorchFSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+        force_sum(part, shard)
     return dims, schedule, parts, has_first, has_last
 
 
@@ -158,13 +147,13 @@ def _start_from(parts, plain, shard) -> None:
         if shard is torch_fully_shard:
             with torch.no_grad():
                 for name, param in part.named_parameters():
-                    full = plain.get_parameter(name).detach()
-                    param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+                    whole = plain.get_parameter(name).detach()
+                    param.copy_(distribute_tensor(whole, param.device_mesh, param.placements))
         else:
             keys = part.state_dict().keys()
             part.load_state_dict({key: state[key] for key in keys}, strict=True)
         for name, param in part.named_parameters():
-            assert torch.equal(_full(param), plain.get_parameter(name)), name
+            assert torch.equal(full(param), plain.get_parameter(name)), name
 
 
 def _batch(step: int, dp_rank: int) -> torch.Tensor:
@@ -186,30 +175,33 @@ def _train(shard, case: Case, optim: str, plain):
     dp_rank = dims.get_mesh("batch").get_local_rank() if case.dp_shard > 1 else 0
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = _batch(step, dp_rank)
-        stage_losses: list[torch.Tensor] | None = [] if has_last else None
-        schedule.step(
-            tokens[:, :-1] if has_first else None,
-            target=tokens[:, 1:] if has_last else None,
-            losses=stage_losses,
-        )
-        pp_mesh = dims.get_mesh("pp")
-        norms.append(clip_grad_norm_(params, 1e9, pp_mesh=pp_mesh).item())
+        losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
+        norms.append(clip_grad_norm_(params, 1e9, pp_mesh=dims.get_mesh("pp")).item())
         opt.step()
         opt.zero_grad()
-        total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
-        dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
-        losses.append(total.item() / case.tp)
     weights = {
-        name: _full(param).detach().clone()
+        name: full(param).detach().clone()
         for part in parts
         for name, param in part.named_parameters()
     }
     return losses, norms, weights
 
 
+def _pp_step(schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, case: Case) -> float:
+    """One schedule step (forward and backward of every micro-batch); the global loss."""
+    stage_losses: list[torch.Tensor] | None = [] if has_last else None
+    schedule.step(
+        tokens[:, :-1] if has_first else None,
+        target=tokens[:, 1:] if has_last else None,
+        losses=stage_losses,
+    )
+    total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
+    dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
+    return total.item() / case.tp
+
+
 def _reference(case: Case, optim: str):
-    model = _one_process()
+    model = one_process(LAYERS)
     opt = _optimizer(optim, model.parameters())
     losses = []
     for step in range(STEPS):
@@ -227,8 +219,8 @@ def _reference(case: Case, optim: str):
 
 
 def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
-    plain = _one_process()
-    runs = {name: _train(shard, case, optim, plain) for name, shard in _ENGINES}
+    plain = one_process(LAYERS)
+    runs = {name: _train(shard, case, optim, plain) for name, shard in ENGINES}
     losses, weights = _reference(case, optim)
     for name, (got_losses, _, got_weights) in runs.items():
         torch.testing.assert_close(got_losses, losses, rtol=RTOL, atol=ATOL, msg=f"{name} loss")
@@ -240,9 +232,6 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
         key for key in runs["mf"][2] if not torch.equal(weights[key], plain.get_parameter(key))
     ]
     assert moved, "the model did not train"
-
-
-_ENGINES = (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard))
 
 
 @pytest.mark.multiprocess
@@ -258,3 +247,69 @@ _ENGINES = (("torch", torch_fully_shard), ("mf", fsdp2.fully_shard))
 )
 def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:
     run_on_ranks(_rank_pipeline, case.world, case, optim, timeout=380)
+
+
+def _fsdp_only(shard, world: int):
+    """The same model through torchtitan's ``parallelize_llama`` alone: FSDP over every rank."""
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=world,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+    with torch.device("meta"):
+        model = model_config(LAYERS).build()
+    with (
+        mock.patch.object(titan_dims, "device_type", "cpu"),
+        mock.patch.object(titan_fsdp, "fully_shard", shard),
+    ):
+        dims.build_mesh()
+        parallelize_llama(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32"),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(enable=False, components=["model"]),
+            ac_config=None,
+            dump_folder="unused",
+        )
+    force_sum(model, shard)
+    return _initialised(model, seed=1)  # other weights than the checkpoint's
+
+
+def _rank_dcp(rank: int, world: int, path: str) -> None:
+    """PP x FSDP x TP saves with DCP; FSDP-only runs on mf and torch's FSDP2 load it."""
+    case = Case(2, 2, 2, "1F1B")
+    dims, schedule, parts, has_first, has_last = _pipelined(fsdp2.fully_shard, case)
+    _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.5)
+    dp_rank = dims.get_mesh("batch").get_local_rank()
+    _pp_step(schedule, _batch(0, dp_rank), has_first, has_last, case)
+    opt.step()
+    opt.zero_grad()
+    dcp.save({k: v for part in parts for k, v in part.state_dict().items()}, checkpoint_id=path)
+    expected = _pp_step(schedule, _batch(1, dp_rank), has_first, has_last, case)
+
+    tokens = torch.cat([_batch(1, r) for r in range(case.dp_shard)])  # the global batch
+    mine = tokens[rank * len(tokens) // world : (rank + 1) * len(tokens) // world]
+    for name, shard in ENGINES:
+        model = _fsdp_only(shard, world)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state)
+        logits = full(model(mine[:, :-1])).flatten(0, 1).float()
+        loss = F.cross_entropy(logits, mine[:, 1:].flatten(), reduction="sum") / case.tokens
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total.item(), expected, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_pipeline_checkpoint_loads_into_fsdp_only_runs(tmp_path) -> None:
+    """DCP across pipeline configurations: the next step's loss is the pipeline's."""
+    run_on_ranks(_rank_dcp, 8, str(tmp_path / "ckpt"), timeout=380)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
-from tests.fsdp._helpers import batch, make_model, reference_run
+from tests.fsdp._helpers import batch, global_batch_run, make_model, reference_run
 
 STEPS = 3
 
@@ -69,23 +69,13 @@ def _rank_part(rank: int, world: int, unflattened: bool) -> None:
 
 def _half_reference(half: int, dp_size: int):
     """One process on one half's global batch (its ranks' batches, averaged)."""
-
-    def make():
-        return make_model(half)
-
-    model = make()
+    model = make_model(half)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for dp_rank in range(dp_size):
-            loss = model(*batch(step, 10 * half + dp_rank)) / dp_size
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_of(model, step: int, dp_rank: int):
+        return model(*batch(step, 10 * half + dp_rank))
+
+    return global_batch_run(model, opt, STEPS, dp_size, loss_of)
 
 
 @pytest.mark.multiprocess
