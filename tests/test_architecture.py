@@ -46,6 +46,7 @@ FSDP_LAYERS = {
 # another: each only those before it, so the package has no import circle.
 FSDP2_ORDER = (
     "torch_state",
+    "handles",
     "mixed_precision",
     "placement",
     "meshes",

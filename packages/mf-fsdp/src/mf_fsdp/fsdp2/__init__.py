@@ -35,6 +35,8 @@ The package, one concept per module, each importing only those above it:
 
 - ``torch_state.py``: the part of FSDP2's per-module state torch's free
   functions read, answered by mf;
+- ``handles.py``: the handles of FSDP2's asynchronous methods (``unshard``,
+  ``finalize_backward``);
 - ``placement.py``: ``shard_placement_fn``'s answers, and the experts' mesh;
 - ``mixed_precision.py``: torch's ``MixedPrecisionPolicy`` as the casts around
   a forward and the engine's dtypes (``param_dtype_override_fn`` included);

@@ -34,15 +34,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
 
-try:  # torch 2.15; torch 2.11 has no manual backward finalization
-    from torch.distributed.fsdp import GradientReductionHandle
-except ImportError:  # pragma: no cover - the floor of mf's torch range
-    GradientReductionHandle = object  # type: ignore[assignment,misc]
-
 from mf_fsdp.engine.assemble import reduce_spec_for
 from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
 from mf_fsdp.engine.options import check_gradient_factor
 from mf_fsdp.engine.unit import Unit
+from mf_fsdp.fsdp2.handles import FinishedReduction, GatherHandle, GradientReductionHandle
 from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, engine_or_none, ensure_built
 from mf_fsdp.fsdp2.torch_state import TorchStateView
 
@@ -331,7 +327,7 @@ class FSDPModule(_ModuleFSDPModule):
         """
         hooks = self._engine_and_record()[0]._unit_hooks
         waits = [hooks.unshard(unit, bool(async_op)) for unit in self._units(recurse=False)]
-        return _Unshard(waits) if async_op else None
+        return GatherHandle(waits) if async_op else None
 
     def reshard(self) -> None:
         """Release this module's gathered weights now (not recursive), as FSDP2's ``reshard``."""
@@ -446,7 +442,7 @@ class FSDPModule(_ModuleFSDPModule):
             )
         if not engine.sync_policy.suppressed:
             engine.finish_grad_sync()
-        return _FinishedReduction() if async_op else None
+        return FinishedReduction() if async_op else None
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce this call's gradients as their sum over the data-parallel ranks over ``factor``.
@@ -519,26 +515,6 @@ def _prefetched_units(owner: FSDPModule, modules: object, method: str) -> list[U
         if other.unit is not None:
             units.append(other.unit)
     return units
-
-
-class _FinishedReduction(GradientReductionHandle):
-    """FSDP2's ``GradientReductionHandle`` for a reduction mf finished before returning it."""
-
-    def wait(self) -> None:
-        """Nothing is left to wait for: ``finalize_backward`` reduced before returning."""
-
-
-class _Unshard(UnshardHandle):
-    """FSDP2's ``UnshardHandle`` for mf: ``wait()`` finishes the unit's gather."""
-
-    def __init__(self, waits: list[Callable[[], None]]) -> None:
-        self._waits = waits
-
-    def wait(self) -> None:
-        """Finish the gather (once); the unit's parameters hold the whole weights."""
-        waits, self._waits = self._waits, []
-        for wait in waits:
-            wait()
 
 
 _HONOURED = {
