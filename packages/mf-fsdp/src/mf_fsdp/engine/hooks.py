@@ -590,9 +590,8 @@ class UnitHooks:
             done = unit.state is TrainingState.POST_BACKWARD
             if not done or (sharded and not all(g.released for g in unit.groups)):
                 self.held.release_after_backward(unit)
-        for unit in (self._root, *self._units):
+        for unit in (self._root, *self._units):  # a retained graph may run backward again
             unit.state = TrainingState.IDLE
-            unit.forwarded = False
             unit.pending = 0
         self._back = 0
         self._callback_queued = False
