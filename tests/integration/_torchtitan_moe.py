@@ -14,8 +14,8 @@ loss over the data-parallel size, its EP-aware gradient clipping) in fp32.
   saved by DCP, must load into a fresh FSDP2 model with mf's values, bit for bit.
 - :func:`rank_layout_parity`: any :class:`Layout` (TP, EP or both), SGD with
   momentum or AdamW, 3 steps; each engine must equal one process on the global
-  batch (losses, first-step gradients, final weights, 1e-5) and the engines'
-  gradient norms each other's, with the routed experts' GEMMs in fp32
+  batch (losses, torchtitan's gradient norms against torch's ``clip_grad_norm_``,
+  first-step gradients, final weights, 1e-5), with the routed experts' GEMMs in fp32
   (torchtitan runs them in bf16 whatever the parameter dtype).
 
 Importing this module imports torchtitan: a test module imports it inside the
@@ -291,7 +291,8 @@ def _train_on_layout(model, layout: Layout, optim: str, rank: int) -> Run:
 
 
 def _one_process(moe: TitanMoE, experts: int, layout: Layout, optim: str) -> Run:
-    """One process on the global batch: each dp rank's part over the dp size."""
+    """One process on the global batch: each dp rank's part over the dp size; its norms
+    are torch's ``clip_grad_norm_`` over the whole gradients."""
     model = plain(moe, experts)
     opt = _optimizer(optim, model.parameters())
     run = Run([], [], {}, {})
@@ -303,6 +304,7 @@ def _one_process(moe: TitanMoE, experts: int, layout: Layout, optim: str) -> Run
             total += loss.item()
         if step == 0:
             run.grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        run.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
         opt.zero_grad()
         run.losses.append(total)
@@ -336,7 +338,7 @@ def rank_layout_parity(
 ) -> None:
     """One rank of a run over ``layout`` (TP and/or EP): torch's FSDP2 and mf through
     torchtitan's parallelize, each equal to one process on the global batch (losses,
-    first-step gradients, final weights, 1e-5) and to each other (grad norms), with
+    grad norms, first-step gradients, final weights, 1e-5) and to each other (grad norms), with
     the routed experts in fp32 (:func:`_experts_in_fp32`)."""
     with mock.patch.object(GroupedExperts, "forward", _experts_in_fp32):
         _layout_parity(moe, experts, layout, optim, rank)
@@ -351,6 +353,7 @@ def _layout_parity(moe: TitanMoE, experts: int, layout: Layout, optim: str, rank
     want = _one_process(moe, experts, layout, optim)
     for name, run in runs.items():
         _close(run.losses, want.losses, f"{name} losses", atol=1e-6)
+        _close(run.norms, want.norms, f"{name} grad norms", atol=1e-6)
         assert run.grads.keys() == want.grads.keys() == run.weights.keys()
         for key, value in want.grads.items():
             _close(run.grads[key], value, f"{name} grad {key}", atol=1e-6)

@@ -18,9 +18,11 @@ over ``tp``). Two layouts, each with ``fully_shard`` swapped for
 Each runs 3 steps (SGD with momentum, AdamW) in fp32 with torchtitan's loss
 scaling (FSDP's division off, the dp rank's loss over the dp size) and must match
 one process on the global batch: losses, first-step full gradients, final full
-weights (1e-5); torchtitan's EP/TP-aware ``clip_grad_norm_`` equal between the
-engines. The model is the Qwen3 MoE debug model made tiny (2 layers, dim 64, 4
-experts, top-2) with SDPA attention.
+weights, and torchtitan's EP/TP-aware ``clip_grad_norm_`` against torch's on the
+whole gradients (1e-5), and the engines' norms each other's. The routed experts'
+grouped GEMMs run in fp32 here (torchtitan's run in bf16 whatever the parameter
+dtype; see ``_torchtitan_moe._experts_in_fp32``). The model is the Qwen3 MoE
+debug model made tiny (2 layers, dim 64, 4 experts, top-2) with SDPA attention.
 """
 
 from __future__ import annotations
