@@ -338,8 +338,8 @@ def rank_layout_parity(
 ) -> None:
     """One rank of a run over ``layout`` (TP and/or EP): torch's FSDP2 and mf through
     torchtitan's parallelize, each equal to one process on the global batch (losses,
-    grad norms, first-step gradients, final weights, 1e-5) and to each other (grad norms), with
-    the routed experts in fp32 (:func:`_experts_in_fp32`)."""
+    grad norms, first-step gradients, final weights, 1e-5), their grad norms equal to
+    each other's, with the routed experts in fp32 (:func:`_experts_in_fp32`)."""
     with mock.patch.object(GroupedExperts, "forward", _experts_in_fp32):
         _layout_parity(moe, experts, layout, optim, rank)
 
@@ -368,10 +368,7 @@ def _close(got: object, want: object, what: str, atol: float) -> None:
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
-    return {
-        name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-        for name, p in model.named_parameters()
-    }
+    return {name: _full(p) for name, p in model.named_parameters()}
 
 
 def rank_parity(rank: int, world: int, moe: TitanMoE, experts: int, tmp: str) -> None:
