@@ -88,7 +88,6 @@ def _config(experts: int) -> DeepSeekV3Model.Config:
     )
     return tiny_config(
         DeepSeekV3Model,
-        set_deepseek_v3_sharding_config,
         layers=layers,
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
         embedding_init=_EMBEDDING_INIT,
@@ -97,7 +96,9 @@ def _config(experts: int) -> DeepSeekV3Model.Config:
     )
 
 
-DEEPSEEK_V3 = TitanMoE(config=_config, parallelize=parallelize_deepseekv3)
+DEEPSEEK_V3 = TitanMoE(
+    config=_config, sharding=set_deepseek_v3_sharding_config, parallelize=parallelize_deepseekv3
+)
 
 
 @pytest.mark.multiprocess

@@ -74,7 +74,6 @@ def _config(experts: int) -> Qwen3Model.Config:
     )
     return tiny_config(
         Qwen3Model,
-        set_qwen3_sharding_config,
         layers=layers,
         norm=_qwen3_norm(DIM),
         embedding_init=_EMBEDDING_INIT,
@@ -82,7 +81,9 @@ def _config(experts: int) -> Qwen3Model.Config:
     )
 
 
-QWEN3_MOE = TitanMoE(config=_config, parallelize=parallelize_qwen3)
+QWEN3_MOE = TitanMoE(
+    config=_config, sharding=set_qwen3_sharding_config, parallelize=parallelize_qwen3
+)
 
 
 @pytest.mark.multiprocess

@@ -9,7 +9,9 @@ the mesh to shard over. mf serves both halves of that answer on its flat buckets
   is asked for (see [Note: row-aligned shards] in ``buckets/layout.py``). Which
   rows each rank holds is its own; no value a user computes changes
   (``full_tensor()``, state-dict values, DCP checkpoints, losses, gradients).
-- **the mesh.** A parameter placed on a mesh whose shard group is not the call's
+- **the mesh.** A parameter placed on a mesh whose shard group is not the call's,
+  or a DTensor parameter placed on another mesh than the call's even over the same
+  ranks (torchtitan's EP 2 beside TP 2: ``efsdp`` and ``fsdp`` are one group there),
   is an expert parameter to the engine (Megatron's ``allreduce = False`` mark, set
   here on the parameter): its buckets are sharded and reduced over that mesh's
   group, and averaged over it (FSDP2's rule). That mesh plus the mesh the
@@ -91,7 +93,7 @@ def place_params(
     for fn, params in calls:
         for name, param in params:
             mesh = _answer_mesh(name, param, fn(param), dense_mesh)
-            if mesh is None or (mesh.ndim == dense_mesh.ndim == 1 and _ranks(mesh) == dense):
+            if mesh is None or _same_as_dense(param, mesh, dense_mesh, dense):
                 continue
             expert = _expert_mesh(name, param, mesh)
             if found is not None and _key(found) != _key(expert):
@@ -167,6 +169,26 @@ def _expert_mesh(name: str, param: nn.Parameter, mesh: DeviceMesh) -> ExpertMesh
             f"from one device mesh ({error})"
         ) from None
     return ExpertMesh(joined, mesh.mesh_dim_names[0], param.device_mesh.mesh_dim_names[0])
+
+
+def _same_as_dense(
+    param: nn.Parameter, mesh: DeviceMesh, dense_mesh: DeviceMesh, dense: list[int]
+) -> bool:
+    """Whether ``mesh`` is the call's mesh to the engine.
+
+    It is when equal to it or, for a plain parameter, another 1-D mesh over the same
+    ranks. A DTensor parameter on another mesh over the same ranks is an expert:
+    torchtitan's EP 2 beside TP 2 (world 4) puts the experts, DTensors over ``ep``, on
+    ``efsdp``, whose ranks are those of ``fsdp`` there, while the dense parameters are
+    DTensors over ``tp``; taken as dense, the model's DTensors would lie on two meshes.
+    """
+    if mesh == dense_mesh:
+        return True
+    return (
+        not isinstance(param, DTensor)
+        and mesh.ndim == dense_mesh.ndim == 1
+        and _ranks(mesh) == dense
+    )
 
 
 def _key(expert: ExpertMesh) -> tuple[tuple[int, ...], ...]:
