@@ -3,8 +3,8 @@
 No weight is read and no value drawn: parameters are meta tensors, so a 70B
 model costs what its module objects cost. A folder is checked as mf-train checks
 it (a transformers causal LM whose decoder layer is the FSDP unit) except that
-it needs no weight files. What is not planned yet (mixtures of experts, folder
-models with ``--tp``) is refused here in one line.
+it needs no weight files. A mixture of experts is not planned yet and is
+refused here in one line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from mf.models import GPT, MOE_PRESETS, PRESETS, Block, GPTTensorParallel, TensorParallelBlock
+from mf.models import GPT, MOE_PRESETS, PRESETS, Block
 from mf.train.sources.model_folder import (
     CONFIG_FILE,
     ModelFolder,
@@ -45,12 +44,12 @@ class ModelSource:
     folder: ModelFolder | None = None
 
 
-def model_source(model: str, *, tp: int = 1) -> ModelSource:
+def model_source(model: str) -> ModelSource:
     """Check ``--model`` (a dense preset, or a causal-LM folder's config.json) and describe it.
 
     Raises:
         ValueError: one line: an unknown preset, a folder that is not a causal LM,
-            or a model the planner does not plan yet.
+            or a mixture of experts (not planned yet).
     """
     if model in MOE_PRESETS:
         raise ValueError(
@@ -66,27 +65,18 @@ def model_source(model: str, *, tp: int = 1) -> ModelSource:
             f"folder; expected one of them (a folder: a transformers causal LM's {CONFIG_FILE})"
         )
     folder = model_folder(model, weights=False)
-    if tp > 1:
-        raise ValueError(
-            f"--tp {tp} does not apply to the {folder.name}: its layers are transformers', not "
-            "mf-tp's tensor-parallel ones"
-        )
     return ModelSource(model, folder.parameters, folder.layers, folder)
 
 
-def meta_model(source: ModelSource, mesh: DeviceMesh) -> tuple[nn.Module, list[type[nn.Module]]]:
-    """The model as mf-train builds it for ``mesh``, on the meta device, and its unit classes.
+def meta_model(source: ModelSource) -> tuple[nn.Module, list[type[nn.Module]]]:
+    """The model as mf-train builds it, on the meta device, and its unit classes.
 
-    A preset over a ``tp`` dim of more than one rank is mf-tp's tensor-parallel GPT
-    (each rank's slices); a folder's model is ``CausalLM`` with fp32 parameters.
+    A folder's model is ``CausalLM`` with fp32 parameters, its buffers (rotary
+    tables) on the meta device too.
     """
     meta = torch.device("meta")
     if source.folder is not None:
         module = meta_causal_lm(source.folder, meta)
         return module, unit_classes(module.lm)
-    config = PRESETS[source.name]
-    tp = mesh["tp"]
     with meta:
-        if tp.size() > 1:
-            return GPTTensorParallel(config, tp.get_group()), [TensorParallelBlock]
-        return GPT(config), [Block]
+        return GPT(PRESETS[source.name]), [Block]

@@ -102,7 +102,6 @@ def plan_model_state(
     *,
     zero: int,
     precision: str,
-    tp: int = 1,
     cp: int = 1,
     dp_outer: int = 1,
     optimizer: str = "adamw",
@@ -110,8 +109,8 @@ def plan_model_state(
 ) -> ModelState:
     """Rank ``rank``'s model-state bytes in a run of ``world`` ranks with these settings.
 
-    The settings are mf-train's ``--zero``, ``--precision``, ``--tp``, ``--cp`` and
-    ``--dp-outer``; the caller has checked them (``mf.plan.inputs``).
+    The settings are mf-train's ``--zero``, ``--precision``, ``--cp`` and ``--dp-outer``
+    (``--tp 1``); the caller has checked them (``mf.plan.inputs``).
 
     Raises:
         ValueError: ``optimizer`` is not one of ``OPTIMIZER_STATES``.
@@ -122,8 +121,8 @@ def plan_model_state(
             f"optimizer: expected one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}"
         )
     with fake_world(world, rank):
-        mesh = train_mesh("cpu", world, tp=tp, cp=cp, dp_outer=dp_outer)
-        module, units = meta_model(source, mesh)
+        mesh = train_mesh("cpu", world, tp=1, cp=cp, dp_outer=dp_outer)
+        module, units = meta_model(source)
         model, _ = shard_module(
             module, [], mesh, units, zero=zero, precision=precision, device=torch.device("meta")
         )
