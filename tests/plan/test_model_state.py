@@ -4,7 +4,7 @@ The planner builds the engine on the meta device at world N on a fake process
 group (``mf.plan.model_state``); here the same tiny GPT is trained one step on
 two and on four real gloo ranks, sharded by mf-train's own call, and each rank's
 ``memory_footprint`` at the optimizer step must equal the prediction byte for
-byte, for ZeRO 1, 2 and 3, AdamW and SGD with momentum, bf16 and fp32 compute,
+byte, for ZeRO 0 to 3, AdamW and SGD with momentum, bf16 and fp32 compute,
 HSDP replicas and a dp x cp group.
 """
 
@@ -21,6 +21,7 @@ from tests._multiprocess import run_on_ranks
 
 _CASES = {  # (zero, optimizer, precision, dp_outer, cp)
     2: [
+        (0, "adamw", "bf16", 1, 1),
         (1, "adamw", "bf16", 1, 1),
         (1, "sgd", "fp32", 1, 1),
         (2, "sgd", "bf16", 1, 1),
