@@ -14,6 +14,7 @@ engine never reaches up to the optimizer side or the checkpoints. The modules of
 ``mf.train``'s rooms (its sub-packages, and ``settings.py``) sit on floors
 (``TRAIN_FLOORS``): a module imports its own room or the rooms of lower floors only,
 never a room of its own floor or above, type-only and function-local imports included.
+``mf.plan`` sits above them all: no other module of ``src/`` imports it.
 """
 
 from __future__ import annotations
@@ -378,3 +379,22 @@ def test_no_source_module_over_600_lines(source_root: Path) -> None:
         if (lines := len(path.read_text().splitlines())) > 600
     }
     assert not long, f"modules over 600 lines (one concept per module): {long}"
+
+
+def test_nothing_imports_the_planner() -> None:
+    """mf-plan sits above mf-train (it builds its model and mesh); nothing else reaches it."""
+    planner = ROOT / "src" / "mf" / "plan"
+    problems = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        if planner in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == "mf.plan" or n.startswith("mf.plan.") for n in names):
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno} imports mf.plan")
+    assert not problems, "\n".join(problems)

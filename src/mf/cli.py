@@ -2,7 +2,8 @@
 
 The jobs have their own commands: ``mf-train`` trains a small GPT (the first
 run a new user starts), ``mf-sample`` generates text from the model it
-exported, ``mf-bench`` compares mf's engine with PyTorch's.
+exported, ``mf-bench`` compares mf's engine with PyTorch's, ``mf-plan`` says
+whether a model's state fits N GPUs before any run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ _COMMANDS = (
     ("uv run mf-train", "train a small GPT with ZeRO-3 on 2 local processes (--help: options)"),
     ("uv run mf-sample runs/mf-train", "text from the model mf-train exported (one process)"),
     ("uv run mf-bench", "mf's FSDP engine side by side with PyTorch DDP and FSDP2"),
+    (
+        "uv run mf-plan --model 150m --gpus 8",
+        "will it fit: model-state bytes per GPU, no GPU needed",
+    ),
     ("uv run pytest -n auto --dist loadgroup", "the tests"),
 )
 

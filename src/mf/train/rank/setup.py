@@ -37,7 +37,15 @@ from mf.train.run.stopping import RunStoppedError, join
 from mf.train.sources.folder_weights import load_folder_weights
 from mf.train.sources.model_folder import PREFIX, ModelFolder, folder_of, unit_classes
 
-__all__ = ["bind_optimizers", "build", "dp_coordinates", "load_folder_model", "setup"]
+__all__ = [
+    "bind_optimizers",
+    "build",
+    "dp_coordinates",
+    "load_folder_model",
+    "setup",
+    "shard_module",
+    "train_mesh",
+]
 
 
 def setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
@@ -55,15 +63,25 @@ def setup(options: TrainOptions) -> tuple[torch.device, DeviceMesh]:
     world = dist.get_world_size()
     if world != options.nproc:
         raise ValueError(f"--nproc says {options.nproc} processes but the launcher started {world}")
-    dp_shard = world // options.tp // options.cp // options.dp_outer
+    return device, train_mesh(
+        device.type, world, tp=options.tp, cp=options.cp, dp_outer=options.dp_outer
+    )
+
+
+def train_mesh(device_type: str, world: int, *, tp: int, cp: int, dp_outer: int) -> DeviceMesh:
+    """mf-train's mesh over ``world`` ranks: ``(dp_outer, dp, cp, tp)``, with ``dp_cp`` flattened.
+
+    The caller has checked that ``tp * cp * dp_outer`` divides ``world``; ``dp`` is
+    what is left (the ranks each replica shards over, per cp and tp rank).
+    """
     mesh = init_device_mesh(
-        device.type,
-        (options.dp_outer, dp_shard, options.cp, options.tp),
+        device_type,
+        (dp_outer, world // tp // cp // dp_outer, cp, tp),
         mesh_dim_names=("dp_outer", "dp", "cp", "tp"),
     )
     # The weights are replicated over cp as over dp: sharded and reduced over both.
     mesh["dp", "cp"]._flatten("dp_cp")
-    return device, mesh
+    return mesh
 
 
 def _check_same_settings(options: TrainOptions) -> None:
@@ -169,9 +187,39 @@ def _shard(
     expert_mesh: DeviceMesh | None = None,
 ):
     """``module`` and its optimizers sharded over ``mesh`` as the options say."""
+    return shard_module(
+        module,
+        optimizers,
+        mesh,
+        units,
+        zero=options.zero,
+        precision=options.precision,
+        step_in_backward=options.step_in_backward,
+        expert_mesh=expert_mesh,
+    )
+
+
+def shard_module(
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    mesh: DeviceMesh,
+    units: list[type[nn.Module]],
+    *,
+    zero: int,
+    precision: str,
+    step_in_backward: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+    device: torch.device | None = None,
+):
+    """``module`` sharded with mf-fsdp over mf-train's mesh, as an mf-train run shards it.
+
+    ``zero``, ``precision`` and ``step_in_backward`` are ``--zero``, ``--precision``
+    and ``--step-in-backward``. ``device``: where the engine's buffers live (None:
+    the process group's device; ``mf-plan`` passes the meta device).
+    """
     from mf_fsdp import MixedPrecisionPolicy, fully_shard
 
-    compute = torch.float32 if options.precision == "fp32" else torch.bfloat16
+    compute = torch.float32 if precision == "fp32" else torch.bfloat16
     return fully_shard(
         module,
         optimizers,
@@ -181,8 +229,9 @@ def _shard(
         tp_dim="tp",
         expt_device_mesh=expert_mesh,
         fsdp_unit_modules=units,
-        zero_dp_strategy=options.zero,
-        optimizer_step_in_backward=options.step_in_backward,
+        zero_dp_strategy=zero,
+        optimizer_step_in_backward=step_in_backward,
+        device=device,
         mixed_precision_policy=MixedPrecisionPolicy(
             main_params_dtype=torch.float32, param_dtype=compute
         ),

@@ -95,8 +95,11 @@ def _refuse(path: str, why: str) -> ValueError:
 
 
 @functools.lru_cache(maxsize=8)
-def model_folder(path: str) -> ModelFolder:
+def model_folder(path: str, weights: bool = True) -> ModelFolder:
     """Check the folder at ``path`` and describe it (cached: every check reads it once).
+
+    ``weights=False`` asks for the config only (``mf-plan`` reads no weights): a
+    folder without ``*.safetensors`` passes.
 
     Raises:
         ValueError: one line naming the folder and what is wrong: no folder, no
@@ -130,7 +133,7 @@ def model_folder(path: str) -> ModelFolder:
             "which is not a causal language model; expected a model "
             "AutoModelForCausalLM builds (Llama, Qwen, Mistral, GPT-2, ...)",
         ) from None
-    if not any(folder.glob("*.safetensors")):
+    if weights and not any(folder.glob("*.safetensors")):
         raise _refuse(path, "holds no *.safetensors weights; expected a transformers model folder")
     parameters = sum(p.numel() for p in module.parameters())
     if not unit_classes(module):

@@ -1,0 +1,107 @@
+"""A plan as people read it (a table) and as tools read it (JSON).
+
+Every figure a plan assumed is printed with it (the device's memory, FLOP/s and
+links, the mesh, the dtypes), and what is not predicted yet is said in the
+output itself, so a reader never takes a partial answer for a whole one. Pure
+formatting: nothing here builds or measures.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mf.plan.devices import Device, GiB
+from mf.plan.inputs import PlanInputs
+from mf.plan.meta_model import ModelSource
+from mf.plan.model_state import ModelState
+
+__all__ = ["NOT_PREDICTED", "plan_json", "plan_table"]
+
+NOT_PREDICTED = (
+    "activations",
+    "the ZeRO-3 prefetch window beyond one gathered unit",
+    "communication buffers",
+    "the allocator's slack",
+    "bytes on the wire and step time",
+)
+"""What a plan leaves out today (docs/planning.md): its model state is a floor, not a peak."""
+
+
+def _device_line(device: Device) -> str:
+    stated = [f"{device.memory_bytes / GiB:.1f} GiB"]
+    if device.peak_tflops is not None:
+        stated.append(f"{device.peak_tflops:g} TFLOP/s bf16")
+    if device.nvlink_gbps is not None:
+        stated.append(f"NVLink {device.nvlink_gbps:g} GB/s")
+    if device.network_gbps is not None:
+        stated.append(f"network {device.network_gbps:g} GB/s")
+    return f"{device.name} ({', '.join(stated)})"
+
+
+def _while_unit_runs(state: ModelState) -> int:
+    return state.held + state.gathered_unit
+
+
+def plan_table(inputs: PlanInputs, source: ModelSource, state: ModelState) -> str:
+    """The plan as a table: settings, bytes per rank by kind, and whether they fit."""
+    compute = "fp32" if inputs.precision == "fp32" else "bf16"
+    lines = [
+        f"mf-plan: {source.name!r} ({source.parameters / 1e6:,.1f}M parameters, "
+        f"{source.layers} layers) on {inputs.gpus} GPUs, {_device_line(inputs.device)}",
+        f"mesh: dp_outer {inputs.dp_outer} x dp {inputs.dp_shard} x cp {inputs.cp} x tp "
+        f"{inputs.tp}; ZeRO {inputs.zero}; {compute} compute, fp32 main weights; AdamW",
+        f"engine: built at world {state.world} on a fake process group, meta tensors: "
+        f"{state.buckets} buckets, {100 * state.padding_fraction:.2f}% padding",
+        "",
+        f"{f'model state of rank {state.rank}':<28}{'bytes':>15} {'GiB':>10}",
+    ]
+    rows = [
+        (f"weights kept ({compute})", state.params),
+        ("main weights (fp32)", state.main_params),
+        ("gradients at the step", state.grads),
+        ("optimizer state (AdamW)", state.optimizer_state),
+        ("held through a step", state.held),
+    ]
+    if inputs.zero == 3:
+        rows.append(("+ largest unit gathered", state.gathered_unit))
+        rows.append(("= while a unit runs", _while_unit_runs(state)))
+    lines += [f"  {name:<26}{value:>15,d} {value / GiB:>10.3f}" for name, value in rows]
+    memory = inputs.device.memory_bytes
+    need = _while_unit_runs(state)
+    verdict = "fits" if need <= memory else "does NOT fit"
+    lines += [
+        "",
+        f"model state {verdict}: {need / GiB:.3f} of {memory / GiB:.1f} GiB "
+        f"({100 * need / memory:.1f}%)",
+        f"not predicted yet: {', '.join(NOT_PREDICTED)}",
+    ]
+    return "\n".join(lines)
+
+
+def plan_json(inputs: PlanInputs, source: ModelSource, state: ModelState) -> str:
+    """The plan as one JSON object (bytes as integers)."""
+    document: dict[str, Any] = {
+        "model": {"name": source.name, "parameters": source.parameters, "layers": source.layers},
+        "gpus": inputs.gpus,
+        "device": {
+            "name": inputs.device.name,
+            "memory_bytes": inputs.device.memory_bytes,
+            "peak_tflops": inputs.device.peak_tflops,
+            "nvlink_gbps": inputs.device.nvlink_gbps,
+            "network_gbps": inputs.device.network_gbps,
+        },
+        "settings": {
+            "zero": inputs.zero,
+            "tp": inputs.tp,
+            "cp": inputs.cp,
+            "dp_outer": inputs.dp_outer,
+            "dp_shard": inputs.dp_shard,
+            "precision": inputs.precision,
+            "optimizer": "adamw",
+        },
+        "model_state": state.as_dict(),
+        "model_state_fits": _while_unit_runs(state) <= inputs.device.memory_bytes,
+        "not_predicted": list(NOT_PREDICTED),
+    }
+    return json.dumps(document, indent=2)
