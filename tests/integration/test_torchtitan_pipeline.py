@@ -35,7 +35,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from mf_fsdp import fsdp2
+from mf_fsdp.fsdp2.records import record_of
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.fsdp.engine.test_accumulation import count_collectives
 from tests.integration.test_torchtitan_llama import _initialised  # skips where it does
 
 try:
@@ -313,3 +315,43 @@ def _rank_dcp(rank: int, world: int, path: str) -> None:
 def test_a_pipeline_checkpoint_loads_into_fsdp_only_runs(tmp_path) -> None:
     """DCP across pipeline configurations: the next step's loss is the pipeline's."""
     run_on_ranks(_rank_dcp, 8, str(tmp_path / "ckpt"), timeout=380)
+
+
+def _bucket_storages(engine) -> set[int]:
+    """Every storage held by ``engine``'s buckets: weights (shard, gathered, main) and grads."""
+    return {
+        value.untyped_storage()._cdata
+        for bucket in engine.groups
+        for holder in (bucket.weights, bucket.buffers)
+        for value in vars(holder).values()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _rank_once_per_step(rank: int, world: int) -> None:
+    """Two stage roots per rank: distinct engines and buckets, one reduction per bucket a step."""
+    case = Case(2, 2, 1, "Interleaved1F1B")
+    dims, schedule, parts, has_first, has_last = _pipelined(fsdp2.fully_shard, case)
+    _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
+    engines = [record_of(part).engine for part in parts]  # built by the load
+    assert len(parts) == 2
+    assert engines[0] is not engines[1], "the stage roots share an engine"
+    storages = [_bucket_storages(engine) for engine in engines]
+    assert not storages[0] & storages[1], "the stage roots share bucket storage"
+    dp_rank = dims.get_mesh("batch").get_local_rank()
+    _pp_step(schedule, _batch(0, dp_rank), has_first, has_last, case)  # torch's shape inference
+    with count_collectives() as counts:
+        _pp_step(schedule, _batch(1, dp_rank), has_first, has_last, case)
+    buckets = sum(len(engine.groups) for engine in engines)
+    microbatches = LOCAL_BATCH  # one sequence each
+    reductions = {name: counts[name] for name in ("reduce_scatter_into", "all_reduce")}
+    assert reductions == {"reduce_scatter_into": buckets, "all_reduce": 0}, (
+        f"one step of {microbatches} micro-batches over {buckets} buckets: {counts}"
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_looped_stages_own_their_buckets_and_reduce_once_per_step() -> None:
+    """Interleaved1F1B's two roots per rank: their own buckets; no reduction per micro-batch."""
+    run_on_ranks(_rank_once_per_step, 4, timeout=180)
