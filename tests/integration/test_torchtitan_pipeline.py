@@ -19,10 +19,20 @@ into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
 loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
 cannot serve, stops at its first ``finalize_backward`` with one line:
 ``tests/fsdp/engine/test_weight_reach.py``.)
+
+The PP x FSDP 1F1B row takes FSDP's own mean over the dp ranks (torchtitan's
+``disable_fsdp_gradient_division`` skipped, each dp rank's loss over its own
+tokens): a division by the world (4) instead of the dp size (2) fails it, while
+the rows with torchtitan's division off cannot see one. Under Interleaved1F1B
+the two roots on a rank have their own engines, whose buckets share no storage,
+and one step of four micro-batches issues one reduce-scatter per bucket and no
+all-reduce (``count_collectives``): numbers cannot tell a reduction per
+micro-batch from one per step, as the sums are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from unittest import mock
 
@@ -80,6 +90,7 @@ class Case:
     dp_shard: int
     tp: int
     schedule: str
+    mean: bool = False  # FSDP's mean over the dp ranks instead of torchtitan's division off
 
     @property
     def world(self) -> int:
@@ -89,6 +100,11 @@ class Case:
     def tokens(self) -> float:
         """The global batch's tokens: torchtitan's loss is each sum over them."""
         return float(LOCAL_BATCH * SEQ * self.dp_shard)
+
+    @property
+    def loss_tokens(self) -> float:
+        """What a dp rank's loss sum is divided by: the global batch's tokens, or its own."""
+        return self.tokens / self.dp_shard if self.mean else self.tokens
 
 
 def _pipelined(shard, case: Case):
@@ -112,13 +128,17 @@ def _pipelined(shard, case: Case):
 
     def loss_fn(pred, labels, **_):
         loss = F.cross_entropy(full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / case.tokens, None
+        return loss / case.loss_tokens, None
 
     with torch.device("meta"):
         model = model_config(LAYERS).build()
     with (
         mock.patch.object(titan_dims, "device_type", "cpu"),
         mock.patch.object(titan_fsdp, "fully_shard", shard),
+        # FSDP's own mean: torchtitan's call turning it off does nothing
+        mock.patch.object(titan_fsdp, "disable_fsdp_gradient_division", id)
+        if case.mean
+        else contextlib.nullcontext(),
     ):
         dims.build_mesh()
         schedule, parts, has_first, has_last = pipeline_llm(
@@ -199,7 +219,7 @@ def _pp_step(schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, ca
     )
     total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
     dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
-    return total.item() / case.tp
+    return total.item() / case.tp * case.loss_tokens / case.tokens
 
 
 def _reference(case: Case, optim: str):
@@ -241,7 +261,7 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
 @pytest.mark.parametrize(
     ("case", "optim"),
     [
-        pytest.param(Case(2, 2, 1, "1F1B"), "sgd", id="pp2-fsdp2-1f1b-sgd"),
+        pytest.param(Case(2, 2, 1, "1F1B", mean=True), "sgd", id="pp2-fsdp2-1f1b-sgd-mean"),
         pytest.param(Case(2, 2, 1, "Interleaved1F1B"), "adamw", id="pp2-fsdp2-interleaved-adamw"),
         pytest.param(Case(2, 1, 2, "GPipe"), "sgd", id="pp2-tp2-gpipe-sgd"),
         pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
