@@ -32,8 +32,6 @@ micro-batch from one per step, as the sums are the same.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from unittest import mock
 
 import pytest
@@ -55,7 +53,6 @@ try:
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
@@ -65,7 +62,9 @@ try:
         full,
         model_config,
         one_process,
+        pipelined,
     )
+    from tests.integration._torchtitan_llama_parts import PipelineCase as Case
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -78,88 +77,9 @@ pytestmark = [
 ]
 preload_in_ranks(__name__)
 
-LAYERS, VOCAB, SEQ, LOCAL_BATCH, STEPS = 4, 2048, 16, 4, 3
+LAYERS, SEQ, LOCAL_BATCH = Case.layers, Case.seq, Case.local_batch
+VOCAB, STEPS = 2048, 3
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One pipelined configuration: the degrees and torch's schedule."""
-
-    pp: int
-    dp_shard: int
-    tp: int
-    schedule: str
-    mean: bool = False  # FSDP's mean over the dp ranks instead of torchtitan's division off
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_shard * self.tp
-
-    @property
-    def tokens(self) -> float:
-        """The global batch's tokens: torchtitan's loss is each sum over them."""
-        return float(LOCAL_BATCH * SEQ * self.dp_shard)
-
-    @property
-    def loss_tokens(self) -> float:
-        """What a dp rank's loss sum is divided by: the global batch's tokens, or its own."""
-        return self.tokens / self.dp_shard if self.mean else self.tokens
-
-
-def _pipelined(shard, case: Case):
-    """torchtitan's mesh, ``pipeline_llm`` and per-part ``parallelize_llama`` with ``shard``."""
-    dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=case.dp_shard,
-        cp=1,
-        tp=case.tp,
-        pp=case.pp,
-        ep=1,
-        world_size=case.world,
-        spmd_backend="partial_dtensor",
-    )
-    parallelism = ParallelismConfig(
-        spmd_backend="partial_dtensor",
-        pipeline_parallel_degree=case.pp,
-        pipeline_parallel_schedule=case.schedule,
-        pipeline_parallel_microbatch_size=1,
-    )
-
-    def loss_fn(pred, labels, **_):
-        loss = F.cross_entropy(full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / case.loss_tokens, None
-
-    with torch.device("meta"):
-        model = model_config(LAYERS).build()
-    with (
-        mock.patch.object(titan_dims, "device_type", "cpu"),
-        mock.patch.object(titan_fsdp, "fully_shard", shard),
-        # FSDP's own mean: torchtitan's call turning it off does nothing
-        mock.patch.object(titan_fsdp, "disable_fsdp_gradient_division", id)
-        if case.mean
-        else contextlib.nullcontext(),
-    ):
-        dims.build_mesh()
-        schedule, parts, has_first, has_last = pipeline_llm(
-            model,
-            parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param="float32", local_batch_size=LOCAL_BATCH),
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=False, components=["model"]),
-            ac_config=None,
-            dump_folder="unused",
-            device=torch.device("cpu"),
-            model_config=model_config(LAYERS),
-            parallelize_fn=parallelize_llama,
-            loss_fn=loss_fn,
-        )
-    for part in parts:  # torchtitan's trainer: to_empty and init_weights per part
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(buffer_device=torch.device("cpu"))
-        force_sum(part, shard)
-    return dims, schedule, parts, has_first, has_last
 
 
 def _start_from(parts, plain, shard) -> None:
@@ -190,7 +110,7 @@ def _optimizer(name: str, params):
 
 
 def _train(shard, case: Case, optim: str, plain):
-    dims, schedule, parts, has_first, has_last = _pipelined(shard, case)
+    dims, schedule, parts, has_first, has_last = pipelined(shard, case)
     _start_from(parts, plain, shard)
     params = [param for part in parts for param in part.parameters()]
     opt = _optimizer(optim, params)
@@ -306,7 +226,7 @@ def _fsdp_only(shard, world: int):
 def _rank_dcp(rank: int, world: int, path: str) -> None:
     """PP x FSDP x TP saves with DCP; FSDP-only runs on mf and torch's FSDP2 load it."""
     case = Case(2, 2, 2, "1F1B")
-    dims, schedule, parts, has_first, has_last = _pipelined(fsdp2.fully_shard, case)
+    dims, schedule, parts, has_first, has_last = pipelined(fsdp2.fully_shard, case)
     _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.5)
     dp_rank = dims.get_mesh("batch").get_local_rank()
@@ -351,7 +271,7 @@ def _bucket_storages(engine) -> set[int]:
 def _rank_once_per_step(rank: int, world: int) -> None:
     """Two stage roots per rank: distinct engines and buckets, one reduction per bucket a step."""
     case = Case(2, 2, 1, "Interleaved1F1B")
-    dims, schedule, parts, has_first, has_last = _pipelined(fsdp2.fully_shard, case)
+    dims, schedule, parts, has_first, has_last = pipelined(fsdp2.fully_shard, case)
     _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
     engines = [record_of(part).engine for part in parts]  # built by the load
     assert len(parts) == 2
