@@ -133,7 +133,7 @@ def _plain_tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 @dataclass
 class StageCost:
-    """One rank's measurements for one engine, per step (the last measured step's)."""
+    """One rank's measurements for one engine: the most over the measured steps, or the mean."""
 
     engine: str
     pp_rank: int
@@ -141,7 +141,7 @@ class StageCost:
     dp: int = 1
     held_max: int = 0  # the most bytes alive after a micro-batch's forward or backward
     held_after: int = 0  # alive after the step (weights, optimizer state, what stays)
-    pool_after: int = 0  # of which mf's idle pooled temporaries (a GPU's allocator cache)
+    pool_after: int = 0  # of which mf's idle pooled temporaries (the module doc)
     moved_dp: float = 0.0  # sent over the data-parallel group
     moved_pp: float = 0.0  # sent between the stages
     ops: int = 0
