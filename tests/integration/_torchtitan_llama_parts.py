@@ -88,6 +88,7 @@ class PipelineCase:
     tp: int
     schedule: str
     mean: bool = False  # FSDP's mean over the dp ranks instead of torchtitan's division off
+    backend: str = "partial_dtensor"  # torchtitan's spmd_backend
     layers: int = 4
     local_batch: int = 4
     seq: int = 16
@@ -122,10 +123,10 @@ def pipelined(shard, case: PipelineCase) -> tuple[ParallelDims, Any, list[nn.Mod
         pp=case.pp,
         ep=1,
         world_size=case.world,
-        spmd_backend="partial_dtensor",
+        spmd_backend=case.backend,
     )
     parallelism = ParallelismConfig(
-        spmd_backend="partial_dtensor",
+        spmd_backend=case.backend,
         pipeline_parallel_degree=case.pp,
         pipeline_parallel_schedule=case.schedule,
         pipeline_parallel_microbatch_size=1,

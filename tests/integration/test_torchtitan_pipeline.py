@@ -14,7 +14,9 @@ through ``load_state_dict``, copied into torch's as DTensors). Three steps: each
 step's loss (torchtitan's global token normalisation, a sum over every
 micro-batch and dp rank) and the full weights after the steps equal one process
 on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
-same norm under both engines. A DCP checkpoint of the PP x FSDP x TP run loads
+same norm under both engines. PP 2 x FSDP 2 runs on torchtitan's default
+``spmd_types`` backend too (each stage's storage mesh, ``dp_mesh_dims``), its
+steps in the trainer's context. A DCP checkpoint of the PP x FSDP x TP run loads
 into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
 loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
 cannot serve, stops at its first ``finalize_backward`` with one line:
@@ -53,7 +55,7 @@ try:
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.distributed.utils import clip_grad_norm_, get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     from tests.integration._torchtitan_llama_parts import (
@@ -116,8 +118,10 @@ def _train(shard, case: Case, optim: str, plain):
     opt = _optimizer(optim, params)
     dp_rank = dims.get_mesh("batch").get_local_rank() if case.dp_shard > 1 else 0
     losses, norms = [], []
+    context = get_spmd_context(parallel_dims=dims)  # the trainer's (spmd_types' current mesh)
     for step in range(STEPS):
-        losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
+        with context():
+            losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
         norms.append(clip_grad_norm_(params, 1e9, pp_mesh=dims.get_mesh("pp")).item())
         opt.step()
         opt.zero_grad()
@@ -185,6 +189,9 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
         pytest.param(Case(2, 2, 1, "Interleaved1F1B"), "adamw", id="pp2-fsdp2-interleaved-adamw"),
         pytest.param(Case(2, 1, 2, "GPipe"), "sgd", id="pp2-tp2-gpipe-sgd"),
         pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
+        pytest.param(
+            Case(2, 2, 1, "1F1B", backend="spmd_types"), "adamw", id="default-pp2-fsdp2-1f1b-adamw"
+        ),
     ],
 )
 def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:

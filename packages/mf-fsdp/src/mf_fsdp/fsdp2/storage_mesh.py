@@ -29,9 +29,16 @@ each parameter gets its marks and its annotation back (``storage_roles``). The
 parameters stay plain tensors, so the module computes with plain tensors that
 carry their annotation (the engine swaps ``.data``, never the parameter object),
 as FSDP2 restores it on its unsharded parameters. Every other annotated axis
-must be ``R`` (FSDP2 owns the data-parallel reduction). A parameter without a tp type, torchtitan's
-``full_dtensor`` (DTensor parameters over the storage mesh), and a storage
-mesh with more than one such dim stop with one line naming the mesh.
+must be ``R`` (FSDP2 owns the data-parallel reduction). A parameter without a
+tp type and a storage mesh with more than one such dim stop with one line
+naming the mesh.
+
+torchtitan's ``full_dtensor`` backend stops at the call, with one line: its
+parameters are DTensors over the whole storage mesh and so are its
+activations, so the module would need its compute parameters as storage-mesh
+DTensors, and their gradients arrive ``Partial`` over the dp dims, which the
+engine's DTensor path would all-reduce before its own data-parallel reduction
+(FSDP2 leaves the dp dims out of that redistribution).
 
 Nothing here communicates or makes a group except ``_flat`` (``DeviceMesh._flatten``,
 on every rank of the mesh at once, as every rank builds its engine at its first use).
@@ -55,8 +62,9 @@ from mf_utils import set_tensor_model_parallel_attributes
 __all__ = ["SpmdAnnotation", "read_annotations", "storage_roles"]
 
 _SERVED = (
-    "mf_fsdp.fsdp2 serves plain parameters, annotated with spmd_types on at most one "
-    "further dim (torchtitan's spmd_types backend), or torchtitan's partial_dtensor backend"
+    "mf_fsdp.fsdp2 serves plain parameters there, spmd_types-annotated on the one other "
+    "dim of several ranks if any (torchtitan's default spmd_types backend), and a dp mesh "
+    "beside DTensors over a tp mesh (partial_dtensor)"
 )
 
 
@@ -81,30 +89,35 @@ def read_annotations(
 
     Read then, as FSDP2 reads them: ``to_empty`` (a model built on the meta device)
     makes new parameter objects without the annotations, before mf's engine is built.
-    Empty without exactly one tp dim (``storage_roles`` judges that mesh).
+    Empty without exactly one tp dim, or for dims the mesh lacks (``storage_roles``
+    judges those meshes).
 
     Raises:
-        NotImplementedError: one line naming the mesh and the parameter, for a parameter
-            without ``S(dim)``, ``R`` or ``I`` on the tp dim, or with another type than
-            ``R`` on another axis.
+        NotImplementedError: one line naming the mesh (and the parameter), for DTensor
+            parameters (torchtitan's ``full_dtensor``), and for a parameter without
+            ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R`` elsewhere.
     """
-    tp = _tp_dims(mesh, dims)
-    if len(tp) != 1:
-        return []
     where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
+    params = [found for m in modules for found in _named(m) if id(found[-1]) not in ignored]
+    if any(isinstance(param, DTensor) for *_, param in params):
+        raise NotImplementedError(
+            f"{where}: DTensor parameters over the storage mesh (torchtitan's full_dtensor "
+            f"backend) are not supported; {_SERVED}"
+        )
+    tp = _tp_dims(mesh, dims)
+    named = (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
+    if len(tp) != 1 or any(name not in (mesh.mesh_dim_names or ()) for name in named):
+        return []
     spmd = _spmd_types(where)
     tp_axis = spmd.MeshAxis.of(mesh.get_group(tp[0]))
     found = []
-    for module in modules:
-        for owner_name, owner in module.named_modules():
-            for name, param in owner._parameters.items():
-                if param is None or id(param) in ignored or isinstance(param, DTensor):
-                    continue
-                what = f"{where}: parameter {_join(owner_name, name)!r}"
-                local_type = dict(spmd.get_local_type(param))
-                spec = spmd.get_partition_spec(param)
-                kind = _tp_type(spmd, local_type, spec, param.dim(), tp_axis, what)
-                found.append((owner, name, SpmdAnnotation(kind, local_type, spec)))
+    for owner, path, name, param in params:
+        fqn = f"{path}.{name}" if path else name
+        what = f"{where}: parameter {fqn!r}"
+        local_type = dict(spmd.get_local_type(param))
+        spec = spmd.get_partition_spec(param)
+        kind = _tp_type(spmd, local_type, spec, param.dim(), tp_axis, what)
+        found.append((owner, name, SpmdAnnotation(kind, local_type, spec)))
     return found
 
 
@@ -168,10 +181,8 @@ def storage_roles(
             "shard dim"
         )
     others = _tp_dims(mesh, dims)
-    dtensors = any(isinstance(p, DTensor) for p in params)
-    if len(others) > 1 or dtensors:
-        what = "DTensor parameters (full_dtensor)" if dtensors else f"the dims {others}"
-        raise NotImplementedError(f"{where}: {what} not supported; {_SERVED}")
+    if len(others) > 1:
+        raise NotImplementedError(f"{where}: the dims {others} are not supported; {_SERVED}")
     shard_mesh = _flat(mesh, shard)
     parts = [_flat(mesh, replicate)] if replicate else []
     tp = others[0] if others else None
@@ -231,8 +242,12 @@ def _spmd_types(where: str) -> Any:
         ) from None
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def _named(module: nn.Module) -> Iterable[tuple[nn.Module, str, str, nn.Parameter]]:
+    """Each parameter under ``module``: its owner, the owner's path, its name, itself."""
+    for path, owner in module.named_modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                yield owner, path, name, param
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
