@@ -6,7 +6,11 @@ Llama 3 sharding config and ``parallelize_llama``) and swaps the one name
 builds every mesh by unflattening one 1-D world mesh, so the ``fsdp`` mesh it
 hands over is a slice over part of the ranks and the tp mesh a slice of another
 view of the same root; its default backend (``spmd_types``) passes
-``dp_mesh_dims`` instead, even for plain FSDP.
+``dp_mesh_dims`` instead, even for plain FSDP. Under TP that backend's
+parameters are plain tp pieces annotated with spmd_types and its model runs its
+own tp collectives on plain tensors, in the trainer's context (the current spmd
+mesh, entered here too); its output is each tp rank's plain piece of the
+vocabulary, gathered here. ``full_dtensor`` is refused in one line.
 
 Each configuration runs in the same ranks: torch's FSDP2 and mf through
 torchtitan's code, from one process's initial weights, and one process on the
