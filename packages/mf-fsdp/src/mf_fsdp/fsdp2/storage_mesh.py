@@ -183,8 +183,6 @@ def storage_roles(
     others = _tp_dims(mesh, dims)
     if len(others) > 1:
         raise NotImplementedError(f"{where}: the dims {others} are not supported; {_SERVED}")
-    shard_mesh = _flat(mesh, shard)
-    parts = [_flat(mesh, replicate)] if replicate else []
     tp = others[0] if others else None
     if tp is not None:
         for param in params:
@@ -194,11 +192,11 @@ def storage_roles(
                     f"fully_shard call (its spmd_types type is read there); {_SERVED}"
                 )
             _mark(param, annotations[id(param)])
-        parts += [shard_mesh, mesh[tp]]
-    elif not parts:
+    shard_mesh = _flat(mesh, shard)
+    parts = [_flat(mesh, replicate)] if replicate else []
+    parts += [shard_mesh, mesh[tp]] if tp is not None else [shard_mesh]
+    if len(parts) == 1:
         return EngineMesh(shard_mesh, _only_name(shard_mesh))
-    else:
-        parts.append(shard_mesh)
     joined = DeviceMesh._concatenate(parts)
     outer = (joined.mesh_dim_names or (None,))[0] if replicate else None
     return EngineMesh(joined, _only_name(shard_mesh), outer, tp)
