@@ -29,7 +29,10 @@ the rows with torchtitan's division off cannot see one. Under Interleaved1F1B
 the two roots on a rank have their own engines, whose buckets share no storage,
 and one step of four micro-batches issues one reduce-scatter per bucket and no
 all-reduce (``count_collectives``): numbers cannot tell a reduction per
-micro-batch from one per step, as the sums are the same.
+micro-batch from one per step, as the sums are the same. It also issues one
+all-gather per bucket: units left gathered for their backward
+(``reshard_after_forward=False``) stay gathered across the micro-batches'
+forwards (planted: released at each forward's start, 11 and 7 gathers).
 """
 
 from __future__ import annotations
@@ -291,10 +294,11 @@ def _rank_once_per_step(rank: int, world: int) -> None:
         _pp_step(schedule, _batch(1, dp_rank), has_first, has_last, case)
     buckets = sum(len(engine.groups) for engine in engines)
     microbatches = LOCAL_BATCH  # one sequence each
-    reductions = {name: counts[name] for name in ("reduce_scatter_into", "all_reduce")}
-    assert reductions == {"reduce_scatter_into": buckets, "all_reduce": 0}, (
-        f"one step of {microbatches} micro-batches over {buckets} buckets: {counts}"
-    )
+    assert counts == {
+        "reduce_scatter_into": buckets,
+        "all_reduce": 0,
+        "all_gather_into": buckets,
+    }, f"one step of {microbatches} micro-batches over {buckets} buckets: {counts}"
 
 
 @pytest.mark.multiprocess

@@ -326,7 +326,7 @@ class MegatronFSDP(WrappedModule):
             self.install_optimized_model_weights()
         self._pool.release_large()
         self._forms.register_compute()
-        self._unit_hooks.root_pre_forward()
+        self._unit_hooks.root_pre_forward(self.sync_policy.manual_finalization)
 
     def _refuse_unready(self) -> None:
         """Stop a forward of a meta-device model whose values are not all given yet."""
