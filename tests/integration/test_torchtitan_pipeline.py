@@ -16,9 +16,14 @@ micro-batch and dp rank) and the full weights after the steps equal one process
 on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
 same norm under both engines. A DCP checkpoint of the PP x FSDP x TP run loads
 into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
-loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
-cannot serve, stops at its first ``finalize_backward`` with one line:
-``tests/fsdp/engine/test_weight_reach.py``.)
+loss is the pipeline's.
+
+The zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble, DualPipeV)
+split each backward into an input pass and a weight pass that adds the
+weights' grads to ``.grad`` of ``module.parameters()`` itself: mf's gathered
+units then hold their compute forms, whose grads are its buffers ([Note:
+forms in a pipeline]); they train as the others do (planted: the sharded forms
+registered between passes fail with torch's shape error in ``view_as``).
 """
 
 from __future__ import annotations
@@ -243,6 +248,11 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
         pytest.param(Case(2, 2, 1, "Interleaved1F1B"), "adamw", id="pp2-fsdp2-interleaved-adamw"),
         pytest.param(Case(2, 1, 2, "GPipe"), "sgd", id="pp2-tp2-gpipe-sgd"),
         pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
+        pytest.param(Case(2, 2, 1, "ZBVZeroBubble"), "sgd", id="pp2-fsdp2-zbv-sgd"),
+        pytest.param(
+            Case(2, 2, 1, "InterleavedZeroBubble"), "adamw", id="pp2-fsdp2-interleaved-zb-adamw"
+        ),
+        pytest.param(Case(2, 2, 1, "DualPipeV"), "sgd", id="pp2-fsdp2-dualpipev-sgd"),
     ],
 )
 def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:
