@@ -18,9 +18,7 @@ same norm under both engines. PP 2 x FSDP 2 runs on torchtitan's default
 ``spmd_types`` backend too (each stage's storage mesh, ``dp_mesh_dims``), its
 steps in the trainer's context. A DCP checkpoint of the PP x FSDP x TP run loads
 into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
-loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
-cannot serve, stops at its first ``finalize_backward`` with one line:
-``tests/fsdp/engine/test_weight_reach.py``.)
+loss is the pipeline's.
 
 The PP x FSDP 1F1B row takes FSDP's own mean over the dp ranks (torchtitan's
 ``disable_fsdp_gradient_division`` skipped, each dp rank's loss over its own
@@ -33,6 +31,13 @@ micro-batch from one per step, as the sums are the same. It also issues one
 all-gather per bucket: units left gathered for their backward
 (``reshard_after_forward=False``) stay gathered across the micro-batches'
 forwards (planted: released at each forward's start, 11 and 7 gathers).
+
+The zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble, DualPipeV)
+split each backward into an input pass and a weight pass that adds the
+weights' grads to ``.grad`` of ``module.parameters()`` itself: mf's gathered
+units then hold their compute forms, whose grads are its buffers ([Note:
+forms in a pipeline]); they train as the others do (planted: the sharded forms
+registered between passes fail with torch's shape error in ``view_as``).
 """
 
 from __future__ import annotations
@@ -195,6 +200,11 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
         pytest.param(
             Case(2, 2, 1, "1F1B", backend="spmd_types"), "adamw", id="default-pp2-fsdp2-1f1b-adamw"
         ),
+        pytest.param(Case(2, 2, 1, "ZBVZeroBubble"), "sgd", id="pp2-fsdp2-zbv-sgd"),
+        pytest.param(
+            Case(2, 2, 1, "InterleavedZeroBubble"), "adamw", id="pp2-fsdp2-interleaved-zb-adamw"
+        ),
+        pytest.param(Case(2, 2, 1, "DualPipeV"), "sgd", id="pp2-fsdp2-dualpipev-sgd"),
     ],
 )
 def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:
