@@ -194,8 +194,11 @@ class CausalLM(nn.Module):
     """A transformers causal LM with mf's GPT forward: ``(tokens, targets) -> loss``.
 
     The loss is the mean cross-entropy of ``targets`` (the tokens shifted by one,
-    as mf-train's batches give them) over every position, computed in fp32, the
-    same formula as ``mf.models.GPT``'s.
+    as mf-train's batches give them) over the positions whose target is not
+    ``-100`` (``F.cross_entropy``'s ignored index: prompts and padding of
+    instruction data), computed in fp32, the same formula as ``mf.models.GPT``'s;
+    0 (with zero gradients) when no target counts, as in a context-parallel
+    rank's share of a prompt.
     """
 
     def __init__(self, lm: nn.Module) -> None:
@@ -219,8 +222,9 @@ class CausalLM(nn.Module):
         logits = self.lm(input_ids=tokens, use_cache=False, **extra).logits
         if targets is None:
             return logits
-        flat = logits.reshape(-1, logits.shape[-1]).float()
-        return F.cross_entropy(flat, targets.reshape(-1))
+        flat, wanted = logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+        counted = (wanted != -100).sum().clamp(min=1)
+        return F.cross_entropy(flat, wanted, reduction="sum") / counted
 
 
 def meta_module(model: str) -> nn.Module:
