@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,16 +50,30 @@ PREFIX = "lm."
 CONFIG_FILE = "config.json"
 
 
+_ENUM_REGISTRATION = "is an Enum subclass and is now natively supported by torch.compile"
+"""What torch (2.15) warns, twice, when transformers' modelling imports torchao, whose
+float8 module registers two Enums with pytree: not the user's concern, and before a
+one-line data error it would be the first two lines."""
+
+
+def _without_enum_registration(record: logging.LogRecord) -> bool:
+    return _ENUM_REGISTRATION not in record.getMessage()
+
+
 def _offline() -> None:
     """Make every Hugging Face call in this process (and its children) offline and quiet.
 
-    Quiet: transformers' progress bars (loading, writing shards) are not mf-train's.
+    Quiet: transformers' progress bars (loading, writing shards) are not mf-train's,
+    nor torch's warning about torchao's Enums (``_ENUM_REGISTRATION``; that one only).
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    from transformers.utils import logging
+    from transformers.utils import logging as transformers_logging
 
-    logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    pytree = logging.getLogger("torch.utils._pytree")
+    if _without_enum_registration not in pytree.filters:
+        pytree.addFilter(_without_enum_registration)
 
 
 @dataclass(frozen=True)
