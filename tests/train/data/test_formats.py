@@ -97,7 +97,7 @@ def test_a_preset_refuses_instruction_data_in_one_line(tmp_path: Path) -> None:
             "line 1: the conversation begins with an assistant turn",
         ),
         ([{"prompt": [], "completion": _CHAT[2:3]}], "line 1: the prompt is empty"),
-        ([{"prompt": "a", "completion": 3}], "line 1: the 'completion' field is a int"),
+        ([{"prompt": "a", "completion": 3}], "line 1: the 'completion' field is an int"),
         ([{"messages": "hello"}], "line 1: 'messages' is a str, expected a list"),
     ],
 )

@@ -30,7 +30,7 @@ _CASES = {
     "no assistant": ([_GOOD, _GOOD, {"messages": [_USER]}], "line 3: the conversation has no"),
     "content": (
         [{"messages": [_USER, {"role": "assistant", "content": 7}]}],
-        "line 1: messages[1] (assistant) has a int content, expected a string",
+        "line 1: messages[1] (assistant) has an int content, expected a string",
     ),
     "too long": (
         [_GOOD, {"messages": [_USER, {"role": "assistant", "content": "word " * 100}]}],

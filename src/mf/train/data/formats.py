@@ -98,6 +98,12 @@ def jsonl_records(file: Path, text: str) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
+def _kind(value: Any) -> str:
+    """``value``'s JSON type with its article: "an int", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _shape(record: dict[str, Any], text_field: str) -> str:
     if "messages" in record and text_field not in record:
         return MESSAGES
@@ -110,7 +116,7 @@ def _shape(record: dict[str, Any], text_field: str) -> str:
 def _messages(where: str, value: Any, field: str) -> tuple[dict[str, str], ...]:
     """``value`` as checked messages: a list of objects with a known role and string content."""
     if not isinstance(value, list):
-        raise ValueError(f"{where}: {field!r} is a {type(value).__name__}, expected a list")
+        raise ValueError(f"{where}: {field!r} is {_kind(value)}, expected a list")
     messages = []
     for index, message in enumerate(value):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
@@ -125,7 +131,7 @@ def _messages(where: str, value: Any, field: str) -> tuple[dict[str, str], ...]:
             )
         if not isinstance(content, str):
             raise ValueError(
-                f"{where}: {field}[{index}] ({role}) has a {type(content).__name__} content, "
+                f"{where}: {field}[{index}] ({role}) has {_kind(content)} content, "
                 "expected a string"
             )
         messages.append({"role": role, "content": content})
@@ -139,9 +145,7 @@ def _string(where: str, record: dict[str, Any], field: str) -> str:
         )
     value = record[field]
     if not isinstance(value, str):
-        raise ValueError(
-            f"{where}: the {field!r} field is a {type(value).__name__}, expected a string"
-        )
+        raise ValueError(f"{where}: the {field!r} field is {_kind(value)}, expected a string")
     return value
 
 
