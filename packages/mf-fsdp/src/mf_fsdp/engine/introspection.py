@@ -1,4 +1,4 @@
-"""What an engine tells about itself: which engine owns a parameter, its buckets and its bytes.
+"""What an engine tells about itself: its optimizer's parameters, its buckets and its bytes.
 
 ``EngineIntrospection`` is a part of ``MegatronFSDP`` (a base class of it):
 questions asked of a built engine that change nothing, kept apart from the
@@ -8,7 +8,6 @@ training controls in ``engine/megatron_fsdp.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,16 +21,7 @@ from mf_fsdp.engine.sharded_params import OWNER_ATTR
 from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
 from mf_fsdp.engine.unit import Unit
 
-if TYPE_CHECKING:
-    from mf_fsdp.engine.megatron_fsdp import MegatronFSDP
-
-__all__ = ["EngineIntrospection", "owner_of"]
-
-
-def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
-    """The engine managing ``param`` (a compute or sharded parameter), or None."""
-    ref = getattr(param, OWNER_ATTR, None)
-    return None if ref is None else ref()
+__all__ = ["EngineIntrospection"]
 
 
 class EngineIntrospection:
@@ -43,11 +33,6 @@ class EngineIntrospection:
     groups: list[Bucket]
     fsdp_params: list[FSDPParam]
     dist_index: FSDPDistributedIndex
-
-    @staticmethod
-    def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
-        """The engine managing model parameter ``param``, or None."""
-        return owner_of(param)
 
     def optimizer_param(self, param: nn.Parameter) -> nn.Parameter:
         """The sharded parameter the optimizer steps on in place of ``param``.
@@ -61,7 +46,8 @@ class EngineIntrospection:
         fp = self._forms.record_of(param)
         if fp is not None:
             return fp.sharded
-        if owner_of(param) is self:
+        ref = getattr(param, OWNER_ATTR, None)  # a sharded parameter of this engine
+        if ref is not None and ref() is self:
             return param
         raise ValueError(
             f"param: a tensor of shape {tuple(param.shape)} is not a parameter managed by "

@@ -16,7 +16,8 @@ jobs around it live in their own modules:
 - the module it wraps: ``engine/module_contract.py`` (attribute access, state
   dicts, ``to_empty``), ``engine/forms.py`` (which parameter form the modules
   hold), ``engine/load_hooks.py`` (loading from any layout);
-- what it tells about itself (owner, buckets, bytes): ``engine/introspection.py``;
+- what it tells about itself (optimizer parameters, buckets, bytes):
+  ``engine/introspection.py``;
 - the optimizer side, which the engine never imports: ``optim/``.
 
 The buffers themselves belong to ``buckets/bucket.py``, and every collective on
@@ -54,13 +55,13 @@ from mf_fsdp.engine.discover import discover
 from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.grad_sync import GradSync
 from mf_fsdp.engine.hooks import UnitHooks
-from mf_fsdp.engine.introspection import EngineIntrospection, owner_of
+from mf_fsdp.engine.introspection import EngineIntrospection
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import describe_meta_init, unready_error
 from mf_fsdp.engine.module_contract import WrappedModule, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
-from mf_fsdp.engine.sharded_params import build_sharded_params
+from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params
 from mf_fsdp.engine.stats import BucketStats
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
@@ -78,6 +79,12 @@ ENGINE_BUILT: list[Callable[[], None]] = []
 """Called each time an engine is built. The optimizer side registers its process-wide
 step hooks here (``optim/optimizer.py``), so that importing mf_fsdp installs nothing in
 torch, and the engine never imports the optimizer side."""
+
+
+def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
+    """The engine managing ``param`` (a compute or sharded parameter), or None."""
+    ref = getattr(param, OWNER_ATTR, None)
+    return None if ref is None else ref()
 
 
 class MegatronFSDP(EngineIntrospection, WrappedModule):
@@ -282,6 +289,11 @@ class MegatronFSDP(EngineIntrospection, WrappedModule):
         self._forms.register_sharded()
         if self.sync_policy.manual_finalization:
             self._unit_hooks.held.show_gathered((self._root, *self._units))
+
+    @staticmethod
+    def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
+        """The engine managing model parameter ``param``, or None."""
+        return owner_of(param)
 
     # ------------------------------------------------------------------ construction
     def _gather_new_extensions(self) -> None:
