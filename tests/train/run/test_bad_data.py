@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +78,7 @@ def test_the_command_prints_nothing_before_the_line(
 ) -> None:
     """A fresh ``mf-train``: torch's import-time warnings would come before the error."""
     argv, data = _case("unknown role", chatml, untemplated, tmp_path)
-    mf_train = shutil.which("mf-train") or "mf-train"
+    mf_train = str(Path(sys.executable).with_name("mf-train"))  # this environment's command
     done = subprocess.run([mf_train, *argv], capture_output=True, text=True, timeout=200)
     _assert_one_line("unknown role", done.returncode, done.stderr, data)
 
