@@ -166,7 +166,7 @@ def plan_activations(
     positions = PRESETS[source.name].seq_len
     if not 0 < seq_len <= positions:
         raise ValueError(
-            f"--seq-len must be in [1, {positions}] (the {source.name!r} model's positions), "
+            f"seq_len must be in [1, {positions}] (the {source.name!r} model's positions), "
             f"got {seq_len}"
         )
     one, two = (
