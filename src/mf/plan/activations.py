@@ -32,6 +32,7 @@ rest in the backward, one layer at a time.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,10 +80,16 @@ def checkpoint_layers(model: GPT) -> None:
     for block in model.blocks:
         inner = block.forward
 
-        def forward(x: torch.Tensor, inner=inner) -> torch.Tensor:
+        def forward(
+            x: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor] = inner
+        ) -> torch.Tensor:
             return checkpoint(inner, x, use_reentrant=False)
 
         block.forward = forward
+
+
+_PEAK_STATES = ("Peak-Forward", "Peak-Backward")
+"""MemTracker's names of the root module's two peak snapshots."""
 
 
 def _peaks(
@@ -110,10 +117,6 @@ def _peaks(
         for state in _PEAK_STATES
     )
     return forward, backward
-
-
-_PEAK_STATES = ("Peak-Forward", "Peak-Backward")
-"""MemTracker's names of the root module's two peak snapshots."""
 
 
 def _model_at_depth(source: ModelSource, layers: int, dtype: torch.dtype) -> GPT:
