@@ -50,6 +50,8 @@ FSDP2_ORDER = (
     "handles",
     "mixed_precision",
     "placement",
+    "engine_mesh",
+    "storage_mesh",
     "meshes",
     "records",
     "module",

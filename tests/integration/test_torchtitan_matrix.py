@@ -6,7 +6,11 @@ Llama 3 sharding config and ``parallelize_llama``) and swaps the one name
 builds every mesh by unflattening one 1-D world mesh, so the ``fsdp`` mesh it
 hands over is a slice over part of the ranks and the tp mesh a slice of another
 view of the same root; its default backend (``spmd_types``) passes
-``dp_mesh_dims`` instead, even for plain FSDP.
+``dp_mesh_dims`` instead, even for plain FSDP. Under TP that backend's
+parameters are plain tp pieces annotated with spmd_types and its model runs its
+own tp collectives on plain tensors, in the trainer's context (the current spmd
+mesh, entered here too); its output is each tp rank's plain piece of the
+vocabulary, gathered here. ``full_dtensor`` is refused in one line.
 
 Each configuration runs in the same ranks: torch's FSDP2 and mf through
 torchtitan's code, from one process's initial weights, and one process on the
@@ -37,18 +41,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 from tests.integration.test_torchtitan_llama import _initialised  # skips where it does
 
 try:
+    import spmd_types as spmd
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.distributed.utils import clip_grad_norm_, get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     from tests.integration._torchtitan_llama_parts import (
@@ -93,7 +99,10 @@ class Case:
 
 
 def _parallelized(shard, case: Case, divide: bool):
-    """torchtitan's mesh and ``parallelize_llama`` with ``fully_shard`` being ``shard``."""
+    """torchtitan's mesh and ``parallelize_llama`` with ``fully_shard`` being ``shard``.
+
+    Returns the model and torchtitan's ``ParallelDims``.
+    """
     dims = ParallelDims(
         dp_replicate=case.dp_replicate,
         dp_shard=case.dp_shard,
@@ -126,7 +135,7 @@ def _parallelized(shard, case: Case, divide: bool):
             dump_folder="unused",
         )
     force_sum(model, shard)
-    return _initialised(model)
+    return _initialised(model), dims
 
 
 def _start_from(model, plain) -> None:
@@ -149,18 +158,35 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _loss(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(full(model(tokens)).flatten(0, 1).float(), targets.flatten())
+def _loss(logits: torch.Tensor, targets: torch.Tensor, vocab_mesh=None) -> torch.Tensor:
+    if vocab_mesh is not None:  # this tp rank's plain piece of the vocabulary
+        logits = DTensor.from_local(logits, vocab_mesh, [Shard(2)])
+    return F.cross_entropy(full(logits).flatten(0, 1).float(), targets.flatten())
 
 
-def _train(model, case: Case, optim: str, rank: int, divide: bool):
-    """Three steps on this dp rank's batches; the global loss and grad norm per step."""
+def _train(model, dims, case: Case, optim: str, rank: int, divide: bool):
+    """Three steps on this dp rank's batches; the global loss and grad norm per step.
+
+    Forward and backward run in torchtitan's trainer context (the spmd_types
+    backend's current mesh); under TP that backend gives each tp rank its plain
+    piece of the vocabulary, gathered here.
+    """
+    context = get_spmd_context(parallel_dims=dims)
+    vocab_mesh = dims.get_mesh("tp") if case.backend == "spmd_types" and case.tp > 1 else None
     opt = _optimizer(optim, model.parameters())
     dp_rank = rank // case.tp  # torchtitan's mesh order: (pp, dp_replicate, dp_shard, tp)
     scale = 1.0 if divide else 1.0 / case.dp
     losses, norms, grads = [], [], {}
+    seen = []  # the column-parallel weight as the module computes with it
+    feed_forward = model.layers["0"].feed_forward
+    feed_forward.register_forward_pre_hook(lambda module, _: seen.append(module.w1.weight))
     for step in range(STEPS):
-        loss = _loss(model, *_batch(step, dp_rank)) * scale
+        tokens, targets = _batch(step, dp_rank)
+        with context():
+            if case.backend == "spmd_types":
+                tokens, targets, _ = annotate_input_spmd_types(dims, tokens, targets, {})
+            logits = model(tokens)
+        loss = _loss(logits, targets, vocab_mesh) * scale
         loss.backward()
         if step == 0:
             grads = {name: full(param.grad).clone() for name, param in model.named_parameters()}
@@ -171,6 +197,13 @@ def _train(model, case: Case, optim: str, rank: int, divide: bool):
         dist.all_reduce(total)
         losses.append(total.item() * (1.0 / case.dp if divide else 1.0))
     weights = {name: full(param).detach().clone() for name, param in model.named_parameters()}
+    if case.backend == "spmd_types" and case.tp > 1 and isinstance(model, fsdp2.FSDPModule):
+        # A plain tp piece that keeps its spmd_types annotation (S(0) on tp), as FSDP2
+        # restores it on its unsharded parameter.
+        assert not isinstance(seen[-1], DTensor)
+        assert seen[-1].shape == (384, 256)
+        assert spmd.get_partition_spec(seen[-1]) is not None
+        assert spmd.get_local_type(seen[-1])
     return losses, norms, weights, grads
 
 
@@ -182,7 +215,8 @@ def _reference(case: Case, optim: str):
     for step in range(STEPS):
         total = 0.0
         for dp_rank in range(case.dp):
-            loss = _loss(model, *_batch(step, dp_rank)) / case.dp
+            tokens, targets = _batch(step, dp_rank)
+            loss = _loss(model(tokens), targets) / case.dp
             loss.backward()
             total += loss.item()
         if step == 0:
@@ -197,13 +231,13 @@ def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) ->
     plain = one_process(2)
     runs = {}
     for name, shard in ENGINES:
-        model = _parallelized(shard, case, divide)
+        model, dims = _parallelized(shard, case, divide)
         if name == "torch":
             _start_from(model, plain)
         else:  # mf's engine draws one process's initial weights itself
             for key, param in model.named_parameters():
                 torch.testing.assert_close(full(param), plain.get_parameter(key), msg=key)
-        runs[name] = _train(model, case, optim, rank, divide)
+        runs[name] = _train(model, dims, case, optim, rank, divide)
     losses, grads, weights = _reference(case, optim)
     for name, (got_losses, _, got_weights, got_grads) in runs.items():
         torch.testing.assert_close(got_losses, losses, rtol=RTOL, atol=ATOL, msg=f"{name} loss")
@@ -229,6 +263,8 @@ def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) ->
         pytest.param(Case(2, 2, 2), "sgd", True, id="hsdp2x2-tp2-sgd-mean"),
         pytest.param(Case(1, 4, 1, "spmd_types"), "adamw", False, id="default-fsdp4-adamw"),
         pytest.param(Case(2, 2, 1, "spmd_types"), "sgd", True, id="default-hsdp2x2-sgd-mean"),
+        pytest.param(Case(1, 2, 2, "spmd_types"), "sgd", False, id="default-fsdp2-tp2-sgd"),
+        pytest.param(Case(1, 2, 2, "spmd_types"), "adamw", True, id="default-fsdp2-tp2-adamw-mean"),
     ],
 )
 def test_torchtitan_configuration_trains_as_torch_fsdp2_and_one_process(
@@ -238,13 +274,13 @@ def test_torchtitan_configuration_trains_as_torch_fsdp2_and_one_process(
 
 
 def _rank_refused(rank: int, world: int, case: Case) -> None:
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*tensor parallelism") as info:
+    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*full_dtensor") as info:
         _parallelized(fsdp2.fully_shard, case, divide=False)
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_default_backend_with_tp_is_refused_in_one_line() -> None:
-    """torchtitan's default backend under TP hands over an SPMD storage mesh with a tp dim."""
-    run_on_ranks(_rank_refused, 4, Case(1, 2, 2, "spmd_types"), timeout=180)
+def test_full_dtensor_backend_is_refused_in_one_line() -> None:
+    """``full_dtensor`` hands over DTensor parameters over the whole storage mesh."""
+    run_on_ranks(_rank_refused, 4, Case(1, 2, 2, "full_dtensor"), timeout=180)

@@ -14,16 +14,34 @@ through ``load_state_dict``, copied into torch's as DTensors). Three steps: each
 step's loss (torchtitan's global token normalisation, a sum over every
 micro-batch and dp rank) and the full weights after the steps equal one process
 on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
-same norm under both engines. A DCP checkpoint of the PP x FSDP x TP run loads
+same norm under both engines. PP 2 x FSDP 2 runs on torchtitan's default
+``spmd_types`` backend too (each stage's storage mesh, ``dp_mesh_dims``), its
+steps in the trainer's context. A DCP checkpoint of the PP x FSDP x TP run loads
 into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
-loss is the pipeline's. (A zero-bubble schedule, whose split backward mf
-cannot serve, stops at its first ``finalize_backward`` with one line:
-``tests/fsdp/engine/test_weight_reach.py``.)
+loss is the pipeline's.
+
+The PP x FSDP 1F1B row takes FSDP's own mean over the dp ranks (torchtitan's
+``disable_fsdp_gradient_division`` skipped, each dp rank's loss over its own
+tokens): a division by the world (4) instead of the dp size (2) fails it, while
+the rows with torchtitan's division off cannot see one. Under Interleaved1F1B
+the two roots on a rank have their own engines, whose buckets share no storage,
+and one step of four micro-batches issues one reduce-scatter per bucket and no
+all-reduce (``count_collectives``): numbers cannot tell a reduction per
+micro-batch from one per step, as the sums are the same. It also issues one
+all-gather per bucket: units left gathered for their backward
+(``reshard_after_forward=False``) stay gathered across the micro-batches'
+forwards (planted: released at each forward's start, 11 and 7 gathers).
+
+The zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble, DualPipeV)
+split each backward into an input pass and a weight pass that adds the
+weights' grads to ``.grad`` of ``module.parameters()`` itself: mf's gathered
+units then hold their compute forms, whose grads are its buffers ([Note:
+forms in a pipeline]); they train as the others do (planted: the sharded forms
+registered between passes fail with torch's shape error in ``view_as``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import pytest
@@ -35,7 +53,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from mf_fsdp import fsdp2
+from mf_fsdp.fsdp2.records import record_of
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.fsdp.engine.test_accumulation import count_collectives
 from tests.integration.test_torchtitan_llama import _initialised  # skips where it does
 
 try:
@@ -43,8 +63,7 @@ try:
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.distributed.utils import clip_grad_norm_, get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     from tests.integration._torchtitan_llama_parts import (
@@ -53,7 +72,9 @@ try:
         full,
         model_config,
         one_process,
+        pipelined,
     )
+    from tests.integration._torchtitan_llama_parts import PipelineCase as Case
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
         f"torchtitan does not import with torch {torch.__version__}: {error}",
@@ -66,78 +87,9 @@ pytestmark = [
 ]
 preload_in_ranks(__name__)
 
-LAYERS, VOCAB, SEQ, LOCAL_BATCH, STEPS = 4, 2048, 16, 4, 3
+LAYERS, SEQ, LOCAL_BATCH = Case.layers, Case.seq, Case.local_batch
+VOCAB, STEPS = 2048, 3
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One pipelined configuration: the degrees and torch's schedule."""
-
-    pp: int
-    dp_shard: int
-    tp: int
-    schedule: str
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_shard * self.tp
-
-    @property
-    def tokens(self) -> float:
-        """The global batch's tokens: torchtitan's loss is each sum over them."""
-        return float(LOCAL_BATCH * SEQ * self.dp_shard)
-
-
-def _pipelined(shard, case: Case):
-    """torchtitan's mesh, ``pipeline_llm`` and per-part ``parallelize_llama`` with ``shard``."""
-    dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=case.dp_shard,
-        cp=1,
-        tp=case.tp,
-        pp=case.pp,
-        ep=1,
-        world_size=case.world,
-        spmd_backend="partial_dtensor",
-    )
-    parallelism = ParallelismConfig(
-        spmd_backend="partial_dtensor",
-        pipeline_parallel_degree=case.pp,
-        pipeline_parallel_schedule=case.schedule,
-        pipeline_parallel_microbatch_size=1,
-    )
-
-    def loss_fn(pred, labels, **_):
-        loss = F.cross_entropy(full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / case.tokens, None
-
-    with torch.device("meta"):
-        model = model_config(LAYERS).build()
-    with (
-        mock.patch.object(titan_dims, "device_type", "cpu"),
-        mock.patch.object(titan_fsdp, "fully_shard", shard),
-    ):
-        dims.build_mesh()
-        schedule, parts, has_first, has_last = pipeline_llm(
-            model,
-            parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param="float32", local_batch_size=LOCAL_BATCH),
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=False, components=["model"]),
-            ac_config=None,
-            dump_folder="unused",
-            device=torch.device("cpu"),
-            model_config=model_config(LAYERS),
-            parallelize_fn=parallelize_llama,
-            loss_fn=loss_fn,
-        )
-    for part in parts:  # torchtitan's trainer: to_empty and init_weights per part
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(buffer_device=torch.device("cpu"))
-        force_sum(part, shard)
-    return dims, schedule, parts, has_first, has_last
 
 
 def _start_from(parts, plain, shard) -> None:
@@ -168,14 +120,16 @@ def _optimizer(name: str, params):
 
 
 def _train(shard, case: Case, optim: str, plain):
-    dims, schedule, parts, has_first, has_last = _pipelined(shard, case)
+    dims, schedule, parts, has_first, has_last = pipelined(shard, case)
     _start_from(parts, plain, shard)
     params = [param for part in parts for param in part.parameters()]
     opt = _optimizer(optim, params)
     dp_rank = dims.get_mesh("batch").get_local_rank() if case.dp_shard > 1 else 0
     losses, norms = [], []
+    context = get_spmd_context(parallel_dims=dims)  # the trainer's (spmd_types' current mesh)
     for step in range(STEPS):
-        losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
+        with context():
+            losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
         norms.append(clip_grad_norm_(params, 1e9, pp_mesh=dims.get_mesh("pp")).item())
         opt.step()
         opt.zero_grad()
@@ -197,7 +151,7 @@ def _pp_step(schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, ca
     )
     total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
     dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
-    return total.item() / case.tp
+    return total.item() / case.tp * case.loss_tokens / case.tokens
 
 
 def _reference(case: Case, optim: str):
@@ -239,10 +193,18 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
 @pytest.mark.parametrize(
     ("case", "optim"),
     [
-        pytest.param(Case(2, 2, 1, "1F1B"), "sgd", id="pp2-fsdp2-1f1b-sgd"),
+        pytest.param(Case(2, 2, 1, "1F1B", mean=True), "sgd", id="pp2-fsdp2-1f1b-sgd-mean"),
         pytest.param(Case(2, 2, 1, "Interleaved1F1B"), "adamw", id="pp2-fsdp2-interleaved-adamw"),
         pytest.param(Case(2, 1, 2, "GPipe"), "sgd", id="pp2-tp2-gpipe-sgd"),
         pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
+        pytest.param(
+            Case(2, 2, 1, "1F1B", backend="spmd_types"), "adamw", id="default-pp2-fsdp2-1f1b-adamw"
+        ),
+        pytest.param(Case(2, 2, 1, "ZBVZeroBubble"), "sgd", id="pp2-fsdp2-zbv-sgd"),
+        pytest.param(
+            Case(2, 2, 1, "InterleavedZeroBubble"), "adamw", id="pp2-fsdp2-interleaved-zb-adamw"
+        ),
+        pytest.param(Case(2, 2, 1, "DualPipeV"), "sgd", id="pp2-fsdp2-dualpipev-sgd"),
     ],
 )
 def test_torchtitan_pipeline_trains_as_torch_fsdp2_and_one_process(case: Case, optim: str) -> None:
@@ -284,7 +246,7 @@ def _fsdp_only(shard, world: int):
 def _rank_dcp(rank: int, world: int, path: str) -> None:
     """PP x FSDP x TP saves with DCP; FSDP-only runs on mf and torch's FSDP2 load it."""
     case = Case(2, 2, 2, "1F1B")
-    dims, schedule, parts, has_first, has_last = _pipelined(fsdp2.fully_shard, case)
+    dims, schedule, parts, has_first, has_last = pipelined(fsdp2.fully_shard, case)
     _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.5)
     dp_rank = dims.get_mesh("batch").get_local_rank()
@@ -313,3 +275,44 @@ def _rank_dcp(rank: int, world: int, path: str) -> None:
 def test_a_pipeline_checkpoint_loads_into_fsdp_only_runs(tmp_path) -> None:
     """DCP across pipeline configurations: the next step's loss is the pipeline's."""
     run_on_ranks(_rank_dcp, 8, str(tmp_path / "ckpt"), timeout=380)
+
+
+def _bucket_storages(engine) -> set[int]:
+    """Every storage held by ``engine``'s buckets: weights (shard, gathered, main) and grads."""
+    return {
+        value.untyped_storage()._cdata
+        for bucket in engine.groups
+        for holder in (bucket.weights, bucket.buffers)
+        for value in vars(holder).values()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _rank_once_per_step(rank: int, world: int) -> None:
+    """Two stage roots per rank: distinct engines and buckets, one reduction per bucket a step."""
+    case = Case(2, 2, 1, "Interleaved1F1B")
+    dims, schedule, parts, has_first, has_last = pipelined(fsdp2.fully_shard, case)
+    _start_from(parts, one_process(LAYERS), fsdp2.fully_shard)
+    engines = [record_of(part).engine for part in parts]  # built by the load
+    assert len(parts) == 2
+    assert engines[0] is not engines[1], "the stage roots share an engine"
+    storages = [_bucket_storages(engine) for engine in engines]
+    assert not storages[0] & storages[1], "the stage roots share bucket storage"
+    dp_rank = dims.get_mesh("batch").get_local_rank()
+    _pp_step(schedule, _batch(0, dp_rank), has_first, has_last, case)  # torch's shape inference
+    with count_collectives() as counts:
+        _pp_step(schedule, _batch(1, dp_rank), has_first, has_last, case)
+    buckets = sum(len(engine.groups) for engine in engines)
+    microbatches = LOCAL_BATCH  # one sequence each
+    assert counts == {
+        "reduce_scatter_into": buckets,
+        "all_reduce": 0,
+        "all_gather_into": buckets,
+    }, f"one step of {microbatches} micro-batches over {buckets} buckets: {counts}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_looped_stages_own_their_buckets_and_reduce_once_per_step() -> None:
+    """Interleaved1F1B's two roots per rank: their own buckets; no reduction per micro-batch."""
+    run_on_ranks(_rank_once_per_step, 4, timeout=180)

@@ -50,6 +50,8 @@ class TrainOptions:
     layer_drop: float = 0.0
     cp: int = 1
     text_field: str = "text"
+    chat_template: str | None = None
+    train_on_prompt: bool = False
     tensorboard: bool = False
     profile: str | None = None
     peak_tflops: float | None = None

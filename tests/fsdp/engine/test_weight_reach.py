@@ -1,8 +1,7 @@
 """A step whose backwards reached no trainable parameter stops every rank in one line.
 
 mf's gradients are autograd's accumulation into the engine's buffers. A backward
-that computes input gradients only (``torch.autograd.grad(loss, inputs=...)``,
-the input-only pass of a zero-bubble pipeline schedule such as ZBVZeroBubble)
+that computes input gradients only (``torch.autograd.grad(loss, inputs=...)``)
 accumulates nothing; stepping after it alone would go on with gradients that
 never came (``engine/weight_reach.py``). Checked at world 2 through the FSDP2
 front end (ZeRO-3), on a two-layer model fed a float input that requires grad:
@@ -12,7 +11,9 @@ front end (ZeRO-3), on a two-layer model fed a float input that requires grad:
 
 A step whose backwards include one that reaches the weights is not refused:
 torch's pipeline stages infer their shapes with an input-only backward before
-the first step (``tests/integration/test_torchtitan_pipeline.py`` trains).
+the first step, and a zero-bubble schedule's input passes are followed by
+weight passes that write the grads in place
+(``tests/integration/test_torchtitan_pipeline.py`` trains both).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
   (torchtitan's way), where the slice's root is the 1-D world mesh.
 - The mesh object: the sharded parameters' DTensors carry the mesh the user
   passed, named or not (it was a renamed copy).
-- ``dp_mesh_dims`` given what FSDP2 refuses: another type, an unnamed mesh.
+- ``dp_mesh_dims`` given what FSDP2 refuses: another type, an unnamed mesh, plain
+  parameters without spmd_types' type on the storage mesh's tp dim.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def _rank_bad_dims(rank: int, world: int) -> None:
     model = fsdp2.fully_shard(make_model(), mesh=mesh, dp_mesh_dims=dims(shard="nope"))
     with pytest.raises(ValueError, match=r"\['nope'\] not among the mesh's dims \('dp_shard',\)"):
         list(model.parameters())
+    # A storage mesh with a tp dim needs each plain parameter typed on it (spmd_types).
+    storage = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
+    with pytest.raises(NotImplementedError, match=r"'.*' is typed None on the tp") as info:
+        fsdp2.fully_shard(make_model(), mesh=storage, dp_mesh_dims=dims(shard="dp_shard"))
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.multiprocess

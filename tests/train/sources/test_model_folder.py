@@ -95,7 +95,7 @@ def _reference_losses(llama: Path, argv: list[str]) -> tuple[list[float], int]:
     """
     from transformers import AutoModelForCausalLM
 
-    from mf.train.data.tokenized import training_data
+    from mf.train.data.run_data import training_data
     from mf.train.rank.step import _learning_rate
     from mf.train.sources.model_folder import CausalLM
 

@@ -1,50 +1,25 @@
-"""The documents of ``--data``: a UTF-8 text file, or JSON lines with a text field.
+"""The documents or examples of ``--data``: a UTF-8 text file, or JSON lines.
 
-A file whose name ends in ``.jsonl`` holds one JSON object per line, whose
-``--text-field`` (default ``text``) is one document; blank lines are skipped.
-Any other file is one document, its whole text. A line that is not a JSON
-object, lacks the field or holds something else than a string stops the run
-before it starts, with one line naming the file and the line number.
+A file whose name ends in ``.jsonl`` holds one JSON object per line, in one of
+the shapes of ``mf.train.data.formats`` (text, messages, prompt-completion);
+blank lines are skipped. Any other file is one text document, its whole text. A
+bad line stops the run before it starts, with one line naming the file and the
+line number.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-__all__ = ["JSONL_SUFFIX", "read_documents"]
+from mf.train.data.formats import TEXT, DataFile, read_data_file
+
+__all__ = ["JSONL_SUFFIX", "read_data", "read_documents"]
 
 JSONL_SUFFIX = ".jsonl"
 
 
-def _jsonl_documents(file: Path, text: str, field: str) -> list[str]:
-    documents = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"--data {str(file)!r} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not JSON ({error.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if field not in record:
-            raise ValueError(
-                f"{where}: the object has no {field!r} field (it has {sorted(record)[:5]}); "
-                "name the text field with --text-field"
-            )
-        value = record[field]
-        if not isinstance(value, str):
-            raise ValueError(
-                f"{where}: the {field!r} field is a {type(value).__name__}, expected a string"
-            )
-        documents.append(value)
-    return documents
-
-
-def read_documents(path: str, text_field: str = "text") -> list[str]:
-    """The documents of the file at ``path`` (see the module docstring).
+def read_data(path: str, text_field: str = "text") -> DataFile:
+    """The shape and examples of the file at ``path`` (see the module docstring).
 
     Raises:
         ValueError: one line: the file is missing, not UTF-8, empty, or a JSONL line
@@ -57,7 +32,24 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"--data: {path!r} is not UTF-8 text ({error.reason})") from None
-    documents = _jsonl_documents(file, text, text_field) if file.suffix == JSONL_SUFFIX else [text]
-    if not any(d.strip() for d in documents):
+    data = read_data_file(file, text, text_field) if file.suffix == JSONL_SUFFIX else None
+    data = data or DataFile(TEXT, [text])
+    if data.shape == TEXT and not any(d.strip() for d in data.examples):
         raise ValueError(f"--data: {path!r} is empty")
-    return documents
+    return data
+
+
+def read_documents(path: str, text_field: str = "text") -> list[str]:
+    """The text documents of the file at ``path``: what a preset's byte model trains on.
+
+    Raises:
+        ValueError: one line: as ``read_data``, or a file of conversations or
+            prompt-completion pairs, which need a model folder's tokenizer.
+    """
+    data = read_data(path, text_field)
+    if data.shape != TEXT:
+        raise ValueError(
+            f"--data {path!r}: {data.shape} data needs --model PATH, a transformers folder "
+            "whose tokenizer (and chat template) renders it; a preset trains on text"
+        )
+    return data.examples

@@ -5,8 +5,8 @@ Under ``--cp N`` the N ranks of a data-parallel rank load the same batch
 :func:`sequence_shards` each holds its ``S / N`` positions of every sequence
 (``mf_tp.context_parallel``'s head-tail chunks) and the model, given those
 positions, attends over the whole sequence. Each rank's loss is then the
-mean over its tokens, the same number on every rank, so the mean over all
-ranks is the mean over the data-parallel ranks' batches.
+sum of its positions' token losses over the global batch's count
+(``mf.train.rank.step``), so the ranks' shares add up to the global mean.
 
 It must not: change the batch without CP (``--cp 1`` runs exactly as before).
 """

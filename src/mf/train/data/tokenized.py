@@ -23,12 +23,9 @@ from typing import Any
 
 import torch
 
-from mf.train.data.documents import read_documents
-from mf.train.data.text import BUILTIN_CORPUS, TextData, builtin_documents, load_corpus
-from mf.train.settings import TrainOptions
-from mf.train.sources.model_folder import ModelFolder, folder_of
+from mf.train.sources.model_folder import ModelFolder
 
-__all__ = ["TokenData", "load_tokenizer", "training_data"]
+__all__ = ["TokenData", "TokenizerCodec", "epoch_order", "load_tokenizer", "sequence_indices"]
 
 _VALIDATION_FRACTION = 0.1
 
@@ -64,8 +61,42 @@ def load_tokenizer(folder: ModelFolder) -> Any:
     return tokenizer
 
 
+class TokenizerCodec:
+    """``encode`` and ``decode`` through the folder's tokenizer (``self.tokenizer``)."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` as the tokenizer's tokens (no special tokens added)."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, tokens: torch.Tensor | list[int]) -> str:
+        """Tokens back to text."""
+        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        return self.tokenizer.decode(values)
+
+
+def sequence_indices(
+    split: str, step: int, seed: int, rank: int, world_size: int, micro_batch: int, count: int
+) -> list[int]:
+    """Which of ``count`` sequences make this rank's rows of ``step`` (see the module docstring).
+
+    Training takes epoch-wise permutations drawn from the seed; validation the
+    sequences in order.
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    first = (step * world_size + rank) * micro_batch
+    indices = []
+    for k in range(first, first + micro_batch):
+        epoch, place = divmod(k, count)
+        indices.append(int(epoch_order(seed, epoch, count)[place]) if split == "train" else place)
+    return indices
+
+
 @dataclass(frozen=True)
-class TokenData:
+class TokenData(TokenizerCodec):
     """A tokenized corpus, split and packed, with the tokenizer that made it."""
 
     train: torch.Tensor
@@ -92,16 +123,6 @@ class TokenData:
             )
         return data
 
-    def encode(self, text: str) -> torch.Tensor:
-        """``text`` as the tokenizer's tokens (no special tokens added)."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long)
-
-    def decode(self, tokens: torch.Tensor | list[int]) -> str:
-        """Tokens back to text."""
-        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-        return self.tokenizer.decode(values)
-
     def batch(
         self,
         split: str,
@@ -113,41 +134,15 @@ class TokenData:
         seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets), each [micro_batch, seq_len], for ``step``."""
-        if split not in ("train", "validation"):
-            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
         tokens = self.train if split == "train" else self.validation
         count = (len(tokens) - 1) // seq_len
-        first = (step * world_size + rank) * micro_batch
-        rows = []
-        for k in range(first, first + micro_batch):
-            epoch, place = divmod(k, count)
-            index = _order(seed, epoch, count)[place] if split == "train" else place
-            start = int(index) * seq_len
-            rows.append(tokens[start : start + seq_len + 1])
-        windows = torch.stack(rows)
+        indices = sequence_indices(split, step, seed, rank, world_size, micro_batch, count)
+        windows = torch.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in indices])
         return windows[:, :-1], windows[:, 1:]
 
 
 @functools.lru_cache(maxsize=2)
-def _order(seed: int, epoch: int, count: int) -> torch.Tensor:
+def epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:
     """Epoch ``epoch``'s permutation of ``count`` training sequences, from the seed alone."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**62))
     return torch.randperm(count, generator=generator)
-
-
-def training_data(options: TrainOptions) -> tuple[TextData | TokenData, str]:
-    """The run's data and how to name its corpus: bytes for a preset, else the folder's tokens.
-
-    Raises:
-        ValueError: one line (a bad file or line, a missing tokenizer, a short corpus).
-    """
-    folder = folder_of(options.model)
-    if folder is None:
-        text, name = load_corpus(options.data, options.text_field)
-        return TextData.from_text(text, options.seq_len), name
-    tokenizer = load_tokenizer(folder)
-    if options.data is None:
-        documents, name = builtin_documents(), BUILTIN_CORPUS
-    else:
-        documents, name = read_documents(options.data, options.text_field), options.data
-    return TokenData.from_documents(documents, tokenizer, options.seq_len), name

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from mf.models.float8 import (
     refresh_float8_scales,
 )
+from mf.train.data.examples import IGNORED
+from mf.train.data.run_data import RunData
 from mf.train.data.sequence_shards import sequence_shards
-from mf.train.data.text import TextData
-from mf.train.data.tokenized import TokenData
 from mf.train.exports.export import sample_text
 from mf.train.rank.setup import dp_coordinates
 from mf.train.run.options import TrainOptions
@@ -49,6 +49,22 @@ def _mean_over(value: torch.Tensor, mesh: DeviceMesh) -> float:
     return total.item() / dist.get_world_size()
 
 
+def _counted(targets: torch.Tensor) -> torch.Tensor:
+    """How many of ``targets`` the loss counts (those not ``IGNORED``)."""
+    return (targets != IGNORED).sum()
+
+
+def _global_count(batches: list[tuple[torch.Tensor, ...]], options: TrainOptions) -> float:
+    """The targets the loss counts in the step's global batch: all its micro-batches and ranks.
+
+    A collective. Each data-parallel rank's batch is loaded by its ``--tp`` and
+    ``--cp`` ranks alike, so the sum over all ranks counts it ``tp * cp`` times.
+    """
+    mine = torch.stack([_counted(targets) for _, targets in batches]).sum().float().reshape(1)
+    dist.all_reduce(mine)
+    return mine.item() / (options.tp * options.cp)
+
+
 class StepResult(NamedTuple):
     """What one optimizer step reports."""
 
@@ -65,7 +81,7 @@ class StepResult(NamedTuple):
 def train_step(
     model,
     optimizers,
-    data: TextData | TokenData,
+    data: RunData,
     options: TrainOptions,
     step: int,
     mesh: DeviceMesh,
@@ -101,6 +117,12 @@ def train_step(
         )
         for micro in range(options.grad_accum)
     ]
+    # The loss is the mean over the counted targets of the whole global batch (torchtitan's
+    # global token normalisation): each rank's share is the sum of its token losses over the
+    # global count, times the replicas the engine averages gradients over (data-parallel and
+    # context-parallel ranks), so a micro-batch or rank with fewer answer tokens weighs less.
+    total = max(_global_count(batches, options), 1.0)
+    replicas = dist.get_world_size() // options.tp
     losses = []
     for micro, (inputs, targets) in enumerate(batches):
         last = micro == options.grad_accum - 1
@@ -110,7 +132,8 @@ def train_step(
             contextlib.nullcontext() if last else model.no_sync(),
             sequence_shards(mesh["cp"], inputs, targets) as positions,
         ):
-            loss = model(inputs, targets, positions=positions) / options.grad_accum
+            mean = model(inputs, targets, positions=positions)  # over this rank's counted targets
+            loss = mean * (_counted(targets) * replicas / total)
             loss.backward()
         losses.append(loss.detach())
     grad_norm = None
@@ -169,12 +192,15 @@ def routing_metrics(model, tp: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def validate(
-    model, data: TextData | TokenData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
+    model, data: RunData, options: TrainOptions, mesh: DeviceMesh, device: torch.device
 ) -> float:
-    """The validation loss: ``--eval-batches`` held-out batches, averaged over the ranks."""
+    """The validation loss: the mean over the counted targets of ``--eval-batches`` global batches.
+
+    A collective: every rank's sum of token losses and count are added up.
+    """
     model.eval()
     dp_rank, dp_size = dp_coordinates(mesh)
-    losses = []
+    sums, counts = [], []
     for index in range(options.eval_batches):
         inputs, targets = data.batch(
             "validation",
@@ -187,14 +213,18 @@ def validate(
         )
         inputs, targets = inputs.to(device), targets.to(device)
         with sequence_shards(mesh["cp"], inputs, targets) as positions:
-            losses.append(model(inputs, targets, positions=positions))
+            counted = _counted(targets)
+            sums.append(model(inputs, targets, positions=positions).float() * counted)
+            counts.append(counted.float())
     model.train()
-    return _mean_over(torch.stack(losses).mean(), mesh)
+    totals = torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 @torch.no_grad()
 def sample_of(
-    model, data: TextData | TokenData, prompt: str, options: TrainOptions, device: torch.device
+    model, data: RunData, prompt: str, options: TrainOptions, device: torch.device
 ) -> str:
     """Sampling (temperature 0.8) in lockstep on every rank from a shared seed.
 

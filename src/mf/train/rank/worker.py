@@ -25,7 +25,7 @@ from mf.launch import leave_process_group, stop_with_launcher
 from mf.models import (
     MODEL_PRESETS,
 )
-from mf.train.data.tokenized import training_data
+from mf.train.data.run_data import training_data
 from mf.train.exports.export import export_model
 from mf.train.exports.folder_export import export_folder
 from mf.train.rank.checkpoints import Checkpoints, last_save_reason, restart_checkpoint, resume

@@ -39,7 +39,7 @@ from mf.launch import (
     new_run_id,
     wake_stopped_workers,
 )
-from mf.train.data.tokenized import training_data
+from mf.train.data.run_data import training_data
 from mf.train.reports.report import last_saved_checkpoint
 from mf.train.run.failures import failure_lines
 from mf.train.run.options import TrainOptions, local_cpu_cores, parse_options

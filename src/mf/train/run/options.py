@@ -19,6 +19,7 @@ from mf.models import MODEL_PRESETS, OPTIMIZER_RECIPES, MoEGPTConfig
 from mf.models.float8 import float8_unavailable
 from mf.train.adapters.lora_options import DEFAULT_LORA_TARGETS, check_lora_options
 from mf.train.adapters.run_module import float8_linears
+from mf.train.data.data_options import add_data_options, check_data_options
 from mf.train.data.text import VOCAB_SIZE
 from mf.train.reports.profiling import parse_window
 from mf.train.run.resume import RESULT_SETTINGS, check_resume_settings
@@ -165,17 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "full fine-tuning only",
     )
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    add(
-        "--data",
-        default=None,
-        help="a UTF-8 text file (one document), or a .jsonl file of one JSON object per line "
-        "(default: the built-in corpus)",
-    )
-    add(
-        "--text-field",
-        default="text",
-        help="the field of each --data .jsonl object that holds its document",
-    )
+    add_data_options(parser)
     add(
         "--lora-rank",
         type=int,
@@ -338,6 +329,7 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
     if folder is None:
         _check_preset_options(options)
     check_lora_options(options, folder)
+    check_data_options(options, folder)
     if options.step_in_backward:
         _check_step_in_backward(options)
     if options.resume_from is not None:

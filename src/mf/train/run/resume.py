@@ -52,6 +52,8 @@ RESULT_SETTINGS = (
     "precision",
     "layer_drop",
     "lora_alpha",
+    "chat_template",
+    "train_on_prompt",
 )
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""

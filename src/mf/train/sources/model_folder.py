@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,16 +50,30 @@ PREFIX = "lm."
 CONFIG_FILE = "config.json"
 
 
+_ENUM_REGISTRATION = "is an Enum subclass and is now natively supported by torch.compile"
+"""What torch (2.15) warns, twice, when transformers' modelling imports torchao, whose
+float8 module registers two Enums with pytree: not the user's concern, and before a
+one-line data error it would be the first two lines."""
+
+
+def _without_enum_registration(record: logging.LogRecord) -> bool:
+    return _ENUM_REGISTRATION not in record.getMessage()
+
+
 def _offline() -> None:
     """Make every Hugging Face call in this process (and its children) offline and quiet.
 
-    Quiet: transformers' progress bars (loading, writing shards) are not mf-train's.
+    Quiet: transformers' progress bars (loading, writing shards) are not mf-train's,
+    nor torch's warning about torchao's Enums (``_ENUM_REGISTRATION``; that one only).
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    from transformers.utils import logging
+    from transformers.utils import logging as transformers_logging
 
-    logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    pytree = logging.getLogger("torch.utils._pytree")
+    if _without_enum_registration not in pytree.filters:
+        pytree.addFilter(_without_enum_registration)
 
 
 @dataclass(frozen=True)
@@ -197,8 +212,11 @@ class CausalLM(nn.Module):
     """A transformers causal LM with mf's GPT forward: ``(tokens, targets) -> loss``.
 
     The loss is the mean cross-entropy of ``targets`` (the tokens shifted by one,
-    as mf-train's batches give them) over every position, computed in fp32, the
-    same formula as ``mf.models.GPT``'s.
+    as mf-train's batches give them) over the positions whose target is not
+    ``-100`` (``F.cross_entropy``'s ignored index: prompts and padding of
+    instruction data), computed in fp32, the same formula as ``mf.models.GPT``'s;
+    0 (with zero gradients) when no target counts, as in a context-parallel
+    rank's share of a prompt.
     """
 
     def __init__(self, lm: nn.Module) -> None:
@@ -222,8 +240,9 @@ class CausalLM(nn.Module):
         logits = self.lm(input_ids=tokens, use_cache=False, **extra).logits
         if targets is None:
             return logits
-        flat = logits.reshape(-1, logits.shape[-1]).float()
-        return F.cross_entropy(flat, targets.reshape(-1))
+        flat, wanted = logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+        counted = (wanted != -100).sum().clamp(min=1)
+        return F.cross_entropy(flat, wanted, reduction="sum") / counted
 
 
 def meta_module(model: str) -> nn.Module:

@@ -121,7 +121,12 @@ class GradSync:
 
         With ``optimizer_step_in_backward``, a backward that reduced finishes every
         reduction and steps the buckets not stepped yet: the step is then done.
+        Then the grads' versions are noted (``weight_reach.py``).
         """
+        self._end_backward()
+        self._reach.note_backward_end(self.groups)
+
+    def _end_backward(self) -> None:
         policy = self._policy
         policy.backward_ended()
         if self.backward_step is not None and policy.reduce_at_unit_end():
@@ -193,7 +198,7 @@ class GradSync:
         grads are final: nothing is reduced, waited or handed out again, and a
         ``.grad`` the user replaced since stays replaced, as torch leaves it.
         """
-        self._reach.check_step()
+        self._reach.check_step(self.groups)
         release_held()
         if not self.grads_final:
             self.start()

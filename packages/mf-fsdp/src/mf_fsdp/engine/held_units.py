@@ -12,7 +12,7 @@ gathers are the buckets'.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mf_fsdp.config import TrainingState
 from mf_fsdp.engine.unit import Unit
@@ -62,6 +62,12 @@ class HeldUnits:
             group.reshard()
         self._held = [u for u in self._held if u is not unit]
         self.show(unit, False)
+
+    def show_gathered(self, units: Iterable[Unit]) -> None:
+        """Let the modules of every unit of ``units`` that is gathered hold its compute forms."""
+        for unit in units:
+            if unit.groups and all(group.gathered for group in unit.groups):
+                self.show(unit, True)
 
     def hold(self, unit: Unit) -> None:
         """Remember ``unit`` as gathered until ``release_held`` or its ``reshard``."""

@@ -38,16 +38,8 @@ identity (no pre-backward comes after its backward), and so do ZeRO-0/1 units.
 A forward while a unit is in backward is activation recomputation: the gathered
 weights are reused, so recompute and backward share one gather.
 
-[Note: a unit called by itself] A unit called outside the root's forward and
-any backward (torchtitan's chunked loss runs the LM head per chunk, each with
-its own backward, between the root's forward and backward) is a solo call: it
-gathers the unit, runs it, releases it per ``reshard_after_forward``; its
-output's backward gathers it again, accumulates, reduces (per the policy and
-``requires_gradient_sync``), hands the grads out (``on_solo_end``, as FSDP2
-after each backward) and releases per ``reshard_after_backward``. A root
-forward waiting for its backward keeps its order and states. Units left
-gathered (``reshard_after_backward=False``, ``unshard``) are released before
-the optimizer step (``release_held``): the step changes their shards.
+A unit called outside the root's forward and any backward is a solo call
+(``engine/solo_calls.py``, [Note: a unit called by itself]).
 
 This module owns only the per-iteration order and states; it does not build buckets,
 decide *whether* to reduce (the engine's ``SyncPolicy`` does), or touch the optimizer.
@@ -72,6 +64,7 @@ from mf_fsdp.engine.comm_window import CommWindow
 from mf_fsdp.engine.held_units import HeldUnits
 from mf_fsdp.engine.nesting import Nesting, in_backward
 from mf_fsdp.engine.rank_paths import default_store, stop_out_of_order, translated
+from mf_fsdp.engine.solo_calls import SoloCalls
 from mf_fsdp.engine.unit import Unit, eager, grad_tensors, on_first_grad, thread_inputs
 from mf_fsdp.engine.unit_order import OrderAgreement
 
@@ -81,7 +74,7 @@ __all__ = ["UnitHooks"]
 _store = operator.attrgetter("store")  # the store a collective's failure is looked up in
 
 
-class UnitHooks:
+class UnitHooks(SoloCalls):
     """The hooks of every unit and the root, and the state they share across one iteration.
 
     Args:
@@ -181,11 +174,17 @@ class UnitHooks:
 
     # ------------------------------------------------------------------ forward
     @translated(_store)
-    def root_pre_forward(self) -> None:
-        """Start an iteration: gather the root bucket(s) with the first units (prefetch)."""
+    def root_pre_forward(self, pipelined: bool = False) -> None:
+        """Start an iteration: gather the root bucket(s) with the first units (prefetch).
+
+        ``pipelined``: a pipeline stage's (manual backward finalization), whose
+        micro-batches run several forwards before their backwards: the units a
+        forward left gathered for their backward (``reshard_after_forward=False``)
+        stay gathered for the next forward, as FSDP2's, not gathered again.
+        """
         if self._root.state is TrainingState.FORWARD and self._strategy.shards_params:
             self._agree(self._root, "(the root) ran a forward again before its backward")
-        self._forget_pass()  # a forward whose backward never ran (or has not yet)
+        self._forget_pass(pipelined)  # a forward whose backward never ran (or has not yet)
         self._in_forward = True
         self._kept = self._comm.kept_for_backward(self._prev_order)  # kept for the backward
         self._fwd_order = []
@@ -196,10 +195,14 @@ class UnitHooks:
         for group in self._root.groups:
             group.wait_unshard()
 
-    def _forget_pass(self) -> None:
-        """Release the units a forward left gathered and restart the walk of the units."""
+    def _forget_pass(self, keep_unresharded: bool = False) -> None:
+        """Release the units a forward left gathered and restart the walk of the units.
+
+        With ``keep_unresharded``, those with ``reshard_after_forward=False`` stay gathered.
+        """
         for unit in (self._root, *self._units):
-            if unit.state is TrainingState.FORWARD:
+            kept = keep_unresharded and not unit.reshard_after_forward
+            if unit.state is TrainingState.FORWARD and not kept:
                 for group in unit.groups:
                     group.reshard()
             unit.forwarded, unit.ran, unit.pending = False, False, 0
@@ -356,73 +359,6 @@ class UnitHooks:
         grads = self._strategy.shards_grads and torch.is_grad_enabled()
         if grads and (tensors := grad_tensors(output)):
             on_first_grad(tensors, functools.partial(self._unit_pre_backward, unit))
-
-    # ------------------------------------------------------------------ a unit by itself
-    def _solo_pre_forward(
-        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """A call of ``unit`` by itself (see [Note: a unit called by itself]): gather it."""
-        self._on_compute()
-        self._nest.solo_open += 1
-        self._gather(unit, async_op=False)
-        if not torch.is_grad_enabled():
-            return None
-        threaded = thread_inputs(functools.partial(self._solo_post_backward, unit), args, kwargs)
-        if threaded is not None:
-            unit.solo_pending += 1
-        return threaded
-
-    def _solo_post_forward(self, unit: Unit, output: Any) -> None:
-        """Hook the call's backward; release ``unit`` per its ``reshard_after_forward``."""
-        if torch.is_grad_enabled() and (tensors := grad_tensors(output)):
-            on_first_grad(tensors, functools.partial(self._solo_pre_backward, unit))
-        if unit.reshard_after_forward:
-            for group in unit.groups:
-                group.reshard()
-        elif unit.state is TrainingState.IDLE:
-            self.held.hold(unit)
-        self._nest.solo_open -= 1
-        if not self._nest.solo_open:  # not inside an outer unit's call by itself
-            self._on_idle()
-
-    @translated(_store)
-    def _solo_pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
-        self._ensure_callback()
-        if any(u is unit for u in self._solo):
-            return  # another call's backward started it
-        self._solo.append(unit)
-        self._on_backward_start()
-        self._gather(unit, async_op=False, backward=True)
-        for group in unit.groups:
-            group.begin_accumulate()
-
-    @translated(_store)
-    def _solo_post_backward(self, unit: Unit) -> None:
-        unit.solo_pending -= 1
-        if unit.solo_pending <= 0 and any(u is unit for u in self._solo):
-            self._finish_solo(unit)
-
-    def _finish_solo(self, unit: Unit) -> None:
-        """The backward of ``unit``'s solo calls ran: reduce (per policy), release."""
-        self._solo = [u for u in self._solo if u is not unit]
-        unit.solo_pending = 0
-        for group in unit.groups:
-            group.mark_used()
-        if unit.requires_gradient_sync and self._reduce_now():
-            self._comm.queue_reduction(unit)
-            self._solo_reduced.append(unit)
-        self.held.release_after_backward(unit)
-
-    def _solo_backward_end(self) -> None:
-        """The end of a backward only solo calls took part in: the pass stays as it was."""
-        self._comm.finish_reductions()
-        self._callback_queued = False
-        reduced, self._solo_reduced = self._solo_reduced, []
-        if self._root.state is TrainingState.IDLE:  # no forward waits for its backward
-            self._on_backward_end()
-        else:  # FSDP2 hands out .grad after each backward
-            self._on_solo_end(reduced)
-        self._on_idle()
 
     def _gather(self, unit: Unit, async_op: bool, backward: bool = False) -> None:
         if backward and not unit.unshard_in_backward:

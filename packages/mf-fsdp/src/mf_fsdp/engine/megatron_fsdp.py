@@ -16,6 +16,8 @@ jobs around it live in their own modules:
 - the module it wraps: ``engine/module_contract.py`` (attribute access, state
   dicts, ``to_empty``), ``engine/forms.py`` (which parameter form the modules
   hold), ``engine/load_hooks.py`` (loading from any layout);
+- what it tells about itself (optimizer parameters, buckets, bytes):
+  ``engine/introspection.py``;
 - the optimizer side, which the engine never imports: ``optim/``.
 
 The buffers themselves belong to ``buckets/bucket.py``, and every collective on
@@ -53,13 +55,14 @@ from mf_fsdp.engine.discover import discover
 from mf_fsdp.engine.forms import ParamForms
 from mf_fsdp.engine.grad_sync import GradSync
 from mf_fsdp.engine.hooks import UnitHooks
+from mf_fsdp.engine.introspection import EngineIntrospection
 from mf_fsdp.engine.load_hooks import register_load_hooks
 from mf_fsdp.engine.meta_init import describe_meta_init, unready_error
 from mf_fsdp.engine.module_contract import WrappedModule, check_module_to_wrap
 from mf_fsdp.engine.options import check_engine_options, check_gradient_factor, unit_policies
 from mf_fsdp.engine.rank_paths import translated
 from mf_fsdp.engine.sharded_params import OWNER_ATTR, build_sharded_params
-from mf_fsdp.engine.stats import BucketStats, bucket_stats, memory_footprint
+from mf_fsdp.engine.stats import BucketStats
 from mf_fsdp.engine.sync_policy import SyncPolicy
 from mf_fsdp.engine.unit import RegisterFSDPBackwardFunction, eager
 from mf_utils import get_group_device
@@ -84,7 +87,7 @@ def owner_of(param: torch.Tensor) -> MegatronFSDP | None:
     return None if ref is None else ref()
 
 
-class MegatronFSDP(WrappedModule):
+class MegatronFSDP(EngineIntrospection, WrappedModule):
     """Fully sharded data parallelism over flat, bucketed buffers (ZeRO-0..3).
 
     Args:
@@ -246,7 +249,7 @@ class MegatronFSDP(WrappedModule):
             reduce_now=self.sync_policy.reduce_at_unit_end,
             on_backward_start=grads.on_backward_start,
             on_backward_end=grads.on_backward_end,
-            on_idle=self._forms.register_sharded,
+            on_idle=self._between_passes,
             step=lambda: self.sync_policy.steps,
             peers=dist.get_process_group_ranks(dist_index.get_dp_group())
             if dist.is_initialized()
@@ -269,6 +272,28 @@ class MegatronFSDP(WrappedModule):
         )
         for built in ENGINE_BUILT:
             built()
+
+    def _between_passes(self) -> None:
+        """The modules hold the sharded forms; in a pipeline, gathered units their compute ones.
+
+        [Note: forms in a pipeline] torch's pipeline stages (manual backward
+        finalization) read ``module.parameters()`` between passes: a zero-bubble
+        schedule's input pass finds the weights' places in the graph by them, its
+        weight pass adds their grads to their ``.grad``. As FSDP2 registers the
+        unsharded parameters while a unit is gathered, so do mf's units then
+        (``reshard_after_forward=False``, torchtitan's default under PP, and
+        ``reshard_after_backward=False``, the stages'): the compute forms, whose
+        ``.grad`` are views of the grad buffers. ``finalize_backward`` releases
+        them and the sharded forms come back for the step.
+        """
+        self._forms.register_sharded()
+        if self.sync_policy.manual_finalization:
+            self._unit_hooks.held.show_gathered((self._root, *self._units))
+
+    @staticmethod
+    def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
+        """The engine managing model parameter ``param``, or None."""
+        return owner_of(param)
 
     # ------------------------------------------------------------------ construction
     def _gather_new_extensions(self) -> None:
@@ -326,7 +351,7 @@ class MegatronFSDP(WrappedModule):
             self.install_optimized_model_weights()
         self._pool.release_large()
         self._forms.register_compute()
-        self._unit_hooks.root_pre_forward()
+        self._unit_hooks.root_pre_forward(self.sync_policy.manual_finalization)
 
     def _refuse_unready(self) -> None:
         """Stop a forward of a meta-device model whose values are not all given yet."""
@@ -546,47 +571,3 @@ class MegatronFSDP(WrappedModule):
         """
         for group in self.groups:
             group.weights.broadcast_replicas()
-
-    # ------------------------------------------------------------------ introspection
-    @staticmethod
-    def owner_of(param: nn.Parameter) -> MegatronFSDP | None:
-        """The engine managing model parameter ``param``, or None."""
-        return owner_of(param)
-
-    def optimizer_param(self, param: nn.Parameter) -> nn.Parameter:
-        """The sharded parameter the optimizer steps on in place of ``param``.
-
-        ``param`` may be an original (compute) parameter of the wrapped module or
-        already a sharded one (then it is returned as is).
-
-        Raises:
-            ValueError: if ``param`` is not a parameter managed by this engine.
-        """
-        fp = self._forms.record_of(param)
-        if fp is not None:
-            return fp.sharded
-        if owner_of(param) is self:
-            return param
-        raise ValueError(
-            f"param: a tensor of shape {tuple(param.shape)} is not a parameter managed by "
-            "this MegatronFSDP; expected a parameter of the wrapped module"
-        )
-
-    def optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(canonical name, sharded parameter) for every managed parameter, in bucket order."""
-        for fp in self.fsdp_params:
-            yield fp.fqn, fp.sharded
-
-    def bucket_stats(self) -> list[BucketStats]:
-        """Size and padding of every bucket, as seen from this rank."""
-        names = {id(g): unit.name for unit in self._units for g in unit.groups}
-        named = [(names.get(id(g), ""), g) for g in self.groups]
-        return bucket_stats(named, self.dist_index.shard_rank)
-
-    def memory_footprint(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds: params, separate main params, grads, pool (and optimizer).
-
-        ``pool`` is the reusable temporaries currently idle; with ``optimizer``, the
-        local pieces of its state tensors are counted under ``optimizer_state``.
-        """
-        return memory_footprint(self.groups, self._pool, optimizer)

@@ -74,8 +74,12 @@ def describe_meta_init(model: nn.Module) -> str:
 
 def _swap_to_empty(params: Iterable[nn.Parameter], device: torch.device) -> None:
     for p in params:
-        # swap_tensors keeps the Parameter object (optimizers and ties refer to it).
-        torch.utils.swap_tensors(p, nn.Parameter(_empty(p, device), p.requires_grad))
+        # swap_tensors keeps the Parameter object (optimizers and ties refer to it) but
+        # swaps its __dict__ too: the attributes set on it (tensor-parallel marks,
+        # spmd_types annotations) go with it, as nn.Module.to_empty keeps them.
+        fresh = nn.Parameter(_empty(p, device), p.requires_grad)
+        fresh.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, fresh)
 
 
 def _empty(p: torch.Tensor, device: torch.device) -> torch.Tensor:

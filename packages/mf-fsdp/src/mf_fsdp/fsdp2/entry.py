@@ -34,6 +34,7 @@ from mf_fsdp.fsdp2.mixed_precision import cast_inputs, cast_output
 from mf_fsdp.fsdp2.module import fsdp_class
 from mf_fsdp.fsdp2.placement import check_answer, check_placement_fn
 from mf_fsdp.fsdp2.records import RECORD_ATTR, CallRecord, link_pending
+from mf_fsdp.fsdp2.storage_mesh import read_annotations
 
 if TYPE_CHECKING:  # torch 2.15 has it; the floor of mf's range (2.11) does not
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -145,6 +146,8 @@ def fully_shard(
     record.offload = isinstance(offload_policy, CPUOffloadPolicy)
     record.shard_placement_fn = shard_placement_fn
     record.dp_mesh_dims = dp_mesh_dims
+    if mesh is not None and dp_mesh_dims is not None:  # read before to_empty drops them
+        record.annotations = read_annotations(mesh, dp_mesh_dims, modules, {id(p) for p in ignored})
     registry_item = RegistryItem()  # one per call, as torch's composable contract shares it
     for item in modules:
         item.__dict__[RECORD_ATTR] = record

@@ -24,12 +24,8 @@ the ranks is a pipeline stage's or a tp rank's data-parallel group: the engine
 runs only collectives of its own groups, so ranks outside them never take part.
 
 torch 2.15's ``dp_mesh_dims`` (``DataParallelMeshDims``) hands over the whole
-SPMD storage mesh instead and names which of its dims are the shard and the
-replicate dims: the shard dims are joined (flattened when several) and the
-replicate dim is the outer one. It is served where the parameters are plain
-tensors and every other dim of the storage mesh has one rank (torchtitan's
-default ``spmd_types`` backend for FSDP and HSDP); a storage mesh with a
-tensor-parallel dim stops with one line naming it.
+SPMD storage mesh instead: ``storage_mesh.py`` reads it (torchtitan's default
+``spmd_types`` backend, with or without a tp dim).
 
 Nothing here shards or moves a parameter; ``mesh_roles`` may flatten dims
 (``DeviceMesh._flatten``, which makes one group, on every rank of the mesh at
@@ -39,7 +35,6 @@ once, as every rank builds its engine at the same first use).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -48,23 +43,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mf_fsdp.distributed_index import FSDPDistributedIndex
+from mf_fsdp.fsdp2.engine_mesh import EngineMesh
 from mf_fsdp.fsdp2.placement import ExpertMesh
+from mf_fsdp.fsdp2.storage_mesh import SpmdAnnotation, storage_roles
 from mf_utils import get_group_device, is_expert_parallel_parameter
 
 __all__ = ["EngineMesh", "call_mesh", "dist_index", "mesh_roles"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMesh:
-    """The engine's mesh and the names of its dims by role (see [Note: the engine mesh]).
-
-    ``shard`` is None only for an unnamed 1-D mesh (its one dim shards).
-    """
-
-    mesh: DeviceMesh
-    shard: str | None
-    outer: str | None = None
-    tp: str | None = None
 
 
 def call_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -88,6 +72,7 @@ def mesh_roles(
     mesh: DeviceMesh,
     params: Iterable[nn.Parameter],
     dp_mesh_dims: Any = None,
+    annotations: dict[int, SpmdAnnotation] | None = None,
 ) -> EngineMesh:
     """The engine mesh for FSDP2's ``mesh`` (and ``dp_mesh_dims``) and the model's parameters.
 
@@ -96,6 +81,8 @@ def mesh_roles(
         params: the parameters the engine will shard (expert parameters, already
             marked by ``placement.place_params``, live on their own mesh).
         dp_mesh_dims: torch 2.15's ``DataParallelMeshDims``, or None.
+        annotations: with ``dp_mesh_dims``, each parameter's spmd_types annotation by
+            ``id`` (``storage_mesh.read_annotations``).
 
     Raises:
         ValueError: for ``dp_mesh_dims`` naming dims the mesh lacks.
@@ -103,7 +90,7 @@ def mesh_roles(
     """
     dense = [p for p in params if not is_expert_parallel_parameter(p)]
     if dp_mesh_dims is not None:
-        return _storage_roles(mesh, dense, dp_mesh_dims)
+        return storage_roles(mesh, dense, dp_mesh_dims, annotations or {})
     tp_meshes = _tp_meshes(mesh, dense)
     names = mesh.mesh_dim_names
     if not tp_meshes:
@@ -156,56 +143,6 @@ def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
             "the dp mesh"
         )
     return joined
-
-
-def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _storage_roles(mesh: DeviceMesh, params: list[nn.Parameter], dims: Any) -> EngineMesh:
-    """``dp_mesh_dims``: the engine's shard and outer dims out of the full storage mesh."""
-    names = tuple(mesh.mesh_dim_names or ())
-    shard = _names(getattr(dims, "shard", None))
-    replicate = _names(getattr(dims, "replicate", None))
-    where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
-    unknown = [name for name in (*shard, *replicate) if name not in names]
-    if not names or unknown:
-        raise ValueError(
-            f"{where}: {unknown or 'an unnamed mesh'} not among the mesh's dims {names}; "
-            "expected names of the storage mesh's dims"
-        )
-    others = [name for name in names if name not in (*shard, *replicate) and mesh[name].size() > 1]
-    if others or any(isinstance(p, DTensor) for p in params):
-        raise NotImplementedError(
-            f"{where}: parameters over the storage mesh's other dims {others} (tensor "
-            "parallelism as an SPMD storage mesh) are not supported by mf_fsdp.fsdp2; "
-            "expected plain parameters and dims of one rank besides the data-parallel ones, "
-            "or torchtitan's partial_dtensor backend (a dp mesh and DTensors over a tp mesh)"
-        )
-    if not shard:
-        raise NotImplementedError(
-            f"{where}: replication alone (DDP) is not supported by mf_fsdp.fsdp2; expected a "
-            "shard dim"
-        )
-    shard_mesh = _flat(mesh, shard)
-    if not replicate:
-        return EngineMesh(shard_mesh, _only_name(shard_mesh))
-    joined = DeviceMesh._concatenate([_flat(mesh, replicate), shard_mesh])
-    outer, inner = joined.mesh_dim_names or (None, None)
-    return EngineMesh(joined, inner, outer)
-
-
-def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
-    """``mesh``'s dims ``names`` as one dim (the dim itself when there is one)."""
-    if len(names) == 1:
-        return mesh[names[0]]
-    return mesh[names]._flatten("_".join(names))
-
-
-def _only_name(mesh: DeviceMesh) -> str | None:
-    return (mesh.mesh_dim_names or (None,))[0]
 
 
 def dist_index(roles: EngineMesh, experts: ExpertMesh | None) -> FSDPDistributedIndex:

@@ -51,6 +51,7 @@ from mf_fsdp.engine.unit import Unit
 from mf_fsdp.fsdp2.meshes import call_mesh, dist_index, mesh_roles
 from mf_fsdp.fsdp2.mixed_precision import engine_policy, own_dtypes, resolve_policies
 from mf_fsdp.fsdp2.placement import place_params
+from mf_fsdp.fsdp2.storage_mesh import SpmdAnnotation
 from mf_fsdp.optim.optimizer import bind_optimizers_at_step
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class CallRecord:
     offload: bool = False  # CPUOffloadPolicy
     dp_mesh_dims: Any = None  # torch 2.15's DataParallelMeshDims (see meshes.py)
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None  # asked at the build
+    # spmd_types' annotations, read at the call (storage_mesh.read_annotations)
+    annotations: list[tuple[nn.Module, str, SpmdAnnotation]] = field(default_factory=list)
     hook_ids: AbstractSet[int] = frozenset()  # the forward (pre-)hooks mf put on the modules
     state_view: TorchStateView | None = None  # what torch's free functions read (torch_state)
     building: bool = False  # its model's engine is being built now
@@ -223,7 +226,13 @@ def _build_engine(root: CallRecord, units: list[CallRecord]) -> None:
     ]
     experts = place_params(asked, mesh)
     managed = (p for p in nn.Module.parameters(module) if id(p) not in ignored)
-    roles = mesh_roles(mesh, managed, root.dp_mesh_dims)
+    annotations = {
+        id(param): annotation
+        for record in (root, *units)
+        for owner, name, annotation in record.annotations
+        if (param := owner._parameters.get(name)) is not None
+    }
+    roles = mesh_roles(mesh, managed, root.dp_mesh_dims, annotations)
     engine = MegatronFSDP(
         module,
         dist_index(roles, experts),

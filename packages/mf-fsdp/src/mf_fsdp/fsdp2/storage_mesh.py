@@ -1,0 +1,265 @@
+"""torch 2.15's ``dp_mesh_dims``: the engine mesh out of an SPMD storage mesh, and its parameters.
+
+``dp_mesh_dims`` (``DataParallelMeshDims``) hands FSDP2 the whole dense storage
+mesh and names which of its dims are the shard and the replicate dims. The shard
+dims are joined (flattened when several) and the replicate dim is the outer one.
+The storage mesh's other dim of more than one rank, if any, is the
+tensor-parallel dim: the engine mesh is then (replicate, shard, tp), joined by
+``DeviceMesh._concatenate`` as FSDP2 joins a dp mesh with a tp mesh, so the
+engine's groups are the storage mesh's own.
+
+torchtitan's default ``spmd_types`` backend gives plain parameters (each rank's
+tensor-parallel piece) annotated with spmd_types' per-axis types, and its model
+code runs its own tensor-parallel collectives on plain tensors. mf serves that
+with the mf-tp attribute protocol (``mf_utils``), which the engine already
+shards and reduces plain tensor-parallel parameters by. Each parameter's type on
+the tp dim says how, following spmd_types' typed backward as FSDP2 does:
+
+- ``S(d)`` (or a ``PartitionSpec`` naming the tp axis at dim ``d``): split along
+  ``d``; its gradient is its own piece's;
+- ``R``: the same value on every tp rank, and a *partial* gradient (``R``'s
+  backward type is ``P``): marked ``sequence_parallel`` so the engine sums it
+  over the tp group before the data-parallel reduction;
+- ``I``: the same value and the same gradient on every tp rank: no tp sum.
+
+The annotations are read at the ``fully_shard`` call (``read_annotations``), as
+FSDP2 reads them there: ``to_empty`` on a model built on the meta device makes
+new parameter objects without them before mf's engine is built. At the build
+each parameter gets its marks and its annotation back (``storage_roles``). The
+parameters stay plain tensors, so the module computes with plain tensors that
+carry their annotation (the engine swaps ``.data``, never the parameter object),
+as FSDP2 restores it on its unsharded parameters. Every other annotated axis
+must be ``R`` (FSDP2 owns the data-parallel reduction). A parameter without a
+tp type and a storage mesh with more than one such dim stop with one line
+naming the mesh.
+
+torchtitan's ``full_dtensor`` backend stops at the call, with one line: its
+parameters are DTensors over the whole storage mesh and so are its
+activations, so the module would need its compute parameters as storage-mesh
+DTensors, and their gradients arrive ``Partial`` over the dp dims, which the
+engine's DTensor path would all-reduce before its own data-parallel reduction
+(FSDP2 leaves the dp dims out of that redistribution).
+
+Nothing here communicates or makes a group except ``_flat`` (``DeviceMesh._flatten``,
+on every rank of the mesh at once, as every rank builds its engine at its first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from mf_fsdp.fsdp2.engine_mesh import EngineMesh
+from mf_utils import set_tensor_model_parallel_attributes
+
+__all__ = ["SpmdAnnotation", "read_annotations", "storage_roles"]
+
+_SERVED = (
+    "mf_fsdp.fsdp2 serves plain parameters there, spmd_types-annotated on the one other "
+    "dim of several ranks if any (torchtitan's default spmd_types backend), and a dp mesh "
+    "beside DTensors over a tp mesh (partial_dtensor)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpmdAnnotation:
+    """One parameter's spmd_types annotation, as read at its ``fully_shard`` call.
+
+    ``tp`` is its type on the tp dim: the dim it is split along, ``"R"`` or ``"I"``;
+    ``local_type`` and ``partition_spec`` are the annotation itself, put back on the
+    parameter the engine shards (a new object after ``to_empty``).
+    """
+
+    tp: int | Literal["R", "I"]
+    local_type: dict[Any, Any]
+    partition_spec: Any
+
+
+def read_annotations(
+    mesh: DeviceMesh, dims: Any, modules: Iterable[nn.Module], ignored: AbstractSet[int]
+) -> list[tuple[nn.Module, str, SpmdAnnotation]]:
+    """Each parameter's annotation and type on the storage mesh's tp dim, at the call.
+
+    Read then, as FSDP2 reads them: ``to_empty`` (a model built on the meta device)
+    makes new parameter objects without the annotations, before mf's engine is built.
+    Empty without exactly one tp dim, or for dims the mesh lacks (``storage_roles``
+    judges those meshes).
+
+    Raises:
+        NotImplementedError: one line naming the mesh (and the parameter), for DTensor
+            parameters (torchtitan's ``full_dtensor``), and for a parameter without
+            ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R`` elsewhere.
+    """
+    where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
+    params = [found for m in modules for found in _named(m) if id(found[-1]) not in ignored]
+    if any(isinstance(param, DTensor) for *_, param in params):
+        raise NotImplementedError(
+            f"{where}: DTensor parameters over the storage mesh (torchtitan's full_dtensor "
+            f"backend) are not supported; {_SERVED}"
+        )
+    tp = _tp_dims(mesh, dims)
+    named = (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
+    if len(tp) != 1 or any(name not in (mesh.mesh_dim_names or ()) for name in named):
+        return []
+    spmd = _spmd_types(where)
+    tp_axis = spmd.MeshAxis.of(mesh.get_group(tp[0]))
+    found = []
+    for owner, path, name, param in params:
+        fqn = f"{path}.{name}" if path else name
+        what = f"{where}: parameter {fqn!r}"
+        local_type = dict(spmd.get_local_type(param))
+        spec = spmd.get_partition_spec(param)
+        kind = _tp_type(spmd, local_type, spec, param.dim(), tp_axis, what)
+        found.append((owner, name, SpmdAnnotation(kind, local_type, spec)))
+    return found
+
+
+def _tp_type(
+    spmd: Any, local_type: dict[Any, Any], spec: Any, ndim: int, tp_axis: Any, what: str
+) -> int | Literal["R", "I"]:
+    """A parameter's annotated type on ``tp_axis``: its split dim, ``"R"`` or ``"I"``."""
+    types = dict(local_type)
+    if spec is not None:
+        types.update(
+            importlib.import_module("spmd_types.types").partition_spec_to_shard_types(spec)
+        )
+    kind = types.pop(tp_axis, None)
+    if any(other is not spmd.PerMeshAxisLocalSpmdType.R for other in types.values()):
+        raise NotImplementedError(
+            f"{what} is typed {types} off the tp dim; expected R there (FSDP reduces the "
+            f"data-parallel grads); {_SERVED}"
+        )
+    if isinstance(kind, spmd.Shard):
+        return kind.dim % max(ndim, 1)
+    if kind is spmd.PerMeshAxisLocalSpmdType.R:
+        return "R"
+    if kind is spmd.PerMeshAxisLocalSpmdType.I:
+        return "I"
+    raise NotImplementedError(
+        f"{what} is typed {kind} on the tp dim; expected S(dim), R or I; {_SERVED}"
+    )
+
+
+def storage_roles(
+    mesh: DeviceMesh,
+    params: list[nn.Parameter],
+    dims: Any,
+    annotations: dict[int, SpmdAnnotation],
+) -> EngineMesh:
+    """The engine mesh for a storage ``mesh`` with ``dp_mesh_dims=dims``; marks tp parameters.
+
+    Args:
+        mesh: the storage mesh (named dims).
+        params: the dense parameters the engine will shard.
+        dims: the ``DataParallelMeshDims``.
+        annotations: by ``id`` of the parameter, what ``read_annotations`` read for it.
+
+    Raises:
+        ValueError: for dims the mesh lacks.
+        NotImplementedError: one line naming the mesh, for a layout mf does not serve.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    shard = _names(getattr(dims, "shard", None))
+    replicate = _names(getattr(dims, "replicate", None))
+    where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
+    unknown = [name for name in (*shard, *replicate) if name not in names]
+    if not names or unknown:
+        raise ValueError(
+            f"{where}: {unknown or 'an unnamed mesh'} not among the mesh's dims {names}; "
+            "expected names of the storage mesh's dims"
+        )
+    if not shard:
+        raise NotImplementedError(
+            f"{where}: replication alone (DDP) is not supported by mf_fsdp.fsdp2; expected a "
+            "shard dim"
+        )
+    others = _tp_dims(mesh, dims)
+    if len(others) > 1:
+        raise NotImplementedError(f"{where}: the dims {others} are not supported; {_SERVED}")
+    tp = others[0] if others else None
+    if tp is not None:
+        for param in params:
+            if id(param) not in annotations:
+                raise NotImplementedError(
+                    f"{where}: a parameter of shape {tuple(param.shape)} was not under a "
+                    f"fully_shard call (its spmd_types type is read there); {_SERVED}"
+                )
+            _mark(param, annotations[id(param)])
+    shard_mesh = _flat(mesh, shard)
+    parts = [_flat(mesh, replicate)] if replicate else []
+    parts += [shard_mesh, mesh[tp]] if tp is not None else [shard_mesh]
+    if len(parts) == 1:
+        return EngineMesh(shard_mesh, _only_name(shard_mesh))
+    joined = DeviceMesh._concatenate(parts)
+    outer = (joined.mesh_dim_names or (None,))[0] if replicate else None
+    return EngineMesh(joined, _only_name(shard_mesh), outer, tp)
+
+
+def _tp_dims(mesh: DeviceMesh, dims: Any) -> list[str]:
+    """The storage mesh's dims of more than one rank that ``dims`` does not name."""
+    data_parallel = (
+        *_names(getattr(dims, "shard", None)),
+        *_names(getattr(dims, "replicate", None)),
+    )
+    names = mesh.mesh_dim_names or ()
+    return [name for name in names if name not in data_parallel and mesh[name].size() > 1]
+
+
+def _mark(param: nn.Parameter, annotation: SpmdAnnotation) -> None:
+    """The mf-tp marks ``annotation``'s tp type means, and the annotation itself, put back.
+
+    Both once: a second engine over the same parameters finds them set.
+    """
+    if hasattr(param, "tensor_model_parallel"):
+        return
+    kind = annotation.tp
+    dim = kind if isinstance(kind, int) else -1
+    set_tensor_model_parallel_attributes(param, dim >= 0, dim, 1)
+    if kind == "R":  # backward type P: partial grads, summed over the tp group
+        param.sequence_parallel = True  # type: ignore[attr-defined]
+    spmd = _spmd_types("fully_shard")
+    if annotation.local_type and not spmd.get_local_type(param):  # to_empty dropped it
+        spmd.assert_type(param, annotation.local_type, partition_spec=annotation.partition_spec)
+
+
+def _spmd_types(where: str) -> Any:
+    """spmd_types, imported only for a storage mesh with a tp dim (it is torchtitan's)."""
+    try:
+        return importlib.import_module("spmd_types")
+    except ImportError as error:
+        raise NotImplementedError(
+            f"{where}: a tensor-parallel dim needs spmd_types' annotations on the parameters, "
+            f"and spmd_types does not import ({error})"
+        ) from None
+
+
+def _named(module: nn.Module) -> Iterable[tuple[nn.Module, str, str, nn.Parameter]]:
+    """Each parameter under ``module``: its owner, the owner's path, its name, itself."""
+    for path, owner in module.named_modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                yield owner, path, name, param
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh``'s dims ``names`` as one dim (the dim itself when there is one)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
+def _only_name(mesh: DeviceMesh) -> str | None:
+    return (mesh.mesh_dim_names or (None,))[0]
