@@ -46,8 +46,29 @@ def test_table_names_the_settings_and_the_bytes(capsys: pytest.CaptureFixture[st
     assert "dp_outer 1 x dp 8 x cp 1 x tp 1; ZeRO 3" in out
     for row in ("main weights (fp32)", "optimizer state (AdamW)", "+ largest unit gathered"):
         assert row in out
-    assert "model state fits" in out
-    assert "not predicted yet: activations" in out
+    for row in ("activations, forward", "forward peak", "backward peak", "optimizer step"):
+        assert row in out
+    assert "peak fits" in out
+    assert "not predicted yet: the engine's pooled reduction buffers" in out
+
+
+def test_phases_add_up_and_checkpointing_lowers_the_peak(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--model", "small", "--gpus", "2", "--micro-batch", "4", "--seq-len", "128")
+    saved = _plan(capsys, *argv)
+    recomputed = _plan(capsys, *argv, "--activation-checkpointing")
+    state, phases = saved["model_state"], saved["phases"]
+    assert phases["after_wrap"] == state["held"] - state["grads"]
+    assert phases["forward"] - phases["after_wrap"] == (
+        saved["activations"]["forward_peak"] + state["gathered_root"] + state["gathered_unit"]
+    )
+    assert phases["peak"] == max(v for k, v in phases.items() if k != "peak")
+    assert saved["activations"]["seq_len"] == 128
+    assert recomputed["activations"]["checkpointing"] is True
+    assert recomputed["phases"]["peak"] < phases["peak"]
+    # The forward saves only each layer's input: a [4, 128, 256] bf16 tensor.
+    assert recomputed["activations"]["per_layer"] == 4 * 128 * 256 * 2
 
 
 def test_json_adds_up_and_sharding_divides_the_state(capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,8 +88,13 @@ def test_gpu_memory_decides_whether_it_fits(capsys: pytest.CaptureFixture[str]) 
     plan = _plan(capsys, "--model", "150m", "--gpus", "2", "--gpu-memory", "0.5")
     assert plan["device"]["name"] == "custom"
     assert plan["model_state_fits"] is False
+    assert plan["fits"] is False
     assert main(["--model", "150m", "--gpus", "2", "--gpu-memory", "0.5"]) == 0
-    assert "model state does NOT fit" in capsys.readouterr().out
+    assert "peak does NOT fit" in capsys.readouterr().out
+    # The model state fits in 3 GiB; 16 sequences of 512 tokens' activations do not.
+    roomy = _plan(capsys, "--model", "150m", "--gpus", "2", "--gpu-memory", "3")
+    assert roomy["model_state_fits"] is True
+    assert roomy["fits"] is False
 
 
 def _folders(tmp_path: Path) -> dict[str, Path]:
@@ -90,6 +116,8 @@ def _folders(tmp_path: Path) -> dict[str, Path]:
         (["--gpus", "8", "--tp", "2"], "does not plan tensor parallelism yet"),
         (["--gpus", "8", "--rank", "8"], "--rank must be in [0, 8)"),
         (["--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory must be a positive number"),
+        (["--gpus", "8", "--micro-batch", "0"], "--micro-batch must be a positive int, got 0"),
+        (["--gpus", "8", "--seq-len", "65"], "--seq-len must be in [1, 64]"),
         (["--gpus", "8", "--gpu-memory", "8", "--device", "h200"], "not allowed with"),
         (["--model", "tiny"], "the following arguments are required: --gpus"),
         (["--gpus", "8", "--model", "{vision}"], "not a causal language model"),
@@ -120,6 +148,8 @@ def test_a_folder_is_planned_from_its_config_alone(
     plan = _plan(capsys, "--model", str(folder), "--gpus", "4")
     assert plan["model"]["layers"] == 2
     assert plan["model_state"]["gathered_unit"] > 0
+    assert plan["phases"] is None
+    assert plan["not_predicted"][0].startswith("activations of a folder's model")
 
 
 @pytest.mark.parametrize("shape", [_LLAMA_8B, _LLAMA_70B], ids=["8b", "70b"])

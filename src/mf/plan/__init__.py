@@ -12,10 +12,22 @@ does not know the planner exists. Its modules, one job each::
     meta_model   the planned model on the meta device: a preset, or a folder's config.json
     fake_world   torch's fake process group of N ranks, for the length of a plan
     model_state  the engine built at world N: parameter, gradient and optimizer bytes per rank
+    activations  one micro-batch's forward and backward on fake tensors under MemTracker
+    phases       bytes per rank after the wrap, at the forward and backward peaks, at the step
     report       the plan as a table for people and as JSON for tools
     cli          ``mf-plan``: inputs -> plan -> report, exit 2 on bad input
 """
 
+from mf.plan.activations import Activations, plan_activations
 from mf.plan.model_state import OPTIMIZER_STATES, ModelState, plan_model_state
+from mf.plan.phases import PhaseBytes, plan_phases
 
-__all__ = ["OPTIMIZER_STATES", "ModelState", "plan_model_state"]
+__all__ = [
+    "OPTIMIZER_STATES",
+    "Activations",
+    "ModelState",
+    "PhaseBytes",
+    "plan_activations",
+    "plan_model_state",
+    "plan_phases",
+]

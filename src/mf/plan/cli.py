@@ -9,9 +9,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from mf.plan.inputs import parse_inputs
-from mf.plan.meta_model import model_source
+from mf.models import PRESETS
+from mf.plan.activations import Activations, plan_activations
+from mf.plan.inputs import PlanInputs, parse_inputs
+from mf.plan.meta_model import ModelSource, model_source
 from mf.plan.model_state import plan_model_state
+from mf.plan.phases import plan_phases
 from mf.plan.report import plan_json, plan_table
 
 __all__ = ["main"]
@@ -22,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         inputs = parse_inputs(sys.argv[1:] if argv is None else argv)
         source = model_source(inputs.model)
+        activations = _activations(inputs, source)
     except ValueError as error:
         print(f"mf-plan: error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -34,8 +38,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         dp_outer=inputs.dp_outer,
         rank=inputs.rank,
     )
-    print(plan_json(inputs, source, state) if inputs.json else plan_table(inputs, source, state))
+    phases = None if activations is None else plan_phases(state, activations)
+    report = plan_json if inputs.json else plan_table
+    print(report(inputs, source, state, activations, phases))
     return 0
+
+
+def _activations(inputs: PlanInputs, source: ModelSource) -> Activations | None:
+    """One micro-batch's activations on a rank (None for a folder: presets only so far).
+
+    Under ``--cp`` a rank holds ``seq_len / cp`` tokens of each sequence; they are
+    planned as a sequence of that length (ordinary attention, not the ring's).
+    """
+    if source.folder is not None:
+        return None
+    positions = PRESETS[source.name].seq_len
+    seq_len = positions if inputs.seq_len is None else inputs.seq_len
+    if not 0 < seq_len <= positions:
+        raise ValueError(
+            f"--seq-len must be in [1, {positions}] (the {source.name!r} model's positions), "
+            f"got {seq_len}"
+        )
+    return plan_activations(
+        source,
+        micro_batch=inputs.micro_batch,
+        seq_len=max(1, seq_len // inputs.cp),
+        precision=inputs.precision,
+        checkpointing=inputs.activation_checkpointing,
+    )
 
 
 if __name__ == "__main__":

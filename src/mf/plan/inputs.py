@@ -1,8 +1,9 @@
 """The command line of ``mf-plan`` and its checks: one line per mistake, before any build.
 
 The memory-shaping options are named as mf-train names them (``--zero``,
-``--dp-outer``, ``--tp``, ``--cp``, ``--precision``), so a plan reads as the
-``mf-train`` run it describes. The checks here need no process group; what
+``--dp-outer``, ``--tp``, ``--cp``, ``--precision``, ``--micro-batch``,
+``--seq-len``), so a plan reads as the ``mf-train`` run it describes;
+``--activation-checkpointing`` has no mf-train twin yet. The checks here need no process group; what
 needs the model (a folder's config, a preset's heads) is checked as the model is
 described (``mf.plan.meta_model``).
 """
@@ -17,6 +18,7 @@ from typing import NoReturn
 
 from mf.models import PRESETS
 from mf.plan.devices import DEVICES, Device, custom_device
+from mf.train.run.options import CUDA_MICRO_BATCH
 
 __all__ = ["PlanInputs", "parse_inputs"]
 
@@ -31,6 +33,9 @@ class PlanInputs:
         device: the GPU each rank has.
         zero: ``--zero``; tp, cp, dp_outer: ``--tp``, ``--cp``, ``--dp-outer``.
         precision: ``--precision`` (compute dtype; main weights stay fp32).
+        micro_batch: ``--micro-batch``, sequences per rank per micro-batch.
+        seq_len: ``--seq-len``, tokens per sequence (None: the model's positions).
+        activation_checkpointing: each layer recomputes its activations in the backward.
         rank: the rank whose bytes are planned.
         json: print JSON instead of the table.
     """
@@ -43,6 +48,9 @@ class PlanInputs:
     cp: int
     dp_outer: int
     precision: str
+    micro_batch: int
+    seq_len: int | None
+    activation_checkpointing: bool
     rank: int
     json: bool
 
@@ -89,6 +97,23 @@ def _parser() -> argparse.ArgumentParser:
         default="bf16",
         help="compute precision; the main weights stay fp32",
     )
+    add(
+        "--micro-batch",
+        type=int,
+        default=CUDA_MICRO_BATCH,
+        help="sequences per rank per micro-batch (mf-train's default on a GPU)",
+    )
+    add(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the model's positions, as mf-train on a GPU)",
+    )
+    add(
+        "--activation-checkpointing",
+        action="store_true",
+        help="each layer saves only its input and recomputes the rest in the backward",
+    )
     add("--rank", type=int, default=0, help="the rank whose bytes are planned")
     add("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -101,7 +126,7 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         ValueError: one line naming the option, the value and what is expected.
     """
     args = _parser().parse_args(argv)
-    for name in ("gpus", "tp", "cp", "dp_outer"):
+    for name in ("gpus", "tp", "cp", "dp_outer", "micro_batch"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
@@ -134,6 +159,9 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         cp=args.cp,
         dp_outer=args.dp_outer,
         precision=args.precision,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
         rank=args.rank,
         json=args.json,
     )

@@ -19,7 +19,10 @@ so a 70B model at 1024 ranks costs only its bookkeeping. What is read:
   parameter. This is the one number not read from a built object, so the tests
   check it against a real optimizer's state on real ranks.
 - ``gathered_unit``: ZeRO-3's gather of the largest unit (its buckets whole, in
-  the compute dtype): the least a rank adds to its state while a unit runs.
+  the compute dtype): the least a rank adds to its state while a unit runs;
+  ``gathered_next``, the second largest (the unit the backward prefetches while
+  one runs), and ``gathered_root``, the buckets of no unit (embeddings, final
+  norm, head), gathered from the first forward to the end of the backward.
 
 What is not here: activations, the prefetch window's depth, temporaries of the
 collectives and the allocator's slack (docs/planning.md).
@@ -75,6 +78,8 @@ class ModelState:
         grads: gradients held at the optimizer step.
         optimizer_state: the optimizer's state of this rank's shards.
         gathered_unit: ZeRO-3: the largest unit's gathered weights (0 otherwise).
+        gathered_next: ZeRO-3: the second largest unit's gathered weights (0 otherwise).
+        gathered_root: ZeRO-3: the gathered weights of no unit (0 otherwise).
         buckets: the engine's buckets.
         padding_fraction: the share of the buckets that is padding.
     """
@@ -86,6 +91,8 @@ class ModelState:
     grads: int
     optimizer_state: int
     gathered_unit: int
+    gathered_next: int
+    gathered_root: int
     buckets: int
     padding_fraction: float
 
@@ -134,8 +141,9 @@ def plan_model_state(
         stats = model.bucket_stats()
         gathered: dict[str, int] = defaultdict(int)
         for s in stats:
-            if s.unit_name:
-                gathered[s.unit_name] += s.padded_numel * s.dtype.itemsize
+            gathered[s.unit_name] += s.padded_numel * s.dtype.itemsize
+        root = gathered.pop("", 0)
+        largest = [*sorted(gathered.values(), reverse=True), 0, 0] if zero == 3 else [0, 0]
         numel = sum(s.numel for s in stats)
         padded = sum(s.padded_numel for s in stats)
         return ModelState(
@@ -145,7 +153,9 @@ def plan_model_state(
             main_params=kept["main_params"],
             grads=grads,
             optimizer_state=_optimizer_state(model.parameters(), rule),
-            gathered_unit=max(gathered.values(), default=0) if zero == 3 else 0,
+            gathered_unit=largest[0],
+            gathered_next=largest[1],
+            gathered_root=root if zero == 3 else 0,
             buckets=len(stats),
             padding_fraction=1 - numel / padded if padded else 0.0,
         )

@@ -11,21 +11,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mf.plan.activations import Activations
 from mf.plan.devices import Device, GiB
 from mf.plan.inputs import PlanInputs
 from mf.plan.meta_model import ModelSource
 from mf.plan.model_state import ModelState
+from mf.plan.phases import PhaseBytes
 
 __all__ = ["NOT_PREDICTED", "plan_json", "plan_table"]
 
 NOT_PREDICTED = (
-    "activations",
-    "the ZeRO-3 prefetch window beyond one gathered unit",
-    "communication buffers",
+    "the engine's pooled reduction buffers and the optimizer's temporaries",
     "the allocator's slack",
     "bytes on the wire and step time",
 )
-"""What a plan leaves out today (docs/planning.md): its model state is a floor, not a peak."""
+"""What a plan leaves out today (docs/planning.md)."""
+
+FOLDER_ACTIVATIONS = "activations of a folder's model (presets only so far)"
+"""Left out, too, for a folder: its peaks are not planned, only its model state."""
 
 
 def _device_line(device: Device) -> str:
@@ -39,12 +42,45 @@ def _device_line(device: Device) -> str:
     return f"{device.name} ({', '.join(stated)})"
 
 
-def _while_unit_runs(state: ModelState) -> int:
-    return state.held + state.gathered_unit
+def _need(state: ModelState, phases: PhaseBytes | None) -> int:
+    """The bytes a plan says a rank needs: the peak, or without one the model state in use."""
+    return state.held + state.gathered_unit if phases is None else phases.peak
 
 
-def plan_table(inputs: PlanInputs, source: ModelSource, state: ModelState) -> str:
-    """The plan as a table: settings, bytes per rank by kind, and whether they fit."""
+def _not_predicted(phases: PhaseBytes | None) -> list[str]:
+    return [*([] if phases is not None else [FOLDER_ACTIVATIONS]), *NOT_PREDICTED]
+
+
+def _row(name: str, value: int) -> str:
+    return f"  {name:<26}{value:>15,d} {value / GiB:>10.3f}"
+
+
+def _phase_lines(activations: Activations, phases: PhaseBytes) -> list[str]:
+    recompute = ", activation checkpointing" if activations.checkpointing else ""
+    rows = [
+        ("after the wrap", phases.after_wrap),
+        ("forward peak", phases.forward),
+        ("backward peak", phases.backward),
+        ("optimizer step", phases.step),
+    ]
+    return [
+        "",
+        f"{'per phase':<28}{'bytes':>15} {'GiB':>10}   (micro-batch {activations.micro_batch} "
+        f"x {activations.seq_len} tokens{recompute})",
+        _row("activations, forward", activations.forward_peak),
+        _row("activations, backward", activations.backward_peak),
+        *(_row(name, value) for name, value in rows),
+    ]
+
+
+def plan_table(
+    inputs: PlanInputs,
+    source: ModelSource,
+    state: ModelState,
+    activations: Activations | None = None,
+    phases: PhaseBytes | None = None,
+) -> str:
+    """The plan as a table: settings, bytes per rank by kind and by phase, and whether they fit."""
     compute = "fp32" if inputs.precision == "fp32" else "bf16"
     lines = [
         f"mf-plan: {source.name!r} ({source.parameters / 1e6:,.1f}M parameters, "
@@ -65,22 +101,31 @@ def plan_table(inputs: PlanInputs, source: ModelSource, state: ModelState) -> st
     ]
     if inputs.zero == 3:
         rows.append(("+ largest unit gathered", state.gathered_unit))
-        rows.append(("= while a unit runs", _while_unit_runs(state)))
-    lines += [f"  {name:<26}{value:>15,d} {value / GiB:>10.3f}" for name, value in rows]
+        rows.append(("= while a unit runs", state.held + state.gathered_unit))
+    lines += [_row(name, value) for name, value in rows]
+    if activations is not None and phases is not None:
+        lines += _phase_lines(activations, phases)
     memory = inputs.device.memory_bytes
-    need = _while_unit_runs(state)
+    need = _need(state, phases)
+    what = "model state" if phases is None else "peak"
     verdict = "fits" if need <= memory else "does NOT fit"
     lines += [
         "",
-        f"model state {verdict}: {need / GiB:.3f} of {memory / GiB:.1f} GiB "
+        f"{what} {verdict}: {need / GiB:.3f} of {memory / GiB:.1f} GiB "
         f"({100 * need / memory:.1f}%)",
-        f"not predicted yet: {', '.join(NOT_PREDICTED)}",
+        f"not predicted yet: {', '.join(_not_predicted(phases))}",
     ]
     return "\n".join(lines)
 
 
-def plan_json(inputs: PlanInputs, source: ModelSource, state: ModelState) -> str:
-    """The plan as one JSON object (bytes as integers)."""
+def plan_json(
+    inputs: PlanInputs,
+    source: ModelSource,
+    state: ModelState,
+    activations: Activations | None = None,
+    phases: PhaseBytes | None = None,
+) -> str:
+    """The plan as one JSON object (bytes as integers; ``null`` where not planned)."""
     document: dict[str, Any] = {
         "model": {"name": source.name, "parameters": source.parameters, "layers": source.layers},
         "gpus": inputs.gpus,
@@ -99,9 +144,15 @@ def plan_json(inputs: PlanInputs, source: ModelSource, state: ModelState) -> str
             "dp_shard": inputs.dp_shard,
             "precision": inputs.precision,
             "optimizer": "adamw",
+            "micro_batch": inputs.micro_batch,
+            "seq_len": inputs.seq_len,
+            "activation_checkpointing": inputs.activation_checkpointing,
         },
         "model_state": state.as_dict(),
-        "model_state_fits": _while_unit_runs(state) <= inputs.device.memory_bytes,
-        "not_predicted": list(NOT_PREDICTED),
+        "model_state_fits": state.held + state.gathered_unit <= inputs.device.memory_bytes,
+        "activations": None if activations is None else activations.as_dict(),
+        "phases": None if phases is None else phases.as_dict(),
+        "fits": _need(state, phases) <= inputs.device.memory_bytes,
+        "not_predicted": _not_predicted(phases),
     }
     return json.dumps(document, indent=2)
