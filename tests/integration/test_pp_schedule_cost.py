@@ -8,6 +8,7 @@ import torch
 from tests._multiprocess import preload_in_ranks, run_on_ranks
 
 try:
+    import tests.integration._torchtitan_llama_parts  # noqa: F401  (the benchmark's, imported late)
     from benchmarks.pp_schedule import ENGINES, main, measure, report
 except ImportError as error:  # torchtitan 0.3.0 needs a torch newer than the floor
     pytest.skip(
