@@ -70,8 +70,12 @@ def training_data(options: TrainOptions) -> tuple[RunData, str]:
         else f"the answers' {examples.counted_tokens():,} tokens"
     )
     trained = len(examples.rows) - examples.held_out
-    layout = "padded, one per sequence" if options.no_pack else "packed"
-    shape = f"{data.shape}, {len(data.examples)} examples {layout} into {trained} sequences"
+    layout = (
+        "one per sequence (--no-pack)"
+        if options.no_pack
+        else f"packed into {trained} sequence{'s' * (trained != 1)}"
+    )
     real = f"{examples.real_fraction():.1%} real tokens"
-    name = f"{options.data} ({shape}, {real}; loss on {counted})"
+    name = f"{options.data} ({data.shape}, {len(data.examples)} examples {layout}, {real}; "
+    name += f"loss on {counted})"
     return examples, name
