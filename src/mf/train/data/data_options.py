@@ -15,7 +15,7 @@ __all__ = ["add_data_options", "check_data_options"]
 
 
 def add_data_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--data``, ``--text-field``, ``--chat-template``, ``--train-on-prompt``, ``--no-pack``."""
+    """Add ``--data`` and the options of reading it (``--text-field`` ... ``--no-pack``)."""
     add = parser.add_argument
     add(
         "--data",

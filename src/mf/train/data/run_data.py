@@ -48,7 +48,7 @@ def training_data(options: TrainOptions) -> tuple[RunData, str]:
             "pass --no-pack to pad one example per sequence"
         )
     tokenizer = load_tokenizer(folder)
-    if data is None:
+    if options.data is None or data is None:
         documents = builtin_documents()
         return TokenData.from_documents(documents, tokenizer, options.seq_len), BUILTIN_CORPUS
     if data.shape == TEXT:

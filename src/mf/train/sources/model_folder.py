@@ -241,8 +241,8 @@ class CausalLM(nn.Module):
         extra: dict[str, torch.Tensor] = {}
         if positions is not None and positions.dim() == 2:  # packed rows: examples kept apart
             extra["position_ids"] = positions
-            implementation = self.lm.config._attn_implementation
-            extra["attention_mask"] = example_mask(positions, implementation)
+            config: Any = self.lm.config
+            extra["attention_mask"] = example_mask(positions, config._attn_implementation)
         elif positions is not None:  # this rank's positions of each sequence (--cp)
             extra["position_ids"] = positions.expand_as(tokens)
             # No padding: said so that transformers does not read the head-tail positions
