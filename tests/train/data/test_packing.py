@@ -15,7 +15,6 @@ boundary and count checks under ``--train-on-prompt``.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -26,6 +25,7 @@ from mf.train.data.examples import IGNORED, ExampleData
 from mf.train.data.packing import pack_rows
 from mf.train.data.run_data import training_data
 from mf.train.run.options import parse_options
+from tests.train.data.chat_folders import random_conversations
 
 _SEQ_LEN = 127
 
@@ -38,24 +38,6 @@ def test_best_fit_in_file_order() -> None:
     assert sorted(i for row in rows for i in row) == list(range(300))
     assert all(sum(lengths[i] for i in row) <= 50 and row == sorted(row) for row in rows)
     assert rows == pack_rows(lengths, 50)  # a pure function of the lengths
-
-
-def conversations(path: Path, count: int, seed: int = 3) -> Path:
-    """Conversations of random-length prompts and answers, one or two exchanges each."""
-    draw = random.Random(seed)
-
-    def words(most: int) -> str:
-        return "".join(draw.choice("abcdefgh ") for _ in range(draw.randint(1, most))).strip()
-
-    lines = []
-    for _ in range(count):
-        turns = [{"role": "system", "content": "S"}]
-        for _ in range(draw.randint(1, 2)):
-            turns += [{"role": "user", "content": words(12) or "q"}]
-            turns += [{"role": "assistant", "content": words(10) or "a"}]
-        lines.append(json.dumps({"messages": turns}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _data(folder: Path, path: Path, *extra: str) -> tuple[ExampleData, str]:
@@ -91,7 +73,7 @@ def _counted(data: ExampleData) -> Counter:
 def test_packed_rows_hold_the_padded_examples_apart(
     chatml: Path, tmp_path: Path, extra: list[str]
 ) -> None:
-    path = conversations(tmp_path / "chat.jsonl", 40)
+    path = random_conversations(tmp_path / "chat.jsonl", 40)
     packed, name = _data(chatml, path, *extra)
     padded, padded_name = _data(chatml, path, "--no-pack", *extra)
     for split in ("train", "validation"):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from mf.train.run.options import parse_options
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.train.data.chat_folders import random_conversations
 
 preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "tokenizers")
 
@@ -41,24 +42,6 @@ _VARIANTS = {
     "zero0": ["--zero", "0", "--grad-accum", "2", "--micro-batch", "1"],
     "hsdp": ["--zero", "3", "--dp-outer", "2", "--micro-batch", "2"],
 }
-
-
-def _conversations(path: Path, count: int) -> Path:
-    """Conversations of random-length prompts and answers (different answer counts per row)."""
-    draw = random.Random(3)
-
-    def words(most: int) -> str:
-        return "".join(draw.choice("abcdefgh ") for _ in range(draw.randint(1, most))).strip()
-
-    lines = []
-    for _ in range(count):
-        turns = [{"role": "system", "content": "S"}]
-        for _ in range(draw.randint(1, 2)):
-            turns += [{"role": "user", "content": words(12) or "q"}]
-            turns += [{"role": "assistant", "content": words(10) or "a"}]
-        lines.append(json.dumps({"messages": turns}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _sgd(recipe: str, module: torch.nn.Module, lr: float, weight_decay: float) -> list:
@@ -110,7 +93,7 @@ def test_world_2_and_grad_accum_equal_one_process_on_the_global_batch(
 ) -> None:
     from safetensors.torch import load_file
 
-    data = _conversations(tmp_path / "chat.jsonl", 20)
+    data = random_conversations(tmp_path / "chat.jsonl", 20)
     argv = [*_COMMON, "--model", str(chatml), "--data", str(data), "--save-every", "0"]
     run_on_ranks(_rank_variants, 2, [*argv, "--nproc", "2"], str(tmp_path), timeout=280)
     losses, weights = _reference(chatml, argv)

@@ -18,7 +18,7 @@ import pytest
 
 from mf.train.run.options import parse_options
 from tests._multiprocess import preload_in_ranks, run_on_ranks
-from tests.train.data.test_packing import conversations
+from tests.train.data.chat_folders import random_conversations
 
 preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "tokenizers")
 
@@ -42,7 +42,7 @@ def _rank_packed(rank: int, world: int, argv: list[str], root: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_packed_chat_trains_and_resumes_exactly(chatml: Path, tmp_path: Path) -> None:
-    data = conversations(tmp_path / "chat.jsonl", 40)
+    data = random_conversations(tmp_path / "chat.jsonl", 40)
     argv = ["--model", str(chatml), "--data", str(data), "--device", "cpu", "--nproc", "1"]
     argv += ["--precision", "fp32", "--seq-len", "127", "--micro-batch", "2", "--steps", "6"]
     argv += ["--lr", "1e-2", "--eval-every", "3", "--sample-tokens", "0", "--no-plot"]
