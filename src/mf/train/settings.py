@@ -52,6 +52,7 @@ class TrainOptions:
     text_field: str = "text"
     chat_template: str | None = None
     train_on_prompt: bool = False
+    no_pack: bool = False
     tensorboard: bool = False
     profile: str | None = None
     peak_tflops: float | None = None

@@ -1,4 +1,4 @@
-"""Tiny model folders whose tokenizers carry chat templates, for the instruction-data tests.
+"""Tiny model folders whose tokenizers carry chat templates, and conversations to train them on.
 
 A Llama folder from ``mf.train.exports.example_folder`` (random weights, byte-level
 BPE on a few KB of the built-in corpus) whose tokenizer gains the special tokens
@@ -10,11 +10,13 @@ contents trimmed, ``<|eot_id|>``). Neither marks its answers with ``{% generatio
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 from mf.train.exports.example_folder import make_llama_folder, save_tokenizer
 
-__all__ = ["CHATML", "LLAMA3", "chat_folder"]
+__all__ = ["CHATML", "LLAMA3", "chat_folder", "random_conversations"]
 
 CHATML = (
     "{% if not messages or messages[0]['role'] != 'system' %}"
@@ -61,3 +63,22 @@ def chat_folder(folder: Path, style: str, template: bool = True, **model: int) -
         tokenizer.chat_template = text
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def random_conversations(path: Path, count: int) -> Path:
+    """Write ``count`` conversations: a system turn, then one or two exchanges of random
+    letters and lengths (so rows, ranks and micro-batches hold unequal answer counts)."""
+    draw = random.Random(3)
+
+    def words(most: int) -> str:
+        return "".join(draw.choice("abcdefgh ") for _ in range(draw.randint(1, most))).strip()
+
+    lines = []
+    for _ in range(count):
+        turns = [{"role": "system", "content": "S"}]
+        for _ in range(draw.randint(1, 2)):
+            turns += [{"role": "user", "content": words(12) or "q"}]
+            turns += [{"role": "assistant", "content": words(10) or "a"}]
+        lines.append(json.dumps({"messages": turns}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

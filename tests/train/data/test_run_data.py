@@ -1,10 +1,11 @@
 """A folder run's data for each shape of ``--data``: named, rendered, masked and padded.
 
 Through ``training_data`` with parsed options, as the launcher and every rank
-call it: messages and prompt-completion files become one padded example per
-sequence whose targets are the answers' tokens (``IGNORED`` elsewhere, padding
-included), every real token under ``--train-on-prompt``; the corpus is named
-with its shape. ``--chat-template FILE`` serves a folder without a template.
+call it: under ``--no-pack``, messages and prompt-completion files become one
+padded example per sequence whose targets are the answers' tokens (``IGNORED``
+elsewhere, padding included), every real token under ``--train-on-prompt``; the
+corpus is named with its shape. ``--chat-template FILE`` serves a folder without
+a template. Packing is ``test_packing``'s.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def _data(folder: Path, data: str, *extra: str):
 
 def test_messages_are_masked_to_their_answers(chatml: Path, tmp_path: Path) -> None:
     path = _write(tmp_path / "chat.jsonl", [{"messages": _TURNS}] * 10)
-    data, name = _data(chatml, path)
+    data, name = _data(chatml, path, "--no-pack")
     assert isinstance(data, ExampleData)
     example = _first(path)
     assert example.answers == ((1, 2), (3, 4))
     tokens, mask = answer_mask(data.tokenizer, example)
-    assert name.startswith(f"{path} (messages, 10 examples; loss on the answers' ")
+    assert name.startswith(f"{path} (messages, 10 examples one per sequence (--no-pack), ")
     inputs, targets = data.batch("train", 0, 0, 0, 1, 1, 96)
     length = len(tokens)
     assert inputs[0, : length - 1].tolist() == tokens[:-1]
@@ -68,7 +69,7 @@ def _first(path: str):
 
 def test_train_on_prompt_counts_every_real_token(chatml: Path, tmp_path: Path) -> None:
     path = _write(tmp_path / "chat.jsonl", [{"messages": _TURNS}] * 10)
-    data, name = _data(chatml, path, "--train-on-prompt")
+    data, name = _data(chatml, path, "--train-on-prompt", "--no-pack")
     assert "loss on every token (--train-on-prompt)" in name
     _, targets = data.batch("train", 0, 0, 0, 1, 1, 96)
     length = int(data.lengths[0])
@@ -89,9 +90,9 @@ def test_train_on_prompt_counts_every_real_token(chatml: Path, tmp_path: Path) -
 def test_prompt_completion_files(
     chatml: Path, tmp_path: Path, objects: list[dict], shape: str
 ) -> None:
-    data, name = _data(chatml, _write(tmp_path / "pairs.jsonl", objects))
+    data, name = _data(chatml, _write(tmp_path / "pairs.jsonl", objects), "--no-pack")
     assert isinstance(data, ExampleData)
-    assert f"({shape}, 4 examples;" in name
+    assert f"({shape}, 4 examples one per sequence" in name
     _, targets = data.batch("train", 0, 0, 0, 1, 1, 96)
     counted = data.tokenizer.decode(targets[0][targets[0] != IGNORED].tolist())
     assert counted == (" blue<|im_end|>" if shape == "prompt-completion" else "Yes.<|im_end|>\n")

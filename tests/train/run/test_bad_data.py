@@ -83,7 +83,9 @@ def test_the_command_prints_nothing_before_the_line(
     _assert_one_line("unknown role", done.returncode, done.stderr, data)
 
 
-@pytest.mark.parametrize("option", [["--chat-template", "t.jinja"], ["--train-on-prompt"]])
+@pytest.mark.parametrize(
+    "option", [["--chat-template", "t.jinja"], ["--train-on-prompt"], ["--no-pack"]]
+)
 def test_instruction_options_on_a_preset_are_one_line(option: list[str]) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -93,3 +95,35 @@ def test_instruction_options_on_a_preset_are_one_line(option: list[str]) -> None
         f"mf-train: error: {option[0]} is for --model PATH (a model folder's instruction "
         "data); --model 'tiny' is a preset, which trains on text"
     ]
+
+
+@pytest.mark.parametrize(
+    ("objects", "extra", "message"),
+    [
+        (
+            [_GOOD, _GOOD],
+            ["--nproc", "2", "--cp", "2"],
+            "--cp 2 does not serve packed examples (messages --data); pass --no-pack to pad "
+            "one example per sequence",
+        ),
+        (
+            [{"text": "some words"}] * 2,
+            ["--no-pack"],
+            "--no-pack is for messages or prompt-completion --data; text is cut into --seq-len "
+            "sequences, not padded",
+        ),
+    ],
+)
+def test_packing_options_that_cannot_serve_are_one_line(
+    chatml: Path, tmp_path: Path, objects: list[dict], extra: list[str], message: str
+) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(o) for o in objects) + "\n")
+    argv = ["--model", str(chatml), "--data", str(data), "--device", "cpu", "--seq-len", "96"]
+    argv += ["--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), *extra]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    assert code == 2
+    assert err.getvalue().splitlines() == [f"mf-train: error: {message}"]
+    assert not (tmp_path / "out").exists()  # nothing started

@@ -15,7 +15,7 @@ __all__ = ["add_data_options", "check_data_options"]
 
 
 def add_data_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--data``, ``--text-field``, ``--chat-template`` and ``--train-on-prompt``."""
+    """Add ``--data`` and the options of reading it (``--text-field`` ... ``--no-pack``)."""
     add = parser.add_argument
     add(
         "--data",
@@ -42,19 +42,28 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
         help="with messages or prompt-completion data: count every token in the loss, not "
         "only the answers' (the assistant turns, the completion)",
     )
+    add(
+        "--no-pack",
+        action="store_true",
+        help="with messages or prompt-completion data: one example per sequence, padded, "
+        "instead of several packed into each (kept apart: positions restart, no token "
+        "attends to another example)",
+    )
 
 
 def check_data_options(options: TrainOptions, folder: ModelFolder | None) -> None:
     """Refuse the instruction-data options on a preset, which trains on byte text only.
 
     Raises:
-        ValueError: ``--chat-template`` or ``--train-on-prompt`` without ``--model PATH``.
+        ValueError: ``--chat-template``, ``--train-on-prompt`` or ``--no-pack`` without
+            ``--model PATH``.
     """
     given = [
         name
         for name, on in (
             ("--chat-template", options.chat_template is not None),
             ("--train-on-prompt", options.train_on_prompt),
+            ("--no-pack", options.no_pack),
         )
         if on
     ]

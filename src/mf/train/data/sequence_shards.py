@@ -26,16 +26,26 @@ __all__ = ["sequence_shards"]
 
 @contextmanager
 def sequence_shards(
-    cp_mesh: DeviceMesh | None, inputs: torch.Tensor, targets: torch.Tensor
+    cp_mesh: DeviceMesh | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    packed: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor | None]:
     """Shard ``inputs`` and ``targets`` [B, S] over ``cp_mesh``; yield this rank's positions.
 
     Run the forward and backward inside. Without a cp mesh, or with one rank in
-    it, it yields None (the model's own positions) and shards nothing.
+    it, it yields None (the model's own positions), or the positions [B, S] of
+    ``packed`` rows (``mf.train.data.packing``), and shards nothing.
+
+    Raises:
+        ValueError: packed rows under more than one cp rank (the launcher refuses
+            the run first: ``mf.train.data.run_data``).
     """
     if cp_mesh is None or cp_mesh.size() == 1:
-        yield None
+        yield packed
         return
+    if packed is not None:
+        raise ValueError("--cp does not serve packed examples; pass --no-pack")
     positions = torch.arange(inputs.shape[1], device=inputs.device)
     buffers = [inputs, targets, positions]
     with mf_tp.context_parallel(

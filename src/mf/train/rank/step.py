@@ -60,7 +60,7 @@ def _global_count(batches: list[tuple[torch.Tensor, ...]], options: TrainOptions
     A collective. Each data-parallel rank's batch is loaded by its ``--tp`` and
     ``--cp`` ranks alike, so the sum over all ranks counts it ``tp * cp`` times.
     """
-    mine = torch.stack([_counted(targets) for _, targets in batches]).sum().float().reshape(1)
+    mine = torch.stack([_counted(batch[1]) for batch in batches]).sum().float().reshape(1)
     dist.all_reduce(mine)
     return mine.item() / (options.tp * options.cp)
 
@@ -124,13 +124,13 @@ def train_step(
     total = max(_global_count(batches, options), 1.0)
     replicas = dist.get_world_size() // options.tp
     losses = []
-    for micro, (inputs, targets) in enumerate(batches):
+    for micro, (inputs, targets, *packed) in enumerate(batches):  # packed: positions
         last = micro == options.grad_accum - 1
         if options.layer_drop:
             seed_layer_drop(model, options, step * options.grad_accum + micro, dp_rank)
         with (
             contextlib.nullcontext() if last else model.no_sync(),
-            sequence_shards(mesh["cp"], inputs, targets) as positions,
+            sequence_shards(mesh["cp"], inputs, targets, *packed) as positions,
         ):
             mean = model(inputs, targets, positions=positions)  # over this rank's counted targets
             loss = mean * (_counted(targets) * replicas / total)
@@ -202,7 +202,7 @@ def validate(
     dp_rank, dp_size = dp_coordinates(mesh)
     sums, counts = [], []
     for index in range(options.eval_batches):
-        inputs, targets = data.batch(
+        batch = data.batch(
             "validation",
             index,
             options.seed,
@@ -211,8 +211,8 @@ def validate(
             options.micro_batch,
             options.seq_len,
         )
-        inputs, targets = inputs.to(device), targets.to(device)
-        with sequence_shards(mesh["cp"], inputs, targets) as positions:
+        inputs, targets, *packed = (t.to(device) for t in batch)
+        with sequence_shards(mesh["cp"], inputs, targets, *packed) as positions:
             counted = _counted(targets)
             sums.append(model(inputs, targets, positions=positions).float() * counted)
             counts.append(counted.float())

@@ -54,6 +54,7 @@ RESULT_SETTINGS = (
     "lora_alpha",
     "chat_template",
     "train_on_prompt",
+    "no_pack",
 )
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""

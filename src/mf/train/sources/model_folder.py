@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mf.train.sources.example_mask import example_mask
+
 __all__ = [
     "CONFIG_FILE",
     "PREFIX",
@@ -230,9 +232,18 @@ class CausalLM(nn.Module):
         *,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, S, V], or the mean next-token loss when ``targets`` are given."""
+        """Logits [B, S, V], or the mean next-token loss when ``targets`` are given.
+
+        ``positions``: None, the model's own; [S], this rank's share of each
+        sequence under ``--cp``; [B, S], packed rows whose positions restart at each
+        example, which then attends within itself only (``example_mask``).
+        """
         extra: dict[str, torch.Tensor] = {}
-        if positions is not None:  # this rank's positions of each sequence (--cp)
+        if positions is not None and positions.dim() == 2:  # packed rows: examples kept apart
+            extra["position_ids"] = positions
+            config: Any = self.lm.config
+            extra["attention_mask"] = example_mask(positions, config._attn_implementation)
+        elif positions is not None:  # this rank's positions of each sequence (--cp)
             extra["position_ids"] = positions.expand_as(tokens)
             # No padding: said so that transformers does not read the head-tail positions
             # as packed documents and build a mask (mf's CP attention serves causal SDPA).
