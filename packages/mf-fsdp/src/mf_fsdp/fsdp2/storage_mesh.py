@@ -54,8 +54,9 @@ from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from mf_fsdp.buckets.tp_params import DP_DIMS_ATTR, dp_partial_grad
 from mf_fsdp.fsdp2.engine_mesh import EngineMesh
 from mf_utils import set_tensor_model_parallel_attributes
 
@@ -63,7 +64,8 @@ __all__ = ["SpmdAnnotation", "read_annotations", "storage_roles"]
 
 _SERVED = (
     "mf_fsdp.fsdp2 serves plain parameters there, spmd_types-annotated on the one other "
-    "dim of several ranks if any (torchtitan's default spmd_types backend), and a dp mesh "
+    "dim of several ranks if any (torchtitan's default spmd_types backend), DTensors over "
+    "the storage mesh Replicate() on its data-parallel dims (full_dtensor), and a dp mesh "
     "beside DTensors over a tp mesh (partial_dtensor)"
 )
 
@@ -93,17 +95,17 @@ def read_annotations(
     judges those meshes).
 
     Raises:
-        NotImplementedError: one line naming the mesh (and the parameter), for DTensor
-            parameters (torchtitan's ``full_dtensor``), and for a parameter without
-            ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R`` elsewhere.
+        NotImplementedError: one line naming the mesh (and the parameter): for DTensor
+            parameters (torchtitan's ``full_dtensor``) beside plain ones, over another
+            mesh, or not ``Replicate()`` on a data-parallel dim; for a plain parameter
+            without ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R``
+            elsewhere.
     """
     where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
     params = [found for m in modules for found in _named(m) if id(found[-1]) not in ignored]
     if any(isinstance(param, DTensor) for *_, param in params):
-        raise NotImplementedError(
-            f"{where}: DTensor parameters over the storage mesh (torchtitan's full_dtensor "
-            f"backend) are not supported; {_SERVED}"
-        )
+        _check_storage_dtensors(mesh, dims, params, where)
+        return []  # a DTensor keeps its mesh and placements through to_empty
     tp = _tp_dims(mesh, dims)
     named = (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
     if len(tp) != 1 or any(name not in (mesh.mesh_dim_names or ()) for name in named):
@@ -119,6 +121,41 @@ def read_annotations(
         kind = _tp_type(spmd, local_type, spec, param.dim(), tp_axis, what)
         found.append((owner, name, SpmdAnnotation(kind, local_type, spec)))
     return found
+
+
+def _check_storage_dtensors(
+    mesh: DeviceMesh,
+    dims: Any,
+    params: list[tuple[nn.Module, str, str, nn.Parameter]],
+    where: str,
+) -> None:
+    """Refuse DTensor parameters mf cannot serve as storage-mesh DTensors (``full_dtensor``).
+
+    Each must be a DTensor over ``mesh`` itself (equal: torchtitan slices one
+    storage mesh for the model and the call), ``Replicate()`` on every dim
+    ``dims`` names, as FSDP2 requires.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    data_parallel = _data_parallel(dims)
+    for _, path, name, param in params:
+        fqn = f"{path}.{name}" if path else name
+        what = f"{where}: parameter {fqn!r}"
+        if not isinstance(param, DTensor):
+            problem = "is a plain tensor beside DTensor parameters"
+        elif param.device_mesh != mesh:
+            problem = f"is a DTensor over {param.device_mesh}, not over the storage mesh"
+        else:
+            placed = [
+                f"{dim}={placement}"
+                for dim, placement in zip(names, param.placements, strict=True)
+                if dim in data_parallel and not isinstance(placement, Replicate)
+            ]
+            if not placed:
+                continue
+            problem = f"is placed {', '.join(placed)} on a data-parallel dim"
+        raise NotImplementedError(
+            f"{what} {problem}; expected Replicate() there (FSDP shards it); {_SERVED}"
+        )
 
 
 def _tp_type(
@@ -184,8 +221,17 @@ def storage_roles(
     if len(others) > 1:
         raise NotImplementedError(f"{where}: the dims {others} are not supported; {_SERVED}")
     tp = others[0] if others else None
+    left_out = frozenset(
+        i for i, name in enumerate(names) if name in (*shard, *replicate) or mesh[name].size() == 1
+    )
+    for param in params:  # full_dtensor: the engine leaves these dims to itself
+        if isinstance(param, DTensor) and not hasattr(param, DP_DIMS_ATTR):  # once
+            setattr(param, DP_DIMS_ATTR, left_out)
+            param.register_hook(dp_partial_grad(param))
     if tp is not None:
         for param in params:
+            if isinstance(param, DTensor):
+                continue
             if id(param) not in annotations:
                 raise NotImplementedError(
                     f"{where}: a parameter of shape {tuple(param.shape)} was not under a "
@@ -202,12 +248,14 @@ def storage_roles(
     return EngineMesh(joined, _only_name(shard_mesh), outer, tp)
 
 
+def _data_parallel(dims: Any) -> tuple[str, ...]:
+    """The dims ``dims`` names: its shard dims, then its replicate dim."""
+    return (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
+
+
 def _tp_dims(mesh: DeviceMesh, dims: Any) -> list[str]:
     """The storage mesh's dims of more than one rank that ``dims`` does not name."""
-    data_parallel = (
-        *_names(getattr(dims, "shard", None)),
-        *_names(getattr(dims, "replicate", None)),
-    )
+    data_parallel = _data_parallel(dims)
     names = mesh.mesh_dim_names or ()
     return [name for name in names if name not in data_parallel and mesh[name].size() > 1]
 
