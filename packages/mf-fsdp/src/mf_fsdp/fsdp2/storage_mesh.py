@@ -146,7 +146,7 @@ def _check_storage_dtensors(
             problem = f"is a DTensor over {param.device_mesh}, not over the storage mesh"
         else:
             placed = [
-                f"{dim}={placement}"
+                f"{dim}={placement!r}"
                 for dim, placement in zip(names, param.placements, strict=True)
                 if dim in data_parallel and not isinstance(placement, Replicate)
             ]
