@@ -33,12 +33,24 @@ must be ``R`` (FSDP2 owns the data-parallel reduction). A parameter without a
 tp type and a storage mesh with more than one such dim stop with one line
 naming the mesh.
 
-torchtitan's ``full_dtensor`` backend stops at the call, with one line: its
-parameters are DTensors over the whole storage mesh and so are its
-activations, so the module would need its compute parameters as storage-mesh
-DTensors, and their gradients arrive ``Partial`` over the dp dims, which the
-engine's DTensor path would all-reduce before its own data-parallel reduction
-(FSDP2 leaves the dp dims out of that redistribution).
+torchtitan's ``full_dtensor`` backend gives DTensors over the whole storage
+mesh, ``Replicate()`` on the dp dims and the tp placement on the tp dim, and
+its activations are such DTensors too (inputs ``Shard(0)`` on the dp dims, the
+loss a sum ``Partial()`` there). Read at the call (``_check_storage_dtensors``:
+every parameter one, over the mesh, ``Replicate()`` on each dp dim); a DTensor
+keeps its placements through ``to_empty``, so nothing is kept for the build.
+At the build each gets ``DP_DIMS_ATTR`` (the dims the engine reduces itself:
+the dp dims, and any of one rank) and a grad hook (``dp_partial_grad``), and
+the engine's DTensor path (``buckets/tp_params.py``) serves the rest: the
+module computes with the parameter object itself, a storage-mesh DTensor whose
+local tensor is a view of the gathered bucket, as FSDP2's unsharded parameter;
+the hook redistributes a grad's other dims only (the tp sum a ``Replicate()``
+weight's ``Partial()`` grad needs) and hands the engine its local tensor as
+``Partial()`` on the dp dims, whatever it said there, as FSDP2 reads it, so
+autograd's accumulation into the engine's buffer adds local tensors and the
+engine's reduce-scatter (and replicate all-reduce) is the only dp reduction.
+The tp dim is that of the spmd_types path (the engine mesh above), so the
+sharded parameters lie on the same meshes as FSDP2's.
 
 Nothing here communicates or makes a group except ``_flat`` (``DeviceMesh._flatten``,
 on every rank of the mesh at once, as every rank builds its engine at its first use).
@@ -190,7 +202,7 @@ def storage_roles(
     dims: Any,
     annotations: dict[int, SpmdAnnotation],
 ) -> EngineMesh:
-    """The engine mesh for a storage ``mesh`` with ``dp_mesh_dims=dims``; marks tp parameters.
+    """The engine mesh for a storage ``mesh`` with ``dp_mesh_dims=dims``; marks the parameters.
 
     Args:
         mesh: the storage mesh (named dims).
