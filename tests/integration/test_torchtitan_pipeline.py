@@ -145,11 +145,14 @@ def _train(shard, case: Case, optim: str, plain):
     return losses, norms, weights
 
 
-def _pp_step(schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, case: Case, dims):
+def _pp_step(
+    schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, case: Case, dims=None
+) -> float:
     """One schedule step (forward and backward of every micro-batch); the global loss.
 
     Under ``full_dtensor`` each micro-batch is wrapped over the storage mesh, as
-    torchtitan's trainer splits and wraps them, and a loss is ``Partial()`` over dp.
+    torchtitan's trainer splits and wraps them (``dims``: torchtitan's ``ParallelDims``),
+    and a loss is ``Partial()`` over dp.
     """
     stage_losses: list[torch.Tensor] | None = [] if has_last else None
     if case.backend == "full_dtensor":
