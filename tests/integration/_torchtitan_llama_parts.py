@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -133,6 +134,8 @@ def pipelined(shard, case: PipelineCase) -> tuple[ParallelDims, Any, list[nn.Mod
     )
 
     def loss_fn(pred, labels, **_):
+        if case.backend == "full_dtensor":  # torchtitan's sum, Partial() over the dp dims
+            return cross_entropy_loss(pred, labels) / case.loss_tokens, None
         loss = F.cross_entropy(full(pred).flatten(0, 1).float(), labels.flatten(), reduction="sum")
         return loss / case.loss_tokens, None
 

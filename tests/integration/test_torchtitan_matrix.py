@@ -10,7 +10,11 @@ view of the same root; its default backend (``spmd_types``) passes
 parameters are plain tp pieces annotated with spmd_types and its model runs its
 own tp collectives on plain tensors, in the trainer's context (the current spmd
 mesh, entered here too); its output is each tp rank's plain piece of the
-vocabulary, gathered here. ``full_dtensor`` is refused in one line.
+vocabulary, gathered here. Under ``full_dtensor`` parameters, inputs and
+activations are DTensors over the whole storage mesh and the loss is
+torchtitan's own sum, ``Partial()`` over the dp dims; the module computes with
+storage-mesh DTensors and the sharded parameters lie on the meshes, with the
+placements, of torch's FSDP2.
 
 Each configuration runs in the same ranks: torch's FSDP2 and mf through
 torchtitan's code, from one process's initial weights, and one process on the
@@ -41,7 +45,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import preload_in_ranks, run_on_ranks
@@ -51,8 +55,10 @@ try:
     import spmd_types as spmd
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import ParallelDims, full_dtensor
+    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.distributed.utils import clip_grad_norm_, get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -185,9 +191,16 @@ def _train(model, dims, case: Case, optim: str, rank: int, divide: bool):
         with context():
             if case.backend == "spmd_types":
                 tokens, targets, _ = annotate_input_spmd_types(dims, tokens, targets, {})
+            if case.backend == "full_dtensor":
+                tokens, targets, _ = full_dtensor.parallelize_inputs(dims, tokens, targets, {})
             logits = model(tokens)
-        loss = _loss(logits, targets, vocab_mesh) * scale
+        if case.backend == "full_dtensor":  # torchtitan's sum: Partial() over the dp dims
+            loss = cross_entropy_loss(logits, targets) * (scale / targets.to_local().numel())
+        else:
+            loss = _loss(logits, targets, vocab_mesh) * scale
         loss.backward()
+        if case.backend == "full_dtensor":
+            loss = loss.to_local()  # this dp rank's part
         if step == 0:
             grads = {name: full(param.grad).clone() for name, param in model.named_parameters()}
         norms.append(clip_grad_norm_(list(model.parameters()), 1e9).item())
@@ -197,6 +210,18 @@ def _train(model, dims, case: Case, optim: str, rank: int, divide: bool):
         dist.all_reduce(total)
         losses.append(total.item() * (1.0 / case.dp if divide else 1.0))
     weights = {name: full(param).detach().clone() for name, param in model.named_parameters()}
+    layouts = {}
+    if case.backend == "full_dtensor":
+        layouts = {name: _layout(param) for name, param in model.named_parameters()}
+        if isinstance(model, fsdp2.FSDPModule):
+            # A DTensor over the whole storage mesh, Replicate() on its dp dims and the
+            # tp placement kept, as FSDP2's unsharded parameter.
+            storage, _ = resolve_fsdp_mesh(dims)
+            assert isinstance(seen[-1], DTensor)
+            assert seen[-1].device_mesh == storage
+            tp = (Shard(0),) if case.tp > 1 else ()
+            assert seen[-1].placements == (Replicate(),) * (storage.ndim - len(tp)) + tp
+            assert seen[-1].to_local().shape == (768 // case.tp, 256)
     if case.backend == "spmd_types" and case.tp > 1 and isinstance(model, fsdp2.FSDPModule):
         # A plain tp piece that keeps its spmd_types annotation (S(0) on tp), as FSDP2
         # restores it on its unsharded parameter.
@@ -204,7 +229,18 @@ def _train(model, dims, case: Case, optim: str, rank: int, divide: bool):
         assert seen[-1].shape == (384, 256)
         assert spmd.get_partition_spec(seen[-1]) is not None
         assert spmd.get_local_type(seen[-1])
-    return losses, norms, weights, grads
+    return losses, norms, weights, grads, layouts
+
+
+def _layout(param: DTensor):
+    """A sharded parameter's mesh and placements; a ``_StridedShard`` read as the ``Shard`` it is.
+
+    (FSDP2 names a dp shard of a dim tp splits too ``_StridedShard``; mf's pieces
+    say where each rank's rows lie, under ``Shard``.)
+    """
+    return param.device_mesh, tuple(
+        Shard(p.dim) if hasattr(p, "dim") else p for p in param.placements
+    )
 
 
 def _reference(case: Case, optim: str):
@@ -239,13 +275,20 @@ def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) ->
                 torch.testing.assert_close(full(param), plain.get_parameter(key), msg=key)
         runs[name] = _train(model, dims, case, optim, rank, divide)
     losses, grads, weights = _reference(case, optim)
-    for name, (got_losses, _, got_weights, got_grads) in runs.items():
+    # Under TP the grads' rounding differs from one process's (4e-9 to 4e-8), and AdamW's
+    # steps on near-zero grads take that to 1.1e-5 to 1.25e-5 in torch's FSDP2 and mf
+    # alike, whose weights agree with each other to 1e-6.
+    weight_atol = 2e-5 if case.tp > 1 and optim == "adamw" else 1e-5
+    for name, (got_losses, _, got_weights, got_grads, _) in runs.items():
         torch.testing.assert_close(got_losses, losses, rtol=RTOL, atol=ATOL, msg=f"{name} loss")
         for key, value in got_grads.items():
             torch.testing.assert_close(value, grads[key], rtol=RTOL, atol=ATOL, msg=key)
         for key, value in got_weights.items():
-            torch.testing.assert_close(value, weights[key], rtol=RTOL, atol=1e-5, msg=key)
+            torch.testing.assert_close(value, weights[key], rtol=RTOL, atol=weight_atol, msg=key)
     torch.testing.assert_close(runs["mf"][1], runs["torch"][1], rtol=RTOL, atol=ATOL)  # norms
+    torch.testing.assert_close(runs["mf"][2], runs["torch"][2], rtol=RTOL, atol=ATOL)
+    if case.backend == "full_dtensor":
+        assert runs["mf"][4] == runs["torch"][4]  # the sharded parameters' meshes and placements
     assert losses[0] != losses[-1]
     moved = [
         key for key in weights if not torch.equal(runs["mf"][2][key], plain.get_parameter(key))
@@ -265,22 +308,15 @@ def _rank_matrix(rank: int, world: int, case: Case, optim: str, divide: bool) ->
         pytest.param(Case(2, 2, 1, "spmd_types"), "sgd", True, id="default-hsdp2x2-sgd-mean"),
         pytest.param(Case(1, 2, 2, "spmd_types"), "sgd", False, id="default-fsdp2-tp2-sgd"),
         pytest.param(Case(1, 2, 2, "spmd_types"), "adamw", True, id="default-fsdp2-tp2-adamw-mean"),
+        pytest.param(Case(1, 4, 1, "full_dtensor"), "adamw", False, id="fulldt-fsdp4-adamw"),
+        pytest.param(Case(2, 2, 1, "full_dtensor"), "sgd", True, id="fulldt-hsdp2x2-sgd-mean"),
+        pytest.param(Case(1, 2, 2, "full_dtensor"), "sgd", False, id="fulldt-fsdp2-tp2-sgd"),
+        pytest.param(
+            Case(1, 2, 2, "full_dtensor"), "adamw", True, id="fulldt-fsdp2-tp2-adamw-mean"
+        ),
     ],
 )
 def test_torchtitan_configuration_trains_as_torch_fsdp2_and_one_process(
     case: Case, optim: str, divide: bool
 ) -> None:
     run_on_ranks(_rank_matrix, case.world, case, optim, divide, timeout=280)
-
-
-def _rank_refused(rank: int, world: int, case: Case) -> None:
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*full_dtensor") as info:
-        _parallelized(fsdp2.fully_shard, case, divide=False)
-    assert "\n" not in str(info.value)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(200)
-def test_full_dtensor_backend_is_refused_in_one_line() -> None:
-    """``full_dtensor`` hands over DTensor parameters over the whole storage mesh."""
-    run_on_ranks(_rank_refused, 4, Case(1, 2, 2, "full_dtensor"), timeout=180)

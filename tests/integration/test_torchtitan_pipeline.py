@@ -16,9 +16,12 @@ micro-batch and dp rank) and the full weights after the steps equal one process
 on the global batch (1e-5); torchtitan's pp-aware ``clip_grad_norm_`` gives the
 same norm under both engines. PP 2 x FSDP 2 runs on torchtitan's default
 ``spmd_types`` backend too (each stage's storage mesh, ``dp_mesh_dims``), its
-steps in the trainer's context. A DCP checkpoint of the PP x FSDP x TP run loads
-into FSDP-only runs of the same model on mf and on torch's FSDP2, whose next
-loss is the pipeline's.
+steps in the trainer's context, and with 1F1B on ``full_dtensor``, whose
+micro-batches are wrapped over the storage mesh as torchtitan's trainer wraps
+them and whose losses are torchtitan's sums, ``Partial()`` over dp (planted:
+the dp grads all-reduced before mf's reduction fail mf's losses). A DCP
+checkpoint of the PP x FSDP x TP run loads into FSDP-only runs of the same
+model on mf and on torch's FSDP2, whose next loss is the pipeline's.
 
 The PP x FSDP 1F1B row takes FSDP's own mean over the dp ranks (torchtitan's
 ``disable_fsdp_gradient_division`` skipped, each dp rank's loss over its own
@@ -50,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mf_fsdp import fsdp2
 from mf_fsdp.fsdp2.records import record_of
@@ -62,7 +65,7 @@ try:
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import ParallelDims, full_dtensor
     from torchtitan.distributed.utils import clip_grad_norm_, get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
@@ -129,7 +132,8 @@ def _train(shard, case: Case, optim: str, plain):
     context = get_spmd_context(parallel_dims=dims)  # the trainer's (spmd_types' current mesh)
     for step in range(STEPS):
         with context():
-            losses.append(_pp_step(schedule, _batch(step, dp_rank), has_first, has_last, case))
+            tokens = _batch(step, dp_rank)
+            losses.append(_pp_step(schedule, tokens, has_first, has_last, case, dims))
         norms.append(clip_grad_norm_(params, 1e9, pp_mesh=dims.get_mesh("pp")).item())
         opt.step()
         opt.zero_grad()
@@ -141,17 +145,40 @@ def _train(shard, case: Case, optim: str, plain):
     return losses, norms, weights
 
 
-def _pp_step(schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, case: Case) -> float:
-    """One schedule step (forward and backward of every micro-batch); the global loss."""
+def _pp_step(
+    schedule, tokens: torch.Tensor, has_first: bool, has_last: bool, case: Case, dims=None
+) -> float:
+    """One schedule step (forward and backward of every micro-batch); the global loss.
+
+    Under ``full_dtensor`` each micro-batch is wrapped over the storage mesh, as
+    torchtitan's trainer splits and wraps them (``dims``: torchtitan's ``ParallelDims``),
+    and a loss is ``Partial()`` over dp.
+    """
     stage_losses: list[torch.Tensor] | None = [] if has_last else None
-    schedule.step(
-        tokens[:, :-1] if has_first else None,
-        target=tokens[:, 1:] if has_last else None,
-        losses=stage_losses,
-    )
-    total = torch.tensor(float(sum(loss.item() for loss in stage_losses or [])))
+    if case.backend == "full_dtensor":
+        wrapped = [
+            full_dtensor.parallelize_inputs(dims, mb[:, :-1], mb[:, 1:], {})[:2]
+            for mb in tokens.split(1)
+        ]
+        schedule.step(
+            arg_mbs=[(inputs,) for inputs, _ in wrapped] if has_first else None,
+            kwarg_mbs=[{} for _ in wrapped],
+            target_mbs=[targets for _, targets in wrapped] if has_last else None,
+            losses=stage_losses,
+        )
+    else:
+        schedule.step(
+            tokens[:, :-1] if has_first else None,
+            target=tokens[:, 1:] if has_last else None,
+            losses=stage_losses,
+        )
+    total = torch.tensor(float(sum(_local(loss).item() for loss in stage_losses or [])))
     dist.all_reduce(total)  # the last stage's tp ranks each hold their dp rank's sum
     return total.item() / case.tp * case.loss_tokens / case.tokens
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _reference(case: Case, optim: str):
@@ -199,6 +226,9 @@ def _rank_pipeline(rank: int, world: int, case: Case, optim: str) -> None:
         pytest.param(Case(2, 2, 2, "1F1B"), "sgd", id="pp2-fsdp2-tp2-1f1b-sgd"),
         pytest.param(
             Case(2, 2, 1, "1F1B", backend="spmd_types"), "adamw", id="default-pp2-fsdp2-1f1b-adamw"
+        ),
+        pytest.param(
+            Case(2, 2, 1, "1F1B", backend="full_dtensor"), "sgd", id="fulldt-pp2-fsdp2-1f1b-sgd"
         ),
         pytest.param(Case(2, 2, 1, "ZBVZeroBubble"), "sgd", id="pp2-fsdp2-zbv-sgd"),
         pytest.param(

@@ -9,7 +9,12 @@
 - The mesh object: the sharded parameters' DTensors carry the mesh the user
   passed, named or not (it was a renamed copy).
 - ``dp_mesh_dims`` given what FSDP2 refuses: another type, an unnamed mesh, plain
-  parameters without spmd_types' type on the storage mesh's tp dim.
+  parameters without spmd_types' type on the storage mesh's tp dim, DTensor
+  parameters beside plain ones or not ``Replicate()`` on a dp dim.
+- DTensor parameters over the storage mesh (torchtitan's ``full_dtensor``), with
+  the root's own parameters among them (their grads wait on the parameters until
+  the reduction): two SGD steps equal one process on the global batch, so the
+  ``Partial()`` dp grads were reduced once, by the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from mf_fsdp import fsdp2
 from tests._multiprocess import run_on_ranks
@@ -128,9 +135,64 @@ def _rank_bad_dims(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match=r"'.*' is typed None on the tp") as info:
         fsdp2.fully_shard(make_model(), mesh=storage, dp_mesh_dims=dims(shard="dp_shard"))
     assert "\n" not in str(info.value)
+    # full_dtensor: every parameter a DTensor over the storage mesh, Replicate() on dp.
+    for placement, bias, refused in [
+        (Shard(0), Replicate(), r"'weight' is placed dp_shard=Shard\(dim=0\) on a data-parallel"),
+        (Replicate(), None, r"'bias' is a plain tensor beside DTensor parameters"),
+    ]:
+        lin = nn.Linear(4, 4)
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [placement]))
+        if bias is not None:
+            lin.bias = nn.Parameter(distribute_tensor(lin.bias.detach(), mesh, [bias]))
+        with pytest.raises(NotImplementedError, match=refused) as info:
+            fsdp2.fully_shard(lin, mesh=mesh, dp_mesh_dims=dims(shard="dp_shard"))
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_dp_mesh_dims_bad_input_is_one_line() -> None:
     run_on_ranks(_rank_bad_dims, 2, timeout=100)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _inputs(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _rank_storage_dtensors(rank: int, world: int) -> None:
+    dims = pytest.importorskip("torch.distributed.fsdp").__dict__.get("DataParallelMeshDims")
+    if dims is None:  # torch 2.11 has no DataParallelMeshDims
+        return
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    model = _mlp()
+    distribute_module(model, mesh)  # every parameter Replicate() over the storage mesh
+    fsdp2.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims(shard="dp_shard"))
+    fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims(shard="dp_shard"))  # owns model[2]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x = DTensor.from_local(_inputs(step, rank), mesh, [Shard(0)])
+        model(x).to_local().pow(2).sum().backward()  # this rank's part: Partial() grads
+        opt.step()
+        opt.zero_grad()
+    reference = _mlp()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        whole = torch.cat([_inputs(step, r) for r in range(world)])
+        (reference(whole).pow(2).sum() / world).backward()  # FSDP's mean over the dp ranks
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, param in model.named_parameters():
+        assert param.device_mesh == mesh
+        want = reference.get_parameter(name)
+        torch.testing.assert_close(param.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_dtensor_parameters_over_the_storage_mesh_train_as_one_process() -> None:
+    run_on_ranks(_rank_storage_dtensors, 2, timeout=100)

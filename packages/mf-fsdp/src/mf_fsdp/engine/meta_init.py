@@ -76,10 +76,13 @@ def _swap_to_empty(params: Iterable[nn.Parameter], device: torch.device) -> None
     for p in params:
         # swap_tensors keeps the Parameter object (optimizers and ties refer to it) but
         # swaps its __dict__ too: the attributes set on it (tensor-parallel marks,
-        # spmd_types annotations) go with it, as nn.Module.to_empty keeps them.
+        # spmd_types annotations) go with it, as nn.Module.to_empty keeps them. Its grad
+        # hooks live on the tensor it had: they are registered again on the new one.
         fresh = nn.Parameter(_empty(p, device), p.requires_grad)
         fresh.__dict__.update(p.__dict__)
         torch.utils.swap_tensors(p, fresh)
+        if p._backward_hooks:
+            p._backward_hooks = p._backward_hooks
 
 
 def _empty(p: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,8 +21,8 @@ the module's own.
 [Note: what is honoured] Every public method of torch's ``FSDPModule`` is
 either honoured through the engine or raises ``NotImplementedError`` naming
 itself (``module.UNSUPPORTED``); nothing silently does nothing. Options FSDP2
-has and mf cannot honour yet (``dp_mesh_dims`` over a tensor-parallel storage
-dim, an int ``reshard_after_forward`` other than 1 or the shard group's size,
+has and mf cannot honour yet (``dp_mesh_dims`` over two tensor-parallel storage
+dims, an int ``reshard_after_forward`` other than 1 or the shard group's size,
 DTensor parameters over more than one mesh, a group of modules nested with
 another unit, a ``param_dtype_override_fn`` that splits one call's parameters
 over two compute dtypes) raise naming the option. torch's free functions

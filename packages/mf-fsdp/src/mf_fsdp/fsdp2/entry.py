@@ -102,9 +102,10 @@ def fully_shard(
             model may each pass some; the engine ignores all of them.
         dp_mesh_dims: torch 2.15's ``DataParallelMeshDims``: ``mesh`` is then the whole
             SPMD storage mesh and this names its shard dims (joined into one) and its
-            replicate dim. Served for plain parameters with every other dim of the mesh of
-            one rank (torchtitan's default backend for FSDP and HSDP); a tensor-parallel
-            storage dim raises when the engine is built (see ``meshes.py``).
+            replicate dim. Served for plain parameters, spmd_types-annotated on a
+            tensor-parallel dim if the mesh has one (torchtitan's default backend), and for
+            DTensors over the mesh, ``Replicate()`` on the dims it names (``full_dtensor``):
+            see ``storage_mesh.py``.
 
     Returns:
         ``module``, now an ``FSDPModule`` (each module of a list).

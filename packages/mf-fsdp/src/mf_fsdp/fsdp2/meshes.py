@@ -25,7 +25,7 @@ runs only collectives of its own groups, so ranks outside them never take part.
 
 torch 2.15's ``dp_mesh_dims`` (``DataParallelMeshDims``) hands over the whole
 SPMD storage mesh instead: ``storage_mesh.py`` reads it (torchtitan's default
-``spmd_types`` backend, with or without a tp dim).
+``spmd_types`` backend, with or without a tp dim, and its ``full_dtensor`` one).
 
 Nothing here shards or moves a parameter; ``mesh_roles`` may flatten dims
 (``DeviceMesh._flatten``, which makes one group, on every rank of the mesh at

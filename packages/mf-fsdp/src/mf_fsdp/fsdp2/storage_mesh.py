@@ -33,12 +33,24 @@ must be ``R`` (FSDP2 owns the data-parallel reduction). A parameter without a
 tp type and a storage mesh with more than one such dim stop with one line
 naming the mesh.
 
-torchtitan's ``full_dtensor`` backend stops at the call, with one line: its
-parameters are DTensors over the whole storage mesh and so are its
-activations, so the module would need its compute parameters as storage-mesh
-DTensors, and their gradients arrive ``Partial`` over the dp dims, which the
-engine's DTensor path would all-reduce before its own data-parallel reduction
-(FSDP2 leaves the dp dims out of that redistribution).
+torchtitan's ``full_dtensor`` backend gives DTensors over the whole storage
+mesh, ``Replicate()`` on the dp dims and the tp placement on the tp dim, and
+its activations are such DTensors too (inputs ``Shard(0)`` on the dp dims, the
+loss a sum ``Partial()`` there). Read at the call (``_check_storage_dtensors``:
+every parameter one, over the mesh, ``Replicate()`` on each dp dim); a DTensor
+keeps its placements through ``to_empty``, so nothing is kept for the build.
+At the build each gets ``DP_DIMS_ATTR`` (the dims the engine reduces itself:
+the dp dims, and any of one rank) and a grad hook (``dp_partial_grad``), and
+the engine's DTensor path (``buckets/tp_params.py``) serves the rest: the
+module computes with the parameter object itself, a storage-mesh DTensor whose
+local tensor is a view of the gathered bucket, as FSDP2's unsharded parameter;
+the hook redistributes a grad's other dims only (the tp sum a ``Replicate()``
+weight's ``Partial()`` grad needs) and hands the engine its local tensor as
+``Partial()`` on the dp dims, whatever it said there, as FSDP2 reads it, so
+autograd's accumulation into the engine's buffer adds local tensors and the
+engine's reduce-scatter (and replicate all-reduce) is the only dp reduction.
+The tp dim is that of the spmd_types path (the engine mesh above), so the
+sharded parameters lie on the same meshes as FSDP2's.
 
 Nothing here communicates or makes a group except ``_flat`` (``DeviceMesh._flatten``,
 on every rank of the mesh at once, as every rank builds its engine at its first use).
@@ -54,8 +66,9 @@ from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from mf_fsdp.buckets.tp_params import DP_DIMS_ATTR, dp_partial_grad
 from mf_fsdp.fsdp2.engine_mesh import EngineMesh
 from mf_utils import set_tensor_model_parallel_attributes
 
@@ -63,7 +76,8 @@ __all__ = ["SpmdAnnotation", "read_annotations", "storage_roles"]
 
 _SERVED = (
     "mf_fsdp.fsdp2 serves plain parameters there, spmd_types-annotated on the one other "
-    "dim of several ranks if any (torchtitan's default spmd_types backend), and a dp mesh "
+    "dim of several ranks if any (torchtitan's default spmd_types backend), DTensors over "
+    "the storage mesh Replicate() on its data-parallel dims (full_dtensor), and a dp mesh "
     "beside DTensors over a tp mesh (partial_dtensor)"
 )
 
@@ -93,17 +107,17 @@ def read_annotations(
     judges those meshes).
 
     Raises:
-        NotImplementedError: one line naming the mesh (and the parameter), for DTensor
-            parameters (torchtitan's ``full_dtensor``), and for a parameter without
-            ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R`` elsewhere.
+        NotImplementedError: one line naming the mesh (and the parameter): for DTensor
+            parameters (torchtitan's ``full_dtensor``) beside plain ones, over another
+            mesh, or not ``Replicate()`` on a data-parallel dim; for a plain parameter
+            without ``S(dim)``, ``R`` or ``I`` on the tp dim, or typed other than ``R``
+            elsewhere.
     """
     where = f"fully_shard: mesh {mesh} with dp_mesh_dims={dims!r}"
     params = [found for m in modules for found in _named(m) if id(found[-1]) not in ignored]
     if any(isinstance(param, DTensor) for *_, param in params):
-        raise NotImplementedError(
-            f"{where}: DTensor parameters over the storage mesh (torchtitan's full_dtensor "
-            f"backend) are not supported; {_SERVED}"
-        )
+        _check_storage_dtensors(mesh, dims, params, where)
+        return []  # a DTensor keeps its mesh and placements through to_empty
     tp = _tp_dims(mesh, dims)
     named = (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
     if len(tp) != 1 or any(name not in (mesh.mesh_dim_names or ()) for name in named):
@@ -119,6 +133,41 @@ def read_annotations(
         kind = _tp_type(spmd, local_type, spec, param.dim(), tp_axis, what)
         found.append((owner, name, SpmdAnnotation(kind, local_type, spec)))
     return found
+
+
+def _check_storage_dtensors(
+    mesh: DeviceMesh,
+    dims: Any,
+    params: list[tuple[nn.Module, str, str, nn.Parameter]],
+    where: str,
+) -> None:
+    """Refuse DTensor parameters mf cannot serve as storage-mesh DTensors (``full_dtensor``).
+
+    Each must be a DTensor over ``mesh`` itself (equal: torchtitan slices one
+    storage mesh for the model and the call), ``Replicate()`` on every dim
+    ``dims`` names, as FSDP2 requires.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    data_parallel = _data_parallel(dims)
+    for _, path, name, param in params:
+        fqn = f"{path}.{name}" if path else name
+        what = f"{where}: parameter {fqn!r}"
+        if not isinstance(param, DTensor):
+            problem = "is a plain tensor beside DTensor parameters"
+        elif param.device_mesh != mesh:
+            problem = f"is a DTensor over {param.device_mesh}, not over the storage mesh"
+        else:
+            placed = [
+                f"{dim}={placement!r}"
+                for dim, placement in zip(names, param.placements, strict=True)
+                if dim in data_parallel and not isinstance(placement, Replicate)
+            ]
+            if not placed:
+                continue
+            problem = f"is placed {', '.join(placed)} on a data-parallel dim"
+        raise NotImplementedError(
+            f"{what} {problem}; expected Replicate() there (FSDP shards it); {_SERVED}"
+        )
 
 
 def _tp_type(
@@ -153,7 +202,7 @@ def storage_roles(
     dims: Any,
     annotations: dict[int, SpmdAnnotation],
 ) -> EngineMesh:
-    """The engine mesh for a storage ``mesh`` with ``dp_mesh_dims=dims``; marks tp parameters.
+    """The engine mesh for a storage ``mesh`` with ``dp_mesh_dims=dims``; marks the parameters.
 
     Args:
         mesh: the storage mesh (named dims).
@@ -184,8 +233,17 @@ def storage_roles(
     if len(others) > 1:
         raise NotImplementedError(f"{where}: the dims {others} are not supported; {_SERVED}")
     tp = others[0] if others else None
+    left_out = frozenset(
+        i for i, name in enumerate(names) if name in (*shard, *replicate) or mesh[name].size() == 1
+    )
+    for param in params:  # full_dtensor: the engine leaves these dims to itself
+        if isinstance(param, DTensor) and not hasattr(param, DP_DIMS_ATTR):  # once
+            setattr(param, DP_DIMS_ATTR, left_out)
+            param.register_hook(dp_partial_grad(param))
     if tp is not None:
         for param in params:
+            if isinstance(param, DTensor):
+                continue
             if id(param) not in annotations:
                 raise NotImplementedError(
                     f"{where}: a parameter of shape {tuple(param.shape)} was not under a "
@@ -202,12 +260,14 @@ def storage_roles(
     return EngineMesh(joined, _only_name(shard_mesh), outer, tp)
 
 
+def _data_parallel(dims: Any) -> tuple[str, ...]:
+    """The dims ``dims`` names: its shard dims, then its replicate dim."""
+    return (*_names(getattr(dims, "shard", None)), *_names(getattr(dims, "replicate", None)))
+
+
 def _tp_dims(mesh: DeviceMesh, dims: Any) -> list[str]:
     """The storage mesh's dims of more than one rank that ``dims`` does not name."""
-    data_parallel = (
-        *_names(getattr(dims, "shard", None)),
-        *_names(getattr(dims, "replicate", None)),
-    )
+    data_parallel = _data_parallel(dims)
     names = mesh.mesh_dim_names or ()
     return [name for name in names if name not in data_parallel and mesh[name].size() > 1]
 
