@@ -13,7 +13,7 @@ from mf.models import PRESETS
 from mf.plan.activations import Activations, plan_activations
 from mf.plan.inputs import PlanInputs, parse_inputs
 from mf.plan.meta_model import ModelSource, model_source
-from mf.plan.model_state import plan_model_state
+from mf.plan.model_state import plan_engine
 from mf.plan.phases import plan_phases
 from mf.plan.report import plan_json, plan_table
 
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"mf-plan: error: {error}", file=sys.stderr, flush=True)
         return 2
-    state = plan_model_state(
+    state, wire = plan_engine(
         source,
         inputs.gpus,
         zero=inputs.zero,
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     phases = None if activations is None else plan_phases(state, activations)
     report = plan_json if inputs.json else plan_table
-    print(report(inputs, source, state, activations, phases))
+    print(report(inputs, source, state, activations, phases, wire))
     return 0
 
 
