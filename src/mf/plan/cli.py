@@ -16,6 +16,8 @@ from mf.plan.meta_model import ModelSource, model_source
 from mf.plan.model_state import plan_engine
 from mf.plan.phases import plan_phases
 from mf.plan.report import plan_json, plan_table
+from mf.plan.search import Candidate, search
+from mf.plan.search_report import search_json, search_table
 
 __all__ = ["main"]
 
@@ -26,6 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         inputs = parse_inputs(sys.argv[1:] if argv is None else argv)
         source = model_source(inputs.model)
         activations = _activations(inputs, source)
+        if inputs.search:
+            found = search(inputs, source, lambda c: _bytes_per_token(c))
+            answer = search_json if inputs.json else search_table
+            print(answer(inputs, source, found, _proxy))
+            return 0
     except ValueError as error:
         print(f"mf-plan: error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -42,6 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = plan_json if inputs.json else plan_table
     print(report(inputs, source, state, activations, phases, wire))
     return 0
+
+
+def _bytes_per_token(candidate: Candidate) -> float:
+    """Bytes a rank sends per token it trains: the search's ranking until step time is planned."""
+    return candidate.wire.sent / (candidate.micro_batch * candidate.seq_len / candidate.cp)
+
+
+def _proxy(candidate: Candidate) -> dict[str, float]:
+    return {"bytes sent/token": _bytes_per_token(candidate)}
 
 
 def _activations(inputs: PlanInputs, source: ModelSource) -> Activations | None:

@@ -38,6 +38,8 @@ class PlanInputs:
         activation_checkpointing: each layer recomputes its activations in the backward.
         rank: the rank whose bytes are planned.
         json: print JSON instead of the table.
+        search: rank the configurations that fit instead of planning one.
+        global_batch: sequences per optimizer step over all ranks (None: one micro-batch each).
     """
 
     model: str
@@ -53,6 +55,8 @@ class PlanInputs:
     activation_checkpointing: bool
     rank: int
     json: bool
+    search: bool = False
+    global_batch: int | None = None
 
     @property
     def dp_shard(self) -> int:
@@ -114,6 +118,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each layer saves only its input and recomputes the rest in the backward",
     )
+    add(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step over all ranks; --search makes it up with "
+        "--grad-accum (default: one micro-batch per data-parallel rank)",
+    )
+    add(
+        "--search",
+        action="store_true",
+        help="rank the mf-train configurations that fit (--zero, --dp-outer, --cp, "
+        "--micro-batch up to the one given) and print the best as mf-train command lines",
+    )
     add("--rank", type=int, default=0, help="the rank whose bytes are planned")
     add("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -126,9 +143,9 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         ValueError: one line naming the option, the value and what is expected.
     """
     args = _parser().parse_args(argv)
-    for name in ("gpus", "tp", "cp", "dp_outer", "micro_batch"):
+    for name in ("gpus", "tp", "cp", "dp_outer", "micro_batch", "global_batch"):
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
     model_parallel = args.tp * args.cp
     if args.gpus % model_parallel or (args.gpus // model_parallel) % args.dp_outer:
@@ -164,4 +181,6 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         activation_checkpointing=args.activation_checkpointing,
         rank=args.rank,
         json=args.json,
+        search=args.search,
+        global_batch=args.global_batch,
     )

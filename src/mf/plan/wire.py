@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mf_fsdp import MegatronFSDP
+from mf_fsdp.buckets.bucket import Bucket
 from mf_fsdp.engine.comm_window import CommWindow
 
 __all__ = ["Collective", "WirePlan", "plan_wire"]
@@ -96,9 +97,19 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class WirePlan:
-    """Every collective of one step of one rank (see [Note: the collectives of a step])."""
+    """Every collective of one step of one rank (see [Note: the collectives of a step]).
+
+    Attributes:
+        collectives: one row per kind, phase, group and dtype.
+        staging: an allowance, not a plan, for the buffers the gradient reductions in
+            flight may hold beyond the model state (see [Note: the reductions' staging]).
+        unreduced: the whole model's gradients in the compute dtype, padded: what
+            ``no_sync`` may hold unreduced between micro-batches.
+    """
 
     collectives: tuple[Collective, ...]
+    staging: int = 0
+    unreduced: int = 0
 
     @property
     def sent(self) -> int:
@@ -121,6 +132,7 @@ class WirePlan:
             "collectives": [c.as_dict() for c in self.collectives],
             "sent": self.sent,
             "minimum": self.minimum,
+            "staging_allowance": self.staging,
         }
 
 
@@ -149,7 +161,32 @@ def plan_wire(model: MegatronFSDP, zero: int) -> WirePlan:
         row[2] += unpadded
     order = {"forward": 0, "backward": 1, "step": 2}
     ranked = sorted(rows.items(), key=lambda item: order[item[0][1]])
-    return WirePlan(tuple(Collective(*key, *row) for key, row in ranked))
+    trained = [g for g in model.groups if g.requires_grad]
+    unreduced = sum(g.layout.padded_numel * g.dtypes.compute.itemsize for g in trained)
+    return WirePlan(
+        tuple(Collective(*key, *row) for key, row in ranked), _staging(trained, model), unreduced
+    )
+
+
+def _staging(trained: list[Bucket], model: MegatronFSDP) -> int:
+    """[Note: the reductions' staging] An allowance for the reductions' buffers in a backward.
+
+    The plan's phases do not count the engine's pooled reduction buffers yet
+    (docs/planning.md). Until they do, ``mf-plan --search`` keeps a configuration
+    only if it also fits this allowance: the elements of the reductions that may be
+    in flight at once, a queued communication window and a launched one (each at
+    least the largest unit), at most the whole model, times the bytes of one
+    element in the compute dtype (the local gradients) and twice in the
+    communication dtype (the copy reduced and its result). On two gloo ranks the
+    tiny preset's backward holds exactly this (1,207,040 bytes) at micro-batch 1.
+    """
+    if not trained:
+        return 0
+    total = sum(g.layout.padded_numel for g in trained)
+    largest = max((u.numel for u in model._units), default=0)
+    window = model.ddp_config.suggested_communication_unit_size
+    per_element = max(g.dtypes.compute.itemsize + 2 * g.dtypes.comm.itemsize for g in trained)
+    return min(total, 2 * max(window, largest)) * per_element
 
 
 def _calls(
