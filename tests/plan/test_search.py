@@ -70,11 +70,20 @@ def test_what_the_search_returns_runs_within_the_memory_given(
     run_on_ranks(_rank_peaks, _WORLD, found, timeout=120)  # all of them, not only the top
 
 
-def test_every_command_line_parses_with_mf_train(capsys: pytest.CaptureFixture[str]) -> None:
-    for c in _search(capsys, *_ARGV[:-2])["configurations"]:
+@pytest.mark.parametrize("gpus", ["2", "16"], ids=["one node", "two nodes"])
+def test_every_command_line_parses_with_mf_train(
+    gpus: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*_ARGV[:-2]]
+    argv[argv.index("--gpus") + 1] = gpus
+    for c in _search(capsys, *argv)["configurations"]:
         words = shlex.split(c["command"])
-        assert words[0] == "mf-train"
-        options = parse_options(words[1:])
+        if gpus == "2":
+            assert words[0] == "mf-train"
+            options = parse_options(words[1:])
+        else:  # torchrun on each node runs mf-train's worker, which parses the same options
+            assert words[:2] == ["torchrun", "--nnodes"]
+            options = parse_options(words[words.index("mf.train.rank.worker") + 1 :])
         got = (options.zero, options.dp_outer, options.cp, options.micro_batch)
         assert got == (c["zero"], c["dp_outer"], c["cp"], c["micro_batch"])
         assert (options.grad_accum, options.seq_len) == (c["grad_accum"], c["seq_len"])

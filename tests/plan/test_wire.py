@@ -131,3 +131,5 @@ def test_zero3_regathers_in_the_backward_all_but_the_window_it_keeps() -> None:
     assert gradients.calls == forward.calls
     assert gradients.sent == gradients.payload * 7 // 8
     assert wire.minimum <= wire.sent
+    # Each micro-batch gathers again; the gradients are reduced once a step.
+    assert wire.sent_per_step(2) == wire.sent + forward.sent + backward.sent

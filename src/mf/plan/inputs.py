@@ -40,6 +40,7 @@ class PlanInputs:
         json: print JSON instead of the table.
         search: rank the configurations that fit instead of planning one.
         global_batch: sequences per optimizer step over all ranks (None: one micro-batch each).
+        gpus_per_node: GPUs a node joins by NVLink (the step-time estimate's links).
     """
 
     model: str
@@ -57,6 +58,7 @@ class PlanInputs:
     json: bool
     search: bool = False
     global_batch: int | None = None
+    gpus_per_node: int = 8
 
     @property
     def dp_shard(self) -> int:
@@ -86,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
         "(only its config.json is read)",
     )
     add("--gpus", type=int, required=True, help="GPUs of the run, one rank each")
+    add(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs of a node, joined by NVLink (nodes are joined by the network)",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--device", choices=sorted(DEVICES), default="h100", help="the GPU, by name")
     where.add_argument(
@@ -143,7 +151,7 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         ValueError: one line naming the option, the value and what is expected.
     """
     args = _parser().parse_args(argv)
-    for name in ("gpus", "tp", "cp", "dp_outer", "micro_batch", "global_batch"):
+    for name in ("gpus", "gpus_per_node", "tp", "cp", "dp_outer", "micro_batch", "global_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
@@ -153,6 +161,11 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
             f"--gpus {args.gpus}: no mesh of --tp {args.tp} x --cp {args.cp} x --dp-outer "
             f"{args.dp_outer} x dp divides it; choose a GPU count that is a multiple of "
             f"{model_parallel * args.dp_outer}"
+        )
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ValueError(
+            f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; "
+            f"choose a multiple of {args.gpus_per_node}, or at most {args.gpus_per_node}"
         )
     if args.tp > 1:
         # mf-tp's layers are made on their group's device, not on the meta device, and a
@@ -183,4 +196,5 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         json=args.json,
         search=args.search,
         global_batch=args.global_batch,
+        gpus_per_node=args.gpus_per_node,
     )

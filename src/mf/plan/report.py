@@ -17,6 +17,7 @@ from mf.plan.inputs import PlanInputs
 from mf.plan.meta_model import ModelSource
 from mf.plan.model_state import ModelState
 from mf.plan.phases import PhaseBytes
+from mf.plan.step_time import MFU, StepTime
 from mf.plan.wire import WirePlan
 
 __all__ = ["NOT_PREDICTED", "plan_json", "plan_table"]
@@ -90,6 +91,18 @@ def _wire_lines(wire: WirePlan) -> list[str]:
     return lines
 
 
+def _step_lines(step: StepTime | None) -> list[str]:
+    if step is None:
+        return ["", "step time: no estimate (the device's FLOP/s and links are not known)"]
+    return [
+        "",
+        f"step time, an ESTIMATE (MFU {MFU:g} of peak, ring collectives at the links' "
+        "bandwidth, overlapped as the engine runs them)",
+        f"  compute {step.compute_s * 1e3:,.1f} ms, communication {step.communication_s * 1e3:,.1f}"
+        f" ms, step {step.step_s * 1e3:,.1f} ms: {step.tokens_per_s:,.0f} tokens/s",
+    ]
+
+
 def plan_table(
     inputs: PlanInputs,
     source: ModelSource,
@@ -97,6 +110,7 @@ def plan_table(
     activations: Activations | None = None,
     phases: PhaseBytes | None = None,
     wire: WirePlan | None = None,
+    step: StepTime | None = None,
 ) -> str:
     """The plan as a table: settings, bytes per rank by kind and by phase, and whether they fit."""
     compute = "fp32" if inputs.precision == "fp32" else "bf16"
@@ -125,6 +139,7 @@ def plan_table(
         lines += _phase_lines(activations, phases)
     if wire is not None:
         lines += _wire_lines(wire)
+        lines += _step_lines(step)
     memory = inputs.device.memory_bytes
     need = _need(state, phases)
     what = "model state" if phases is None else "peak"
@@ -145,6 +160,7 @@ def plan_json(
     activations: Activations | None = None,
     phases: PhaseBytes | None = None,
     wire: WirePlan | None = None,
+    step: StepTime | None = None,
 ) -> str:
     """The plan as one JSON object (bytes as integers; ``null`` where not planned)."""
     document: dict[str, Any] = {
@@ -156,6 +172,7 @@ def plan_json(
             "peak_tflops": inputs.device.peak_tflops,
             "nvlink_gbps": inputs.device.nvlink_gbps,
             "network_gbps": inputs.device.network_gbps,
+            "gpus_per_node": inputs.gpus_per_node,
         },
         "settings": {
             "zero": inputs.zero,
@@ -174,6 +191,7 @@ def plan_json(
         "activations": None if activations is None else activations.as_dict(),
         "phases": None if phases is None else phases.as_dict(),
         "wire": None if wire is None else wire.as_dict(),
+        "step_time_estimate": None if step is None else step.as_dict(),
         "fits": _need(state, phases) <= inputs.device.memory_bytes,
         "not_predicted": _not_predicted(phases),
     }

@@ -27,11 +27,10 @@ import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from mf.models import PRESETS
 from mf.plan.activations import Activations, plan_activations
 from mf.plan.devices import GiB
 from mf.plan.inputs import PlanInputs
-from mf.plan.meta_model import ModelSource
+from mf.plan.meta_model import ModelSource, planned_seq_len
 from mf.plan.model_state import ModelState, plan_engine
 from mf.plan.phases import PhaseBytes, plan_phases
 from mf.plan.wire import WirePlan
@@ -88,9 +87,20 @@ class Candidate:
         )
 
     def command(self, inputs: PlanInputs) -> str:
-        """The ``mf-train`` command line of this configuration (one process per GPU)."""
+        """The command line of this configuration.
+
+        ``mf-train`` on one node; on several, torchrun's launch of mf-train's worker,
+        run on each node (``--nproc`` is then the world size).
+        """
+        launch = "mf-train"
+        if inputs.gpus > inputs.gpus_per_node:
+            launch = (
+                f"torchrun --nnodes {inputs.gpus // inputs.gpus_per_node} --nproc-per-node "
+                f"{inputs.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
+                "-m mf.train.rank.worker"
+            )
         return (
-            f"mf-train --model {shlex.quote(inputs.model)} --nproc {inputs.gpus} "
+            f"{launch} --model {shlex.quote(inputs.model)} --nproc {inputs.gpus} "
             f"{self.settings()} --precision {inputs.precision}"
         )
 
@@ -110,12 +120,6 @@ def _micro_batches(inputs: PlanInputs, dp: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def _seq_len(inputs: PlanInputs, source: ModelSource) -> int:
-    if source.folder is not None:
-        return inputs.seq_len or source.folder.positions
-    return inputs.seq_len or PRESETS[source.name].seq_len
-
-
 def _shapes(inputs: PlanInputs) -> Iterator[tuple[int, int, int]]:
     """(zero, dp_outer, cp) of every mesh and strategy the search tries (see the Note)."""
     for dp_outer in _divisors(inputs.gpus):
@@ -133,7 +137,7 @@ def search(
     Raises:
         NoFitError: none fits; the message names the smallest memory that would, and where.
     """
-    seq_len = _seq_len(inputs, source)
+    seq_len = planned_seq_len(source, inputs.seq_len)
     engines: dict[tuple[int, int], tuple[ModelState, WirePlan]] = {}
     activations: dict[tuple[int, int], Activations] = {}
     fitting: list[Candidate] = []

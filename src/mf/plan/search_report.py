@@ -41,7 +41,7 @@ def search_table(
         row = score(c)
         lines.append(
             f"  {c.zero:>4} {c.dp_outer:>8} {c.cp:>3} {c.micro_batch:>5} {c.grad_accum:>5} "
-            f"{c.need / GiB:>16.3f} {c.wire.sent / 1e9:>12.3f}"
+            f"{c.need / GiB:>16.3f} {c.wire.sent_per_step(c.grad_accum) / 1e9:>12.3f}"
             + "".join(f" {row[name]:>18,.1f}" for name in figures)
         )
     lines += ["", "best first, as mf-train command lines:"]
@@ -67,7 +67,7 @@ def search_json(
                 "grad_accum": c.grad_accum,
                 "seq_len": c.seq_len,
                 "need_bytes": c.need,
-                "wire_sent_bytes": c.wire.sent,
+                "wire_sent_bytes_per_step": c.wire.sent_per_step(c.grad_accum),
                 **score(c),
                 "command": c.command(inputs),
             }

@@ -121,10 +121,17 @@ class WirePlan:
         """The least it could send for the same collectives (no padding)."""
         return sum(c.minimum for c in self.collectives)
 
-    def sent_over(self, group: str) -> int:
-        """Bytes sent over ``"inner"`` (dp_shard x cp) or ``"outer"`` (replica) groups."""
-        outer = group == "outer"
-        return sum(c.sent for c in self.collectives if (c.what == _ACROSS) == outer)
+    def sent_per_step(self, grad_accum: int) -> int:
+        """Bytes sent per optimizer step of ``grad_accum`` micro-batches.
+
+        The gathers of the forward and backward come with every micro-batch; the
+        rest once a step (mf-train runs the micro-batches before the last in ``no_sync``).
+        """
+        return sum(
+            c.sent
+            * (grad_accum if c.phase in ("forward", "backward") and c.what == "weights" else 1)
+            for c in self.collectives
+        )
 
     def as_dict(self) -> dict[str, object]:
         """The collectives and the totals, for JSON."""
