@@ -1,7 +1,7 @@
 """``mf-plan --search``: what it returns runs within the memory given, and its lines are mf-train's.
 
-The search plans the tiny preset on two GPUs with a memory cap between its
-configurations' peaks (so some fit and some do not); each configuration it
+The search plans the tiny preset on two GPUs with a memory cap below its
+configurations' peaks at the largest micro-batch; each configuration it
 returns then trains one step on two real gloo ranks, wrapped by mf-train's own
 sharding call under ``MemTracker`` (as ``test_peaks.py`` measures), and every
 rank's measured peak must be within the cap. Every command line it prints must
@@ -26,7 +26,9 @@ from mf.train.run.options import parse_options
 from tests._multiprocess import run_on_ranks
 
 _WORLD = 2
-_CAP = 4_000_000  # bytes: some configurations fit at micro-batch 4 x 64 tokens, some at 2 or 1
+# Bytes: without the allowance for the reduction buffers the search returns configurations
+# that run over this (ZeRO-1, two replicas, micro-batch 1: 2,894,464 bytes measured).
+_CAP = 2_800_000
 _ARGV = ["--model", "tiny", "--gpus", "2", "--micro-batch", "4", "--seq-len", "64", "--search"]
 _ARGV += ["--gpu-memory", repr(_CAP / (1 << 30))]
 
@@ -65,7 +67,8 @@ def test_what_the_search_returns_runs_within_the_memory_given(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     found = _search(capsys, *_ARGV)["configurations"]
-    assert {c["micro_batch"] for c in found} == {4, 2, 1}  # the cap binds (an H100: all 4)
+    assert found
+    assert max(c["micro_batch"] for c in found) < 4  # the cap binds (on an H100: 4)
     assert all(c["need_bytes"] <= _CAP for c in found)
     run_on_ranks(_rank_peaks, _WORLD, found, timeout=120)  # all of them, not only the top
 
