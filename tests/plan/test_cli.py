@@ -122,6 +122,7 @@ def _folders(tmp_path: Path) -> dict[str, Path]:
         (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node must be a positive int"),
         (["--gpus", "8", "--global-batch", "100"], "--global-batch 100: not a multiple of"),
         (["--gpus", "8", "--search", "--global-batch", "4"], "--global-batch 4: no micro-batch"),
+        (["--gpus", "8", "--search", "--cp", "2"], "--search with --cp 2: the search keeps"),
         (["--gpus", "8", "--gpu-memory", "8", "--device", "h200"], "not allowed with"),
         (["--model", "tiny"], "the following arguments are required: --gpus"),
         (["--gpus", "8", "--model", "{vision}"], "not a causal language model"),

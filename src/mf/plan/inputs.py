@@ -167,6 +167,12 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
             f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; "
             f"choose a multiple of {args.gpus_per_node}, or at most {args.gpus_per_node}"
         )
+    if args.search and (args.cp > 1 or args.activation_checkpointing):
+        given = f"--cp {args.cp}" if args.cp > 1 else "--activation-checkpointing"
+        raise ValueError(
+            f"--search with {given}: the search keeps --cp 1 (ring attention's activations "
+            "are not planned) and mf-train has no activation checkpointing; drop it"
+        )
     if args.tp > 1:
         # mf-tp's layers are made on their group's device, not on the meta device, and a
         # fake group has none: a 70B model's slices would be real host memory.
