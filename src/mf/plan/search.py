@@ -17,8 +17,10 @@ allowance for the reductions' staging (``mf.plan.wire``), fit the memory.
 For each (ZeRO, replicas), only the largest micro-batch that fits is kept: a
 larger micro-batch carries more tokens for the same weights' traffic, so it is
 never slower by the step-time estimate. The engine is built once per (ZeRO,
-replicas), and the activations are run once per micro-batch and reused across
-them. Pure planning: nothing is printed here.
+replicas), ZeRO-3 first; once something fits, ZeRO 1-2 are not built where the
+whole model's compute weights, which they keep, exceed the memory alone. The
+activations are run once per micro-batch and reused. Pure planning: nothing is
+printed here.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _micro_batches(inputs: PlanInputs, dp: int) -> list[int]:
-    """The micro-batches to try, largest first, and the global batch's share per rank."""
+    """The micro-batches to try, largest first (each dividing a rank's share of the batch)."""
     sizes = {inputs.micro_batch} | {1 << k for k in range(inputs.micro_batch.bit_length())}
     sizes = {m for m in sizes if m <= inputs.micro_batch}
     if inputs.global_batch is not None:
@@ -120,11 +122,11 @@ def _micro_batches(inputs: PlanInputs, dp: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def _shapes(inputs: PlanInputs) -> Iterator[tuple[int, int, int]]:
-    """(zero, dp_outer, cp) of every mesh and strategy the search tries (see the Note)."""
-    for dp_outer in _divisors(inputs.gpus):
-        for zero in (1, 2, 3):
-            yield zero, dp_outer, 1
+def _shapes(inputs: PlanInputs) -> Iterator[tuple[int, int]]:
+    """(zero, dp_outer) of every strategy and mesh the search tries, ZeRO-3 first."""
+    for zero in (3, 2, 1):
+        for dp_outer in _divisors(inputs.gpus):
+            yield zero, dp_outer
 
 
 def search(
@@ -138,35 +140,34 @@ def search(
         NoFitError: none fits; the message names the smallest memory that would, and where.
     """
     seq_len = planned_seq_len(source, inputs.seq_len)
-    engines: dict[tuple[int, int], tuple[ModelState, WirePlan]] = {}
-    activations: dict[tuple[int, int], Activations] = {}
+    whole = source.parameters * (4 if inputs.precision == "fp32" else 2)  # compute weights
+    activations: dict[int, Activations] = {}
     fitting: list[Candidate] = []
     smallest: Candidate | None = None
-    for zero, dp_outer, cp in _shapes(inputs):
-        if (zero, dp_outer) not in engines:
-            engines[zero, dp_outer] = plan_engine(
-                source, inputs.gpus, zero=zero, precision=inputs.precision, dp_outer=dp_outer
-            )
-        state, wire = engines[zero, dp_outer]
-        dp = inputs.gpus // cp
+    dp = inputs.gpus  # --cp 1, --tp 1
+    for zero, dp_outer in _shapes(inputs):
+        if zero < 3 and fitting and whole > inputs.device.memory_bytes:
+            continue  # ZeRO 1-2 keep the whole weights: it cannot fit, nor change the answer
+        state, wire = plan_engine(
+            source, inputs.gpus, zero=zero, precision=inputs.precision, dp_outer=dp_outer
+        )
         for micro_batch in _micro_batches(inputs, dp):
             acts = None
             if source.folder is None:
-                key = (micro_batch, seq_len // cp)
-                if key not in activations:
-                    activations[key] = plan_activations(
+                if micro_batch not in activations:
+                    activations[micro_batch] = plan_activations(
                         source,
                         micro_batch=micro_batch,
-                        seq_len=seq_len // cp,
+                        seq_len=seq_len,
                         precision=inputs.precision,
                         checkpointing=False,
                     )
-                acts = activations[key]
+                acts = activations[micro_batch]
             total = inputs.global_batch or micro_batch * dp
             candidate = Candidate(
                 zero,
                 dp_outer,
-                cp,
+                1,
                 micro_batch,
                 total // (micro_batch * dp),
                 seq_len,
