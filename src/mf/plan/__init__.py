@@ -14,7 +14,11 @@ does not know the planner exists. Its modules, one job each::
     model_state  the engine built at world N: parameter, gradient and optimizer bytes per rank
     activations  one micro-batch's forward and backward on fake tensors under MemTracker
     phases       bytes per rank after the wrap, at the forward and backward peaks, at the step
+    wire         the step's collectives per rank, from the engine's buckets, against the minimum
+    step_time    an estimate of a step from the device's figures and the engine's overlap
+    search       the mf-train configurations that fit, best first (``--search``)
     report       the plan as a table for people and as JSON for tools
+    search_report  --search's answer: a table and ready mf-train command lines
     cli          ``mf-plan``: inputs -> plan -> report, exit 2 on bad input
 """
 

@@ -2,9 +2,9 @@
 
 Figures are the vendors' published ones for dense bf16 work and the usual
 server builds (8 GPUs a node joined by NVLink, one 400 Gb/s InfiniBand port per
-GPU between nodes), so every plan says which numbers it assumed. Only the memory
-decides what fits today; the FLOP/s and link figures are stated for the step-time
-estimate that is yet to come (docs/planning.md). This module computes nothing.
+GPU between nodes), so every plan says which numbers it assumed. The memory
+decides what fits; the FLOP/s and link figures feed the step-time estimate
+(``mf.plan.step_time``). This module computes nothing.
 """
 
 from __future__ import annotations

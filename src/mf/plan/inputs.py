@@ -38,6 +38,9 @@ class PlanInputs:
         activation_checkpointing: each layer recomputes its activations in the backward.
         rank: the rank whose bytes are planned.
         json: print JSON instead of the table.
+        search: rank the configurations that fit instead of planning one.
+        global_batch: sequences per optimizer step over all ranks (None: one micro-batch each).
+        gpus_per_node: GPUs a node joins by NVLink (the step-time estimate's links).
     """
 
     model: str
@@ -53,6 +56,9 @@ class PlanInputs:
     activation_checkpointing: bool
     rank: int
     json: bool
+    search: bool = False
+    global_batch: int | None = None
+    gpus_per_node: int = 8
 
     @property
     def dp_shard(self) -> int:
@@ -82,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
         "(only its config.json is read)",
     )
     add("--gpus", type=int, required=True, help="GPUs of the run, one rank each")
+    add(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs of a node, joined by NVLink (nodes are joined by the network)",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--device", choices=sorted(DEVICES), default="h100", help="the GPU, by name")
     where.add_argument(
@@ -114,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each layer saves only its input and recomputes the rest in the backward",
     )
+    add(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step over all ranks; --search makes it up with "
+        "--grad-accum (default: one micro-batch per data-parallel rank)",
+    )
+    add(
+        "--search",
+        action="store_true",
+        help="rank the mf-train configurations that fit (--zero, --dp-outer, --cp, "
+        "--micro-batch up to the one given) and print the best as mf-train command lines",
+    )
     add("--rank", type=int, default=0, help="the rank whose bytes are planned")
     add("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -126,9 +151,9 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         ValueError: one line naming the option, the value and what is expected.
     """
     args = _parser().parse_args(argv)
-    for name in ("gpus", "tp", "cp", "dp_outer", "micro_batch"):
+    for name in ("gpus", "gpus_per_node", "tp", "cp", "dp_outer", "micro_batch", "global_batch"):
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
     model_parallel = args.tp * args.cp
     if args.gpus % model_parallel or (args.gpus // model_parallel) % args.dp_outer:
@@ -136,6 +161,17 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
             f"--gpus {args.gpus}: no mesh of --tp {args.tp} x --cp {args.cp} x --dp-outer "
             f"{args.dp_outer} x dp divides it; choose a GPU count that is a multiple of "
             f"{model_parallel * args.dp_outer}"
+        )
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ValueError(
+            f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; "
+            f"choose a multiple of {args.gpus_per_node}, or at most {args.gpus_per_node}"
+        )
+    if args.search and (args.cp > 1 or args.activation_checkpointing):
+        given = f"--cp {args.cp}" if args.cp > 1 else "--activation-checkpointing"
+        raise ValueError(
+            f"--search with {given}: the search keeps --cp 1 (ring attention's activations "
+            "are not planned) and mf-train has no activation checkpointing; drop it"
         )
     if args.tp > 1:
         # mf-tp's layers are made on their group's device, not on the meta device, and a
@@ -164,4 +200,7 @@ def parse_inputs(argv: Sequence[str]) -> PlanInputs:
         activation_checkpointing=args.activation_checkpointing,
         rank=args.rank,
         json=args.json,
+        search=args.search,
+        global_batch=args.global_batch,
+        gpus_per_node=args.gpus_per_node,
     )

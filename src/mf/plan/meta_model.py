@@ -24,7 +24,7 @@ from mf.train.sources.model_folder import (
     unit_classes,
 )
 
-__all__ = ["ModelSource", "meta_model", "model_source"]
+__all__ = ["ModelSource", "meta_model", "model_source", "planned_seq_len"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +80,22 @@ def meta_model(source: ModelSource) -> tuple[nn.Module, list[type[nn.Module]]]:
         return module, unit_classes(module.lm)
     with meta:
         return GPT(PRESETS[source.name]), [Block]
+
+
+def planned_seq_len(source: ModelSource, seq_len: int | None) -> int:
+    """``--seq-len``, or the model's positions as mf-train on a GPU uses them.
+
+    Raises:
+        ValueError: one line: a length outside the model's positions.
+    """
+    if source.folder is not None:
+        positions = source.folder.positions
+    else:
+        positions = PRESETS[source.name].seq_len
+    planned = positions if seq_len is None else seq_len
+    if not 0 < planned <= positions:
+        raise ValueError(
+            f"--seq-len must be in [1, {positions}] (the {source.name!r} model's positions), "
+            f"got {planned}"
+        )
+    return planned

@@ -40,10 +40,11 @@ from torch.distributed.tensor import DTensor
 
 from mf.plan.fake_world import fake_world
 from mf.plan.meta_model import ModelSource, meta_model
+from mf.plan.wire import WirePlan, plan_wire
 from mf.train.rank.setup import shard_module, train_mesh
 from mf_fsdp import MegatronFSDP
 
-__all__ = ["OPTIMIZER_STATES", "ModelState", "OptimizerRule", "plan_model_state"]
+__all__ = ["OPTIMIZER_STATES", "ModelState", "OptimizerRule", "plan_engine", "plan_model_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,31 @@ def plan_model_state(
     Raises:
         ValueError: ``optimizer`` is not one of ``OPTIMIZER_STATES``.
     """
+    state, _ = plan_engine(
+        source,
+        world,
+        zero=zero,
+        precision=precision,
+        cp=cp,
+        dp_outer=dp_outer,
+        optimizer=optimizer,
+        rank=rank,
+    )
+    return state
+
+
+def plan_engine(
+    source: ModelSource,
+    world: int,
+    *,
+    zero: int,
+    precision: str,
+    cp: int = 1,
+    dp_outer: int = 1,
+    optimizer: str = "adamw",
+    rank: int = 0,
+) -> tuple[ModelState, WirePlan]:
+    """``plan_model_state``'s bytes and the step's collectives (``mf.plan.wire``), one build."""
     rule = OPTIMIZER_STATES.get(optimizer)
     if rule is None:
         raise ValueError(
@@ -136,29 +162,36 @@ def plan_model_state(
         model, _ = shard_module(
             module, [], mesh, units, zero=zero, precision=precision, device=torch.device("meta")
         )
-        kept = model.memory_footprint()
-        grads = _grads_at_step(model)
-        stats = model.bucket_stats()
-        gathered: dict[str, int] = defaultdict(int)
-        for s in stats:
-            gathered[s.unit_name] += s.padded_numel * s.dtype.itemsize
-        root = gathered.pop("", 0)
-        largest = [*sorted(gathered.values(), reverse=True), 0, 0] if zero == 3 else [0, 0]
-        numel = sum(s.numel for s in stats)
-        padded = sum(s.padded_numel for s in stats)
-        return ModelState(
-            rank=rank,
-            world=world,
-            params=kept["params"],
-            main_params=kept["main_params"],
-            grads=grads,
-            optimizer_state=_optimizer_state(model.parameters(), rule),
-            gathered_unit=largest[0],
-            gathered_next=largest[1],
-            gathered_root=root if zero == 3 else 0,
-            buckets=len(stats),
-            padding_fraction=1 - numel / padded if padded else 0.0,
-        )
+        return _read_state(model, rule, zero, rank, world), plan_wire(model, zero)
+
+
+def _read_state(
+    model: MegatronFSDP, rule: OptimizerRule, zero: int, rank: int, world: int
+) -> ModelState:
+    """The model state of the built engine ``model`` (see [Note: the engine sizes itself])."""
+    kept = model.memory_footprint()
+    grads = _grads_at_step(model)
+    stats = model.bucket_stats()
+    gathered: dict[str, int] = defaultdict(int)
+    for s in stats:
+        gathered[s.unit_name] += s.padded_numel * s.dtype.itemsize
+    root = gathered.pop("", 0)
+    largest = [*sorted(gathered.values(), reverse=True), 0, 0] if zero == 3 else [0, 0]
+    numel = sum(s.numel for s in stats)
+    padded = sum(s.padded_numel for s in stats)
+    return ModelState(
+        rank=rank,
+        world=world,
+        params=kept["params"],
+        main_params=kept["main_params"],
+        grads=grads,
+        optimizer_state=_optimizer_state(model.parameters(), rule),
+        gathered_unit=largest[0],
+        gathered_next=largest[1],
+        gathered_root=root if zero == 3 else 0,
+        buckets=len(stats),
+        padding_fraction=1 - numel / padded if padded else 0.0,
+    )
 
 
 def _grads_at_step(model: MegatronFSDP) -> int:

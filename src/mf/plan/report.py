@@ -17,13 +17,15 @@ from mf.plan.inputs import PlanInputs
 from mf.plan.meta_model import ModelSource
 from mf.plan.model_state import ModelState
 from mf.plan.phases import PhaseBytes
+from mf.plan.step_time import MFU, StepTime
+from mf.plan.wire import WirePlan
 
 __all__ = ["NOT_PREDICTED", "plan_json", "plan_table"]
 
 NOT_PREDICTED = (
     "the engine's pooled reduction buffers and the optimizer's temporaries",
     "the allocator's slack",
-    "bytes on the wire and step time",
+    "ring attention's exchanges under --cp",
 )
 """What a plan leaves out today (docs/planning.md)."""
 
@@ -73,12 +75,42 @@ def _phase_lines(activations: Activations, phases: PhaseBytes) -> list[str]:
     ]
 
 
+def _wire_lines(wire: WirePlan) -> list[str]:
+    lines = [
+        "",
+        f"{'on the wire per step (rank)':<38}{'calls':>6} {'ranks':>5} {'dtype':>8} {'sent':>15} "
+        f"{'minimum':>15}",
+    ]
+    for c in wire.collectives:
+        name = f"{c.phase}: {c.what}"
+        lines.append(
+            f"  {name:<36}{c.calls:>6} {c.ranks:>5} {c.dtype:>8} {c.sent:>15,d} {c.minimum:>15,d}"
+            f"   {c.op.replace('_', '-')}"
+        )
+    lines.append(f"  {'sent by this rank':<36}{'':>21} {wire.sent:>15,d} {wire.minimum:>15,d}")
+    return lines
+
+
+def _step_lines(step: StepTime | None) -> list[str]:
+    if step is None:
+        return ["", "step time: no estimate (the device's FLOP/s and links are not known)"]
+    return [
+        "",
+        f"step time, an ESTIMATE (MFU {MFU:g} of peak, ring collectives at the links' "
+        "bandwidth, overlapped as the engine runs them)",
+        f"  compute {step.compute_s * 1e3:,.1f} ms, communication {step.communication_s * 1e3:,.1f}"
+        f" ms, step {step.step_s * 1e3:,.1f} ms: {step.tokens_per_s:,.0f} tokens/s",
+    ]
+
+
 def plan_table(
     inputs: PlanInputs,
     source: ModelSource,
     state: ModelState,
     activations: Activations | None = None,
     phases: PhaseBytes | None = None,
+    wire: WirePlan | None = None,
+    step: StepTime | None = None,
 ) -> str:
     """The plan as a table: settings, bytes per rank by kind and by phase, and whether they fit."""
     compute = "fp32" if inputs.precision == "fp32" else "bf16"
@@ -105,6 +137,9 @@ def plan_table(
     lines += [_row(name, value) for name, value in rows]
     if activations is not None and phases is not None:
         lines += _phase_lines(activations, phases)
+    if wire is not None:
+        lines += _wire_lines(wire)
+        lines += _step_lines(step)
     memory = inputs.device.memory_bytes
     need = _need(state, phases)
     what = "model state" if phases is None else "peak"
@@ -124,6 +159,8 @@ def plan_json(
     state: ModelState,
     activations: Activations | None = None,
     phases: PhaseBytes | None = None,
+    wire: WirePlan | None = None,
+    step: StepTime | None = None,
 ) -> str:
     """The plan as one JSON object (bytes as integers; ``null`` where not planned)."""
     document: dict[str, Any] = {
@@ -135,6 +172,7 @@ def plan_json(
             "peak_tflops": inputs.device.peak_tflops,
             "nvlink_gbps": inputs.device.nvlink_gbps,
             "network_gbps": inputs.device.network_gbps,
+            "gpus_per_node": inputs.gpus_per_node,
         },
         "settings": {
             "zero": inputs.zero,
@@ -152,6 +190,8 @@ def plan_json(
         "model_state_fits": state.held + state.gathered_unit <= inputs.device.memory_bytes,
         "activations": None if activations is None else activations.as_dict(),
         "phases": None if phases is None else phases.as_dict(),
+        "wire": None if wire is None else wire.as_dict(),
+        "step_time_estimate": None if step is None else step.as_dict(),
         "fits": _need(state, phases) <= inputs.device.memory_bytes,
         "not_predicted": _not_predicted(phases),
     }
