@@ -27,6 +27,7 @@ from mf.train.exports.example_folder import make_llama_folder
 from mf.train.run.cli import main as cli_main
 from mf.train.run.options import parse_options
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.train.exports.chat_data import fixed_answer_chats
 
 preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "tokenizers", "peft")
 
@@ -144,6 +145,29 @@ def test_lora_at_world_2_equals_one_process_and_exports(llama: Path, tmp_path: P
     assert max(norms) > 0.3
     _check_checkpoint(llama, tmp_path / "ckpt2" / f"step_{STEPS:07d}")
     _check_exports(llama, two, tmp_path / "logits.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_lora_on_chat_data_exports_what_peft_loads(chatml: Path, tmp_path: Path) -> None:
+    """LoRA takes conversations as full tuning does (the loss on the answers); at world 2
+    the adapter loads onto the folder's model with peft and gives mf's logits, and the
+    merged folder keeps the chat template and stops at its end-of-turn token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = fixed_answer_chats(tmp_path / "chat.jsonl", 24)
+    argv = [*_COMMON, "--model", str(chatml), "--data", str(data), "--seq-len", "64"]
+    argv += ["--merge", "--nproc", "2", "--out-dir", str(tmp_path / "out")]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt")]
+    run_on_ranks(_rank_train, 2, argv, str(tmp_path / "logits.pt"), timeout=200)
+    losses = _losses(tmp_path / "out")
+    assert losses[-1] < losses[0]
+    _check_exports(chatml, tmp_path / "out", tmp_path / "logits.pt")
+    merged = tmp_path / "out" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(merged, local_files_only=True)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(chatml).chat_template
+    stops = AutoModelForCausalLM.from_pretrained(merged).generation_config.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
 
 
 def _rank_frozen(rank: int, world: int, argv: list[str]) -> None:
