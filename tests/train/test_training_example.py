@@ -1,6 +1,7 @@
-"""docs/training.md's worked example runs as written: a Llama folder made locally, fine-tuned
+"""docs/training.md's worked examples run as written: a Llama folder made locally, fine-tuned
 by ``mf-train --model PATH`` with ``--tensorboard`` and ``--profile``, loaded back in
-transformers and generating.
+transformers and generating; and the same folder chat-tuned with ``--chat-template``,
+answering through its template in ``mf-sample --chat`` and in transformers.
 
 The page's blocks between its ``worked-example`` markers are run in order in a fresh
 folder: each ``uv run`` command as the same command in this interpreter (``uv run X`` is
@@ -22,13 +23,12 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 PAGE = ROOT / "docs" / "training.md"
-_BEGIN, _END = "<!-- worked-example:", "<!-- end of worked-example -->"
 
 
-def _example_blocks() -> list[tuple[str, str]]:
-    """(language, code) of each fenced block between the page's markers, in order."""
+def _example_blocks(name: str = "worked-example") -> list[tuple[str, str]]:
+    """(language, code) of each fenced block between the page's ``name`` markers, in order."""
     text = PAGE.read_text()
-    section = text[text.index(_BEGIN) : text.index(_END)]
+    section = text[text.index(f"<!-- {name}:") : text.index(f"<!-- end of {name} -->")]
     return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
 
 
@@ -42,6 +42,8 @@ def _commands(code: str) -> list[list[str]]:
         program = words[2:]
         if program[0] == "mf-train":
             program = ["-m", "mf.train.run.cli", *program[1:]]
+        elif program[0] == "mf-sample":
+            program = ["-m", "mf.train.exports.sample", *program[1:]]
         elif program[0] == "python":
             program = program[1:]
         else:
@@ -91,3 +93,23 @@ def test_worked_example_runs_as_written(tmp_path: Path) -> None:
     for rank in (0, 1):
         trace = json.loads((run / "profile" / f"rank{rank}.json").read_text())
         assert trace["traceEvents"], rank
+
+
+@pytest.mark.multiprocess  # mf-train starts 2 ranks
+@pytest.mark.timeout(600)
+def test_chat_example_answers_as_written(tmp_path: Path) -> None:
+    """The chat example: its data script, its commands, then the transformers script.
+
+    ``mf-sample --chat`` prints the answer to its question and ``answer.py`` the
+    answer to its own, each alone: generation stopped at the end of the turn.
+    """
+    blocks = _example_blocks("chat-example")
+    assert [language for language, _ in blocks] == ["python", "bash", "python"]
+    (tmp_path / "make_chat.py").write_text(blocks[0][1])
+    outputs = [_run(argv, tmp_path) for argv in _commands(blocks[1][1])]
+    assert outputs[-1] == "Rome.\n"  # mf-sample --chat "What is the capital of Italy?"
+    (tmp_path / "answer.py").write_text(blocks[2][1])
+    assert _run([sys.executable, "answer.py"], tmp_path) == "Madrid.\n"
+    run = tmp_path / "runs" / "llama-chat-ft"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < 0.1 * metrics[0]["loss"]  # it learnt the answers

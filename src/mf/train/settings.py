@@ -62,6 +62,7 @@ class TrainOptions:
     base_dtype: str = "fp32"
     merge: bool = False
     step_in_backward: bool = False
+    max_grad_norm: float = 1.0
 
     @property
     def use_cuda(self) -> bool:

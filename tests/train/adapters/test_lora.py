@@ -2,7 +2,8 @@
 
 A tiny Llama folder (``mf.train.exports.example_folder``) is fine-tuned with rank-4
 adapters on every attention and MLP projection, at world 2 (ZeRO-3) and on one
-process, fp32: the losses agree to 1e-5 over 6 steps (the two ranks reduce their
+process, fp32: the losses and the adapters' gradient norms (clipped at 0.3) agree
+to 1e-5 over 6 steps (the two ranks reduce their
 gradients in another order than one backward; a wrong row, a missing adapter
 or a base that moves shifts them at O(1e-3) or more). The final checkpoint's
 bases equal the folder's files bitwise and every adapter moved. The exported
@@ -26,6 +27,7 @@ from mf.train.exports.example_folder import make_llama_folder
 from mf.train.run.cli import main as cli_main
 from mf.train.run.options import parse_options
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.train.exports.chat_data import fixed_answer_chats
 
 preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "tokenizers", "peft")
 
@@ -41,9 +43,10 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llama_folder(tmp_path_factory.mktemp("folders") / "llama")
 
 
-def _losses(out_dir: Path) -> list[float]:
+def _losses(out_dir: Path, metric: str = "loss") -> list[float]:
+    """A metric of every step of the run in ``out_dir`` (its loss by default)."""
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [json.loads(line)[metric] for line in lines]
 
 
 def _rank_train(rank: int, world: int, argv: list[str], logits_file: str | None) -> None:
@@ -124,7 +127,7 @@ def test_lora_at_world_2_equals_one_process_and_exports(llama: Path, tmp_path: P
     (``.default.`` kept, which peft still loads) fails the key check;
     ``base_file_name`` leaving ``.base_layer.`` in stops the load in one line.
     """
-    argv = [*_COMMON, "--model", str(llama), "--merge"]
+    argv = [*_COMMON, "--model", str(llama), "--merge", "--max-grad-norm", "0.3"]
     two = tmp_path / "two"
     run_argv = [*argv, "--nproc", "2", "--out-dir", str(two), "--ckpt-dir", str(tmp_path / "ckpt2")]
     run_on_ranks(_rank_train, 2, run_argv, str(tmp_path / "logits.pt"), timeout=200)
@@ -136,8 +139,35 @@ def test_lora_at_world_2_equals_one_process_and_exports(llama: Path, tmp_path: P
     assert len(losses) == STEPS
     assert losses == pytest.approx(_losses(one), rel=RTOL)
     assert losses[-1] < losses[0]
+    # The adapters' norm over both ranks, clipped alike (--max-grad-norm 0.3 is reached).
+    norms = _losses(two, "grad_norm")
+    assert norms == pytest.approx(_losses(one, "grad_norm"), rel=RTOL)
+    assert max(norms) > 0.3
     _check_checkpoint(llama, tmp_path / "ckpt2" / f"step_{STEPS:07d}")
     _check_exports(llama, two, tmp_path / "logits.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_lora_on_chat_data_exports_what_peft_loads(chatml: Path, tmp_path: Path) -> None:
+    """LoRA takes conversations as full tuning does (the loss on the answers); at world 2
+    the adapter loads onto the folder's model with peft and gives mf's logits, and the
+    merged folder keeps the chat template and stops at its end-of-turn token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = fixed_answer_chats(tmp_path / "chat.jsonl", 24)
+    argv = [*_COMMON, "--model", str(chatml), "--data", str(data), "--seq-len", "64"]
+    argv += ["--merge", "--nproc", "2", "--out-dir", str(tmp_path / "out")]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt")]
+    run_on_ranks(_rank_train, 2, argv, str(tmp_path / "logits.pt"), timeout=200)
+    losses = _losses(tmp_path / "out")
+    assert losses[-1] < losses[0]
+    _check_exports(chatml, tmp_path / "out", tmp_path / "logits.pt")
+    merged = tmp_path / "out" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(merged, local_files_only=True)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(chatml).chat_template
+    stops = AutoModelForCausalLM.from_pretrained(merged).generation_config.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
 
 
 def _rank_frozen(rank: int, world: int, argv: list[str]) -> None:

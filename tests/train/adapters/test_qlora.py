@@ -1,7 +1,8 @@
 """``mf-train --lora-rank R --base-dtype nf4``: QLoRA on a model folder, each rank its rows.
 
 One launch at world 2 (ZeRO-3) on a tiny Llama folder whose projections split
-into whole NF4 scaler blocks (hidden 256), fp32 compute:
+into whole NF4 scaler blocks (hidden 256), fp32 compute, on conversations rendered
+by ``--chat-template`` (the data full tuning and LoRA take, loss on the answers):
 
 - every rank's NF4 shard of every base equals the matching piece of torchao's
   ``to_nf4`` of the whole (bf16) weight, bitwise, scaler mean included; so does
@@ -31,6 +32,8 @@ from mf.train.exports.example_folder import make_llama_folder
 from mf.train.run.cli import main as cli_main
 from mf.train.run.options import parse_options
 from tests._multiprocess import preload_in_ranks, run_on_ranks
+from tests.train.data.chat_folders import CHATML
+from tests.train.exports.chat_data import fixed_answer_chats
 
 preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "tokenizers", "peft")
 pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
@@ -126,7 +129,8 @@ def _rank_qlora(rank: int, world: int, folder: str, tmp: str) -> None:
     from mf_fsdp.engine.megatron_fsdp import owner_of
 
     _check_uneven_rows(rank)
-    base = [*_COMMON, "--model", folder]
+    base = [*_COMMON, "--model", folder, "--data", f"{tmp}/chat.jsonl", "--seq-len", "128"]
+    base += ["--chat-template", f"{tmp}/chatml.jinja"]
     argv = [*base, "--out-dir", f"{tmp}/run", "--ckpt-dir", f"{tmp}/ckpt"]
     options = parse_options([*argv, "--save-every", "3", "--merge"])
     train(options)
@@ -208,6 +212,8 @@ def test_qlora_at_world_2(llama: Path, tmp_path: Path) -> None:
     ``make_bases_nf4`` skipped (fp32 bases) fails the count of NF4 shards (0, not
     14); ``--merge`` into the folder's original bases fails the 2e-3 logits check
     (0.69 off)."""
+    fixed_answer_chats(tmp_path / "chat.jsonl", 24)
+    (tmp_path / "chatml.jinja").write_text(CHATML)
     run_on_ranks(_rank_qlora, 2, str(llama), str(tmp_path), timeout=280)
     losses = _losses(tmp_path / "run")
     assert len(losses) == STEPS

@@ -11,10 +11,15 @@ its loss the mean over all their answer tokens: the losses of 4 steps to 1e-5
 and the exported weights to 1e-5. The reference gives transformers the rows'
 restarted positions only, and transformers keeps the packed examples apart itself
 (``find_packed_sequence_indices``; only without a cache: ``use_cache=False``),
-independently of mf's mask.
+independently of mf's mask. The gradients are clipped (``--max-grad-norm``, below
+every step's norm, so each step is clipped): the logged ``grad_norm`` equals the
+reference's total norm before clipping to 1e-5, and the clipped updates are in
+the weights.
 
 Planted: each micro-batch's own mean divided by ``--grad-accum`` (the loss
 before global normalisation) misses the first loss by 2e-3 and the fourth by 12%.
+Each rank clipping by its own shard's norm (no reduction over the ranks) misses
+the logged norms and the second loss.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ STEPS = 4
 TOLERANCE = 1e-5
 _COMMON = ["--device", "cpu", "--precision", "fp32", "--seq-len", "96", "--lr", "0.5"]
 _COMMON += ["--steps", str(STEPS), "--eval-every", "2", "--sample-tokens", "0", "--no-plot"]
+_COMMON += ["--max-grad-norm", "0.5"]
 _VARIANTS = {
     "accum2": ["--zero", "3", "--grad-accum", "2", "--micro-batch", "1"],
     "zero0": ["--zero", "0", "--grad-accum", "2", "--micro-batch", "1"],
@@ -58,8 +64,14 @@ def _rank_variants(rank: int, world: int, argv: list[str], root: str) -> None:
         train(parse_options([*argv, *folders, *extra]))
 
 
-def _reference(folder: Path, argv: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' model on one process, SGD on the mean over the global batch's answers."""
+def _reference(
+    folder: Path, argv: list[str]
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """transformers' model on one process, SGD on the mean over the global batch's answers.
+
+    Its gradients clipped by torch's ``clip_grad_norm_``; returns the losses, the
+    norms before clipping and the weights.
+    """
     from transformers import AutoModelForCausalLM
 
     from mf.train.data.run_data import training_data
@@ -69,7 +81,7 @@ def _reference(folder: Path, argv: list[str]) -> tuple[list[float], dict[str, to
     data, _ = training_data(options)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=options.lr)
-    losses, counts = [], set()
+    losses, norms, counts = [], [], set()
     for step in range(STEPS):
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(options, step)
@@ -79,11 +91,14 @@ def _reference(folder: Path, argv: list[str]) -> tuple[list[float], dict[str, to
         logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # ignores -100
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        norms.append(norm.item())
     assert all(len(set(rows)) > 1 for rows in counts)  # unequal answer counts per row
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    assert min(norms) > options.max_grad_norm  # every step clipped
+    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.multiprocess
@@ -96,12 +111,14 @@ def test_world_2_and_grad_accum_equal_one_process_on_the_global_batch(
     data = random_conversations(tmp_path / "chat.jsonl", 20)
     argv = [*_COMMON, "--model", str(chatml), "--data", str(data), "--save-every", "0"]
     run_on_ranks(_rank_variants, 2, [*argv, "--nproc", "2"], str(tmp_path), timeout=280)
-    losses, weights = _reference(chatml, argv)
+    losses, norms, weights = _reference(chatml, argv)
     assert min(losses[1:]) < losses[0]  # it learns (each step sees other rows)
     for name in _VARIANTS:
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         got = [json.loads(line)["loss"] for line in lines]
         assert got == pytest.approx(losses, rel=TOLERANCE), name
+        logged = [json.loads(line)["grad_norm"] for line in lines]
+        assert logged == pytest.approx(norms, rel=TOLERANCE), name
         exported = load_file(tmp_path / name / "model" / "model.safetensors")
         for key, value in weights.items():
             if key in exported:

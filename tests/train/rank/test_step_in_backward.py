@@ -28,7 +28,7 @@ preload_in_ranks("transformers", "transformers.models.llama.modeling_llama", "to
 STEPS = 6
 _COMMON = ["--device", "cpu", "--seq-len", "32", "--micro-batch", "2", "--steps", str(STEPS)]
 _COMMON += ["--eval-every", "3", "--sample-tokens", "0", "--no-plot", "--precision", "fp32"]
-_COMMON += ["--lr", "1e-2"]
+_COMMON += ["--lr", "1e-2", "--max-grad-norm", "0"]  # the step in the backward clips none
 
 
 def _losses(out_dir: Path) -> list[float]:
@@ -140,6 +140,12 @@ def test_folder_step_in_backward_equals_the_normal_step_and_resumes(tmp_path: Pa
             ["--optimizer", "muon"],
             "--step-in-backward with --optimizer muon: each bucket is stepped on its own, which "
             "only an elementwise optimizer computes as one step of all; use --optimizer adamw",
+        ),
+        (
+            [],
+            "--step-in-backward with --max-grad-norm 1.0: each bucket is stepped inside the "
+            "backward, before the gradients' total norm is known, so none can be clipped; pass "
+            "--max-grad-norm 0 (clipping is on by default)",
         ),
     ],
 )

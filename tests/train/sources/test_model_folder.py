@@ -3,8 +3,9 @@
 A tiny Llama folder (``mf.train.exports.example_folder``: random weights, a BPE tokenizer trained on
 a few KB of the built-in corpus; nothing downloaded) is fine-tuned at world 2 with
 ZeRO-3 in fp32 and compared with one process running transformers' own model,
-loaded with ``from_pretrained``, through the same batches, learning rates and AdamW:
-losses to 1e-5 over 8 steps. Each rank reads only its own rows from the
+loaded with ``from_pretrained``, through the same batches, learning rates, gradient
+clipping (the default ``--max-grad-norm 1``, reached at some steps) and AdamW: losses
+and the logged gradient norms to 1e-5 over 8 steps. Each rank reads only its own rows from the
 safetensors file. The run's export loads with ``from_pretrained`` in a fresh
 process, and its logits equal the mf model's (its last checkpoint, sharded) on
 the same tokens to 1e-5. A run resumed mid-epoch gives the unbroken run's losses.
@@ -55,9 +56,10 @@ def _jsonl(path: Path, documents: int) -> Path:
     return path
 
 
-def _losses(out_dir: Path) -> list[float]:
+def _losses(out_dir: Path, metric: str = "loss") -> list[float]:
+    """A metric of every step of the run in ``out_dir`` (its loss by default)."""
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [json.loads(line)[metric] for line in lines]
 
 
 def _rank_train(rank: int, world: int, argv: list[str], logits_file: str | None) -> None:
@@ -88,10 +90,11 @@ def _save_mf_logits(options, logits_file: str) -> None:
         torch.save({"tokens": tokens, "logits": logits}, logits_file)
 
 
-def _reference_losses(llama: Path, argv: list[str]) -> tuple[list[float], int]:
-    """transformers' own model on one process: the same batches, schedule and AdamW.
+def _reference_losses(llama: Path, argv: list[str]) -> tuple[list[float], list[float], int]:
+    """transformers' own model on one process: the same batches, schedule, clipping and AdamW.
 
-    Also returns the number of training sequences the corpus packs into.
+    Returns the losses, the gradient norms before clipping and the number of
+    training sequences the corpus packs into.
     """
     from transformers import AutoModelForCausalLM
 
@@ -103,17 +106,18 @@ def _reference_losses(llama: Path, argv: list[str]) -> tuple[list[float], int]:
     data, _ = training_data(options)
     model = CausalLM(AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.1)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(options, step)
         inputs, targets = data.batch("train", step, options.seed, 0, 1, 4, options.seq_len)
         loss = model(inputs, targets)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, (len(data.train) - 1) // options.seq_len
+    return losses, norms, (len(data.train) - 1) // options.seq_len
 
 
 _EXPORT_LOGITS = """
@@ -149,8 +153,10 @@ def test_folder_fine_tune_at_world_2_equals_transformers_and_exports(
     logits_file = str(tmp_path / "mf_logits.pt")
     run_on_ranks(_rank_train, 2, run_argv, logits_file, timeout=200)
     losses = _losses(tmp_path / "a")
-    reference, sequences = _reference_losses(llama, argv)
+    reference, norms, sequences = _reference_losses(llama, argv)
     assert losses == pytest.approx(reference, rel=RTOL)
+    assert max(norms) > 1.0  # clipped at some steps
+    assert _losses(tmp_path / "a", "grad_norm") == pytest.approx(norms, rel=RTOL)
     assert 8 < sequences < 4 * 4  # step 4 is in the second epoch
     assert losses[-1] < losses[0]
     exported = tmp_path / "a" / "model"
@@ -200,7 +206,8 @@ BF16_RTOL = 1e-2
 @pytest.mark.timeout(240)
 def test_folder_fine_tune_zero_0_to_2_hsdp_and_bf16(llama: Path, tmp_path: Path) -> None:
     """ZeRO 0, 1, 2, HSDP (``--dp-outer 2``) and ``--cp 2`` (mf's context parallelism
-    serving the model's SDPA calls) follow transformers' model to 1e-5; bf16 compute
+    serving the model's SDPA calls) follow transformers' model to 1e-5, their logged
+    gradient norms too; bf16 compute
     (fp32 main weights) to 1e-2, its 8-bit mantissa's rounding over 8 steps.
 
     Planted: weights written into the main shards but never installed into the
@@ -210,10 +217,11 @@ def test_folder_fine_tune_zero_0_to_2_hsdp_and_bf16(llama: Path, tmp_path: Path)
     argv = [*_COMMON, "--model", str(llama), "--data", str(data), "--text-field", "body"]
     argv += ["--save-every", "0"]
     run_on_ranks(_rank_variants, 2, argv, str(tmp_path), timeout=200)
-    reference, _ = _reference_losses(llama, argv)
+    reference, norms, _ = _reference_losses(llama, argv)
     for name in _VARIANTS:
         rtol = BF16_RTOL if name == "bf16" else RTOL
         assert _losses(tmp_path / name) == pytest.approx(reference, rel=rtol), name
+        assert _losses(tmp_path / name, "grad_norm") == pytest.approx(norms, rel=rtol), name
 
 
 def _cli(argv: list[str]) -> tuple[int, list[str]]:

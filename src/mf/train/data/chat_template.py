@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["use_chat_template"]
+__all__ = ["read_chat_template", "use_chat_template"]
 
 
 def use_chat_template(tokenizer: Any, template_file: str | None, data: str, shape: str) -> None:
@@ -23,15 +23,24 @@ def use_chat_template(tokenizer: Any, template_file: str | None, data: str, shap
             tokenizer with no chat template.
     """
     if template_file is not None:
-        try:
-            tokenizer.chat_template = Path(template_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(
-                f"--chat-template {template_file!r}: cannot read it as UTF-8 text ({error})"
-            ) from None
+        tokenizer.chat_template = read_chat_template(template_file)
     if not tokenizer.chat_template:
         raise ValueError(
             f"--data {data!r} holds {shape} data, but the model folder has no chat template "
             "(chat_template in tokenizer_config.json, or chat_template.jinja) to render it; "
             "give one with --chat-template FILE"
         )
+
+
+def read_chat_template(template_file: str) -> str:
+    """The Jinja text of ``--chat-template FILE``.
+
+    Raises:
+        ValueError: one line: the file cannot be read as UTF-8 text.
+    """
+    try:
+        return Path(template_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"--chat-template {template_file!r}: cannot read it as UTF-8 text ({error})"
+        ) from None

@@ -8,8 +8,10 @@ run's ``LoraConfig``, its base the folder), so
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)``
 loads it. With ``--merge`` it also writes ``<out-dir>/model/``: the base with the
 adapter merged by peft's ``merge_and_unload``, a plain transformers folder with
-the tokenizer. A QLoRA run (``--base-dtype nf4``) merges into its NF4 bases,
-dequantized: the weights it was trained against.
+the tokenizer and the chat template the run rendered with, its generation config
+stopping at the template's end of turn (``chat_export``). A QLoRA run
+(``--base-dtype nf4``) merges into its NF4 bases, dequantized: the weights it
+was trained against.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mf.train.adapters.lora import ADAPTER_MARK, lora_config
+from mf.train.exports.chat_export import export_tokenizer, with_end_of_turn
 from mf.train.exports.folder_export import EXPORT_FOLDER
 from mf.train.settings import TrainOptions
 from mf.train.sources.model_folder import PREFIX, ModelFolder
@@ -67,20 +70,33 @@ def export_adapter(
     config.base_model_name_or_path = str(folder.path.resolve())
     config.save_pretrained(target)
     if options.merge:
-        merge_adapter(folder, target, out_dir / EXPORT_FOLDER, nf4=options.base_dtype == "nf4")
+        merge_adapter(
+            folder,
+            target,
+            out_dir / EXPORT_FOLDER,
+            nf4=options.base_dtype == "nf4",
+            chat_template=options.chat_template,
+        )
     return target
 
 
-def merge_adapter(folder: ModelFolder, adapter: Path, target: Path, nf4: bool = False) -> Path:
+def merge_adapter(
+    folder: ModelFolder,
+    adapter: Path,
+    target: Path,
+    nf4: bool = False,
+    chat_template: str | None = None,
+) -> Path:
     """The folder's model with ``adapter`` merged (peft's ``merge_and_unload``), at ``target``.
 
     ``nf4`` (a QLoRA run): merged into the bases the adapter was trained on, the
     folder's weights of its targets quantized to NF4 and dequantized
     (``mf.train.sources.nf4_bases.dequantize_targets``). Saved with the folder's
-    tokenizer. Returns ``target``.
+    tokenizer (with ``chat_template``, the run's ``--chat-template FILE``). Returns
+    ``target``.
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(
         folder.path, local_files_only=True, dtype=torch.float32
@@ -92,6 +108,8 @@ def merge_adapter(folder: ModelFolder, adapter: Path, target: Path, nf4: bool = 
 
         dequantize_targets(base, list(LoraConfig.from_pretrained(str(adapter)).target_modules))
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    tokenizer = export_tokenizer(folder.path, chat_template)
+    with_end_of_turn(merged, folder.path, tokenizer)
     merged.save_pretrained(target)
-    AutoTokenizer.from_pretrained(folder.path, local_files_only=True).save_pretrained(target)
+    tokenizer.save_pretrained(target)
     return target

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -133,11 +134,13 @@ def sample_text(
     seq_len: int,
     seed: int,
     temperature: float = 0.8,
+    stop: Collection[int] = (),
 ) -> torch.Tensor:
     """Extend ``prompt_tokens`` (1-D) by ``tokens`` sampled tokens; the same on every rank.
 
     The sampling generator is seeded and lives on the CPU, so every rank draws
     the same tokens (the model itself may be sharded: all ranks run it together).
+    A token of ``stop`` (an end of turn) ends the sequence early, itself included.
     """
     generator = torch.Generator().manual_seed(seed)
     device = prompt_tokens.device
@@ -148,5 +151,7 @@ def sample_text(
         logits = model(sequence[:, -seq_len:])[0, -1].float().cpu() / temperature
         choice = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         sequence = torch.cat([sequence, choice.to(device).view(1, 1)], dim=1)
+        if int(choice) in stop:
+            break
     model.train(was_training)
     return sequence[0]

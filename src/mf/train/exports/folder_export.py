@@ -2,9 +2,11 @@
 
 A finished ``mf-train --model PATH`` run writes ``<out-dir>/model/``: the config
 (fp32, as mf's main weights), ``model.safetensors`` from the run's last
-checkpoint, and the tokenizer, through transformers' own ``save_pretrained``, so
+checkpoint, and the tokenizer with the chat template the run rendered with,
+through transformers' own ``save_pretrained``, so
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
-load it anywhere. ``load_folder_for_sampling`` is ``mf-sample``'s way in.
+load it anywhere; its generation config stops at the template's end of turn
+(``chat_export``). ``load_folder_for_sampling`` is ``mf-sample``'s way in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mf.train.exports.chat_export import export_tokenizer, with_end_of_turn
 from mf.train.sources.model_folder import CONFIG_FILE, PREFIX, CausalLM, ModelFolder, meta_causal_lm
 
 __all__ = ["EXPORT_FOLDER", "export_folder", "load_folder_for_sampling"]
@@ -22,17 +25,18 @@ EXPORT_FOLDER = "model"
 """The transformers folder a finished run writes under its ``--out-dir``."""
 
 
-def export_folder(checkpoint: Path, out_dir: Path, folder: ModelFolder) -> Path:
+def export_folder(
+    checkpoint: Path, out_dir: Path, folder: ModelFolder, chat_template: str | None = None
+) -> Path:
     """Write the checkpoint's full model as a transformers folder ``out_dir/model``.
 
-    Runs on one process (it reads the checkpoint offline, verifying it). Returns
-    the folder.
+    ``chat_template``: the run's ``--chat-template FILE``, kept in the saved
+    tokenizer. Runs on one process (it reads the checkpoint offline, verifying
+    it). Returns the folder.
 
     Raises:
         ValueError: the checkpoint's weights are not the model's (one line).
     """
-    from transformers import AutoTokenizer
-
     from mf_fsdp import checkpoint as fsdp_checkpoint
 
     state = fsdp_checkpoint.checkpoint_to_full_state_dict(checkpoint)
@@ -47,8 +51,10 @@ def export_folder(checkpoint: Path, out_dir: Path, folder: ModelFolder) -> Path:
         )
     lm.tie_weights()  # type: ignore[operator]
     target = out_dir / EXPORT_FOLDER
+    tokenizer = export_tokenizer(folder.path, chat_template)
+    with_end_of_turn(lm, folder.path, tokenizer)
     lm.save_pretrained(target)  # type: ignore[operator]
-    AutoTokenizer.from_pretrained(folder.path, local_files_only=True).save_pretrained(target)
+    tokenizer.save_pretrained(target)
     return target
 
 

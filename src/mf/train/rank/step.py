@@ -75,7 +75,27 @@ class StepResult(NamedTuple):
     lr: float
     """The step's learning rate."""
     grad_norm: float | None
-    """The gradients' total 2-norm before the step (``--tensorboard`` only: a collective)."""
+    """The gradients' total 2-norm over all ranks before clipping (None under
+    ``--step-in-backward``, whose gradients are freed inside the backward)."""
+
+
+def _clip_gradients(model, options: TrainOptions) -> torch.Tensor | None:
+    """Clip the accumulated gradients to ``--max-grad-norm``; their norm before it.
+
+    A collective: mf-fsdp's norm is the whole model's, each gradient shard (ZeRO,
+    ``--tp``, ``--dp-outer`` replicas, experts) counted once; frozen parameters
+    (LoRA's bases) hold no gradient. With ``--max-grad-norm 0`` the norm is still
+    taken, for ``metrics.jsonl``. Under ``--step-in-backward`` (which the options
+    allow with 0 only) the gradients are already stepped and freed: None. The norm
+    stays on the device: the host reads it once the step's work is issued.
+    """
+    from mf_fsdp import clip_grad_norm_, get_grad_norm
+
+    if options.step_in_backward:
+        return None
+    if options.max_grad_norm > 0:
+        return clip_grad_norm_(model, options.max_grad_norm)
+    return get_grad_norm(model)
 
 
 def train_step(
@@ -136,11 +156,7 @@ def train_step(
             loss = mean * (_counted(targets) * replicas / total)
             loss.backward()
         losses.append(loss.detach())
-    grad_norm = None
-    if options.tensorboard and not options.step_in_backward:  # stepped: its grads are gone
-        from mf_fsdp import get_grad_norm
-
-        grad_norm = get_grad_norm(model).item()
+    grad_norm = _clip_gradients(model, options)
     for optimizer in optimizers:
         optimizer.step()
     if options.precision == "fp8":
@@ -148,7 +164,8 @@ def train_step(
     for optimizer in optimizers:
         optimizer.zero_grad()
     issued = time.perf_counter()
-    return StepResult(_mean_over(torch.stack(losses).sum(), mesh), issued, lr, grad_norm)
+    norm = None if grad_norm is None else grad_norm.item()
+    return StepResult(_mean_over(torch.stack(losses).sum(), mesh), issued, lr, norm)
 
 
 def seed_layer_drop(model, options: TrainOptions, micro_batch: int, dp_rank: int) -> None:

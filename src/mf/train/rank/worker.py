@@ -143,7 +143,9 @@ def _run(options: TrainOptions, device: torch.device, mesh: DeviceMesh) -> dict[
 
             exported = export_adapter(saved_path, Path(options.out_dir), folder, options)
         else:
-            exported = export_folder(saved_path, Path(options.out_dir), folder)
+            exported = export_folder(
+                saved_path, Path(options.out_dir), folder, options.chat_template
+            )
     return reporter.finish(sample, saved_path, exported)
 
 

@@ -139,7 +139,15 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--zero 2/3: step each bucket's parameters inside the backward as soon as their "
         "gradients are reduced (mf-fsdp's optimizer_step_in_backward), so the gradients are "
-        "never all held at once; the same losses; --optimizer adamw; no grad norm is reported",
+        "never all held at once; the same losses; --optimizer adamw; with --max-grad-norm 0 "
+        "only (no moment holds every gradient to clip), and no grad norm is reported",
+    )
+    add(
+        "--max-grad-norm",
+        type=_finite_float,
+        default=1.0,
+        help="clip the gradients' total 2-norm over all ranks to this once per step, after "
+        "the accumulation (the norm before clipping is logged as grad_norm); 0: no clipping",
     )
     add(
         "--seq-len",
@@ -306,6 +314,11 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
         raise ValueError(f"--save-every must be 0 or more, got {options.save_every}")
     if options.profile is not None:
         parse_window(options.profile, options.steps)
+    if options.max_grad_norm < 0:
+        raise ValueError(
+            f"--max-grad-norm must be 0 (no clipping) or a positive number, "
+            f"got {options.max_grad_norm}"
+        )
     if options.peak_tflops is not None and not options.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be a positive number, got {options.peak_tflops}")
     if options.nproc % options.tp != 0:
@@ -461,7 +474,8 @@ def _check_step_in_backward(options: TrainOptions) -> None:
     """Refuse a ``--step-in-backward`` run the engine cannot step inside the backward.
 
     A bucket is stepped on its reduced gradient shard, which only ZeRO-2/3 keep
-    (ZeRO-0/1 reduce whole gradients), and one bucket at a time, which only an
+    (ZeRO-0/1 reduce whole gradients), before the other buckets' gradients exist
+    (so no clipping by the total norm), and one bucket at a time, which only an
     elementwise optimizer computes as one step of all (Muon orthogonalizes
     whole matrices). Gradient accumulation is served: the micro-batches before
     the last run in ``no_sync``, and the step comes in the last one's backward.
@@ -476,6 +490,12 @@ def _check_step_in_backward(options: TrainOptions) -> None:
             f"--step-in-backward with --optimizer {options.optimizer}: each bucket is stepped "
             "on its own, which only an elementwise optimizer computes as one step of all; "
             "use --optimizer adamw"
+        )
+    if options.max_grad_norm != 0:
+        raise ValueError(
+            f"--step-in-backward with --max-grad-norm {options.max_grad_norm}: each bucket is "
+            "stepped inside the backward, before the gradients' total norm is known, so none "
+            "can be clipped; pass --max-grad-norm 0 (clipping is on by default)"
         )
 
 

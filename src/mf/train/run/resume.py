@@ -55,6 +55,7 @@ RESULT_SETTINGS = (
     "chat_template",
     "train_on_prompt",
     "no_pack",
+    "max_grad_norm",
 )
 """Options that decide a run's batches or results: saved with every checkpoint, and a
 ``--resume`` must repeat them (or pass ``--allow-changed-settings``)."""
