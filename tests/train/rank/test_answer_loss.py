@@ -5,7 +5,8 @@ row (the default), so every rank and micro-batch holds another count of answer
 tokens, train on a tiny ChatML folder
 with plain SGD (its steps follow the gradient's scale and weighting, where Adam's
 first steps would hide them) at world 2 under ZeRO-3 with ``--grad-accum 2``,
-ZeRO-0 with ``--grad-accum 2``, and HSDP (``--dp-outer 2``). Each must equal one
+ZeRO-0 with ``--grad-accum 2``, ZeRO-1, ZeRO-2 with ``--grad-accum 2``, and HSDP
+(``--dp-outer 2``). Each must equal one
 process running transformers' own model on the global batch of four sequences,
 its loss the mean over all their answer tokens: the losses of 4 steps to 1e-5
 and the exported weights to 1e-5. The reference gives transformers the rows'
@@ -46,6 +47,8 @@ _COMMON += ["--max-grad-norm", "0.5"]
 _VARIANTS = {
     "accum2": ["--zero", "3", "--grad-accum", "2", "--micro-batch", "1"],
     "zero0": ["--zero", "0", "--grad-accum", "2", "--micro-batch", "1"],
+    "zero1": ["--zero", "1", "--micro-batch", "2"],
+    "zero2": ["--zero", "2", "--grad-accum", "2", "--micro-batch", "1"],
     "hsdp": ["--zero", "3", "--dp-outer", "2", "--micro-batch", "2"],
 }
 
